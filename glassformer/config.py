@@ -1,0 +1,237 @@
+"""ModelConfig: one dataclass that describes every model in the house.
+
+Each mechanism of the tutorials (seed 000 §3-§5) is a named choice here: the position kind,
+the norm and where it sits, the FFN kind, the number of key/value heads. The config validates
+itself, round-trips to JSON and has named presets that need no weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("gpt", "bert", "seq2seq", "rnn")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+NORMS = ("layer", "rms")
+NORM_POSITIONS = ("pre", "post")
+FFNS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "moe")
+DENSE_FFNS = tuple(f for f in FFNS if f != "moe")
+ATTENTION_BACKENDS = ("sdpa", "eager")
+ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field, the value and the fix."""
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not known: pick one of {', '.join(allowed)}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and component names of one model. Derived sizes are filled in __post_init__."""
+
+    family: str = "gpt"
+    vocab_size: int = 256
+    d_model: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    n_kv_heads: int | None = None  # None: same as n_heads (MHA); 1: MQA; in between: GQA
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4 * d_model, or about 8/3 * d_model for gated FFNs
+    max_seq_len: int = 256
+
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"type": "yarn", "factor": 4.0, ...}
+    norm: str = "layer"
+    norm_position: str = "pre"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    ffn: str = "gelu"
+
+    # Mixture of Experts (seed 000 §2.5.3): used when ffn == "moe"
+    n_experts: int = 8
+    n_experts_per_token: int = 2
+    moe_expert_ffn: str = "swiglu"
+    moe_aux_loss_coef: float = 0.01
+
+    bias: bool = False  # biases on the linear layers
+    qkv_bias: bool | None = None  # None: follows `bias` (Qwen2 sets it alone)
+    tie_embeddings: bool = True
+    sliding_window: int | None = None
+    attention_backend: str = "sdpa"
+    dropout: float = 0.0
+    init_std: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("family", self.family, FAMILIES)
+        _choice("position", self.position, POSITIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _choice("ffn", self.ffn, FFNS)
+        _choice("moe_expert_ffn", self.moe_expert_ffn, DENSE_FFNS)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                good = [h for h in _divisors(self.d_model) if h <= 64]
+                raise ConfigError(
+                    f"n_heads={self.n_heads} does not divide d_model={self.d_model}: pick n_heads"
+                    f" in {{{', '.join(map(str, good))}}} or set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: pick"
+                f" n_kv_heads in {{{', '.join(map(str, _divisors(self.n_heads)))}}}"
+                " (1 = MQA, n_heads = MHA)"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"RoPE rotates pairs of dims: head_dim={self.head_dim} must be even")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.d_ff is None:
+            self.d_ff = self.default_d_ff()
+        if self.ffn == "moe" and not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ConfigError(
+                f"n_experts_per_token={self.n_experts_per_token} must be in 1..n_experts="
+                f"{self.n_experts}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type")
+            _choice("rope_scaling['type']", kind, ROPE_SCALINGS)
+            if float(self.rope_scaling.get("factor", 0)) <= 0:
+                raise ConfigError(
+                    f"rope_scaling factor={self.rope_scaling.get('factor')!r} must be > 0"
+                )
+
+    def default_d_ff(self) -> int:
+        ffn = self.moe_expert_ffn if self.ffn == "moe" else self.ffn
+        if ffn in ("swiglu", "geglu"):
+            # A gated FFN has three matrices; 8/3 * d keeps the parameter count of a 4*d MLP.
+            return 64 * math.ceil(8 * self.d_model / 3 / 64)
+        return 4 * self.d_model
+
+    @property
+    def causal(self) -> bool:
+        """Decoders look only backwards; BERT-style encoders see both directions."""
+        return self.family in ("gpt", "rnn")
+
+    @property
+    def n_query_groups(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    # --- serialization -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown ModelConfig field(s) {unknown}: known fields are {sorted(known)}"
+            )
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no model config at {path}") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON ({err}): re-save the checkpoint") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed; derived sizes are recomputed unless given."""
+        data = self.to_dict()
+        for derived in ("n_kv_heads", "head_dim", "d_ff"):
+            if derived not in changes and _was_derived(self, derived):
+                data[derived] = None
+        data.update(changes)
+        return ModelConfig.from_dict(data)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}: pick one of {', '.join(sorted(PRESETS))}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+def _was_derived(cfg: ModelConfig, name: str) -> bool:
+    if name == "n_kv_heads":
+        return cfg.n_kv_heads == cfg.n_heads
+    if name == "head_dim":
+        return cfg.head_dim == cfg.d_model // cfg.n_heads
+    return cfg.d_ff == cfg.default_d_ff()
+
+
+_LLAMA = dict(position="rope", norm="rms", ffn="swiglu", bias=False, norm_bias=False)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # nanoGPT's "baby GPT" on characters (the train_throughput benchmark shape)
+    "baby-gpt": dict(
+        vocab_size=65, d_model=384, n_layers=6, n_heads=6, max_seq_len=256,
+        position="learned", norm="layer", ffn="gelu", bias=True, tie_embeddings=True,
+    ),
+    # the demo model: small enough to learn Shakespeare's characters in minutes on 2 cores
+    "tiny-shakespeare": dict(
+        vocab_size=65, d_model=192, n_layers=4, n_heads=6, max_seq_len=128,
+        **_LLAMA, tie_embeddings=True,
+    ),
+    "gpt2-124m": dict(
+        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024,
+        position="learned", norm="layer", ffn="gelu_tanh", bias=True, tie_embeddings=True,
+    ),
+    "llama-7b": dict(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=4096,
+        **_LLAMA, tie_embeddings=False, norm_eps=1e-6,
+    ),
+    "llama-2-70b": dict(
+        vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
+        max_seq_len=4096, **_LLAMA, tie_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+        max_seq_len=8192, rope_theta=100000.0, **_LLAMA, tie_embeddings=True,
+    ),
+    "mixtral-8x7b": dict(
+        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+        max_seq_len=32768, rope_theta=1e6, position="rope", norm="rms", ffn="moe",
+        n_experts=8, n_experts_per_token=2, moe_expert_ffn="swiglu", bias=False,
+        norm_bias=False, tie_embeddings=False,
+    ),
+}  # fmt: skip

@@ -1,0 +1,23 @@
+"""Model families built from the one parts library: GPT today; BERT, seq2seq and RNN build on it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from glassformer.config import ConfigError, ModelConfig
+from glassformer.models.gpt import GPT, LossOutput
+
+FAMILY_CLASSES: dict[str, type[nn.Module]] = {"gpt": GPT}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """A randomly initialized model of the config's family."""
+    if cfg.family not in FAMILY_CLASSES:
+        raise ConfigError(
+            f"family={cfg.family!r} cannot be built yet: buildable families are "
+            f"{', '.join(FAMILY_CLASSES)}"
+        )
+    return FAMILY_CLASSES[cfg.family](cfg)
+
+
+__all__ = ["FAMILY_CLASSES", "GPT", "LossOutput", "build_model"]

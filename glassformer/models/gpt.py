@@ -1,0 +1,217 @@
+"""GPT: the decoder-only Transformer (seed 000 §6.2; the Block of §5.4 stacked N times).
+
+Shapes: B batch, T time, C channels (d_model), V vocab.
+
+token ids -> embedding (+ absolute positions) -> N x Block -> final norm -> lm_head -> logits.
+The same class is GPT-2, Llama, Mistral or Qwen2 depending on the config's component names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassformer.config import ModelConfig
+from glassformer.nn.attention import AttentionMask, build_allowed
+from glassformer.nn.block import Block
+from glassformer.nn.ffn import MoE
+from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.norm import make_norm
+from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_bias, alibi_slopes
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # what to backpropagate: cross-entropy + aux_loss_coef * aux_loss
+    ce_loss: Tensor  # next-token cross-entropy averaged over target positions
+    aux_loss: Tensor  # MoE load-balancing loss summed over layers (0 for dense models)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = (
+            AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.d_model)
+            if cfg.position in ("learned", "sinusoidal")
+            else None
+        )
+        self.rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        if cfg.position == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # Pre-norm stacks leave the residual stream unnormalized: one last norm before the head.
+        self.final_norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the residual stream by 1/sqrt(2N),
+        # so the stream's variance does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "fc_out.weight", "down.weight")):
+                nn.init.normal_(param, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) or (
+            isinstance(module, AbsolutePositions) and module.kind == "learned"
+        ):
+            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+
+    # --- caches and masks ---------------------------------------------------------------------
+
+    def new_cache(
+        self, batch_size: int = 1, max_seq_len: int | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """An empty preallocated KV cache for generation."""
+        param = self.tok_emb.weight
+        return KVCache(
+            self.cfg.n_layers,
+            batch_size,
+            self.cfg.n_kv_heads,
+            max_seq_len or self.cfg.max_seq_len,
+            self.cfg.head_dim,
+            dtype=dtype or param.dtype,
+            device=param.device,
+        )
+
+    def _attention_mask(
+        self,
+        n_queries: int,
+        n_keys: int,
+        padding_mask: Tensor | None,
+        document_ids: Tensor | None,
+        device: torch.device,
+    ) -> AttentionMask:
+        cfg = self.cfg
+        bias = None
+        if cfg.position == "alibi":
+            q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[None]  # (1, Tq)
+            k_index = torch.arange(n_keys, device=device)[None]  # (1, Tk)
+            bias = alibi_bias(self.alibi_slopes, q_index, k_index)  # (1, H, Tq, Tk)
+        plain = padding_mask is None and document_ids is None and cfg.sliding_window is None
+        if plain and (not cfg.causal or n_queries == 1):
+            return AttentionMask(bias=bias)  # every key is visible
+        if plain and n_queries == n_keys:
+            return AttentionMask(bias=bias, is_causal=True)  # SDPA's own lower triangle
+        allowed = build_allowed(
+            n_queries,
+            n_keys,
+            causal=cfg.causal,
+            sliding_window=cfg.sliding_window,
+            key_padding=padding_mask,
+            document_ids=document_ids,
+            device=device,
+        )
+        return AttentionMask(allowed=allowed, bias=bias)
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """(B, T) ids -> (B, T, C) final hidden states (after the final norm)."""
+        cfg = self.cfg
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        check_token_ids(input_ids, cfg.vocab_size)
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device)[None]
+            position_ids = position_ids.expand(B, T)  # (B, T)
+        if self.pos_emb is not None and start + T > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + T} tokens is longer than max_seq_len={cfg.max_seq_len}, "
+                f"the most positions a model with {cfg.position} positions knows: shorten the "
+                "input or use position='rope'/'alibi'"
+            )
+
+        x = self.tok_emb(input_ids)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(position_ids)
+        x = self.drop(x)
+        rope = self.rope(position_ids) if self.rope is not None else None
+        mask = self._attention_mask(T, start + T, padding_mask, document_ids, x.device)
+        for block in self.blocks:
+            x = block(x, mask, rope, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.final_norm(x)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        cache: KVCache | None = None,
+        last_token_only: bool = False,
+    ) -> Tensor:
+        """(B, T) token ids -> (B, T, V) next-token logits ((B, 1, V) with last_token_only).
+
+        cache: a KVCache from new_cache(); the input continues where the cache ends.
+        padding_mask: bool (B, cached + T), True for real tokens.
+        document_ids: (B, cached + T) ids of packed documents, like padding_mask; attention
+            stays inside each document.
+        """
+        x = self.hidden_states(
+            input_ids,
+            position_ids=position_ids,
+            padding_mask=padding_mask,
+            document_ids=document_ids,
+            cache=cache,
+        )
+        if last_token_only:
+            x = x[:, -1:]  # prefill needs only the last position's distribution
+        return self.lm_head(x)
+
+    def loss(self, input_ids: Tensor, targets: Tensor, **kwargs) -> LossOutput:
+        """Teacher forcing (seed 000 §2.2): every position predicts its next token at once.
+
+        targets: (B, T) ids, -100 where no loss is wanted (padding, document boundaries)."""
+        logits = self(input_ids, **kwargs)  # (B, T, V)
+        ce = F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
+        )
+        aux = self.moe_aux_loss()
+        return LossOutput(loss=ce + self.cfg.moe_aux_loss_coef * aux, ce_loss=ce, aux_loss=aux)
+
+    def moe_aux_loss(self) -> Tensor:
+        """The load-balancing losses of the last forward pass, summed over MoE layers."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE)]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+
+def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
+    """A clear error for ids the embedding table does not have (instead of an index error)."""
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: give at least one token")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size}): encode the text with "
+            "the tokenizer saved with this model"
+        )

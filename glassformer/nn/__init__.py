@@ -1,0 +1,46 @@
+"""The parts library: attention, positions, norms, FFN/MoE, blocks and the KV cache."""
+
+from glassformer.nn.attention import (
+    Attention,
+    AttentionMask,
+    build_allowed,
+    eager_attention,
+    sdpa_attention,
+)
+from glassformer.nn.block import Block
+from glassformer.nn.ffn import MLP, GatedMLP, MoE, make_ffn
+from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.norm import LayerNorm, RMSNorm, make_norm
+from glassformer.nn.position import (
+    AbsolutePositions,
+    RotaryEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    rope_inv_freq,
+    sinusoidal_table,
+)
+
+__all__ = [
+    "MLP",
+    "AbsolutePositions",
+    "Attention",
+    "AttentionMask",
+    "Block",
+    "GatedMLP",
+    "KVCache",
+    "LayerNorm",
+    "MoE",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "build_allowed",
+    "eager_attention",
+    "make_ffn",
+    "make_norm",
+    "rope_inv_freq",
+    "sdpa_attention",
+    "sinusoidal_table",
+]

