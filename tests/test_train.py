@@ -137,3 +137,28 @@ def test_tiny_model_learns_the_installed_corpus(tmp_path):
     result = Trainer(run, progress=False).fit()
     assert result.unigram_entropy == pytest.approx(3.3, abs=0.1)  # ~83 characters
     assert result.val_loss < 2.3, result.val_loss
+
+
+def test_packed_bpe_run_starts_at_log_vocab_and_learns(tmp_path, small_corpus):
+    """Packing paragraphs with a trained byte-level BPE: at initialization the loss is about
+    ln(V) (near-uniform predictions), and it falls from there."""
+    run = RunConfig.from_dict(
+        {
+            "model": dict(TINY_MODEL, max_seq_len=64),
+            "data": {
+                "corpus": small_corpus, "tokenizer": "bpe", "bpe_vocab_size": 300,
+                "documents": "paragraph", "chunking": "pack",
+            },
+            "train": {
+                "out_dir": str(tmp_path / "run"), "max_steps": 40, "batch_size": 8,
+                "warmup_steps": 5, "learning_rate": 3e-3, "eval_interval": 40,
+                "eval_batches": 2, "checkpoint_interval": 40,
+            },
+        }
+    )  # fmt: skip
+    trainer = Trainer(run, progress=False)
+    assert trainer.train_examples.document_ids is not None  # packed, with document masks
+    result = trainer.fit()
+    vocab = trainer.tokenizer.vocab_size
+    assert result.train_losses[0] == pytest.approx(math.log(vocab), abs=0.15)
+    assert result.train_losses[-1] < result.train_losses[0] - 1.0
