@@ -109,7 +109,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     print("\nparameters by component:")
     for name, count in sorted(table.items(), key=lambda kv: -kv[1]):
         per_layer = ""
-        if name in ("attention", "ffn", "norms", "moe router"):
+        if name in ("attention", "ffn", "moe router"):
             per_layer = f"  ({count // cfg.n_layers:,} per layer)"
         print(f"  {name:<12} {count:>14,}  {100 * count / total:5.1f}%{per_layer}")
     print(f"  {'total':<12} {total:>14,}")
