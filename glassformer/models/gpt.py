@@ -130,12 +130,13 @@ class GPT(nn.Module):
         cfg = self.cfg
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         start = cache.length if cache is not None else 0
         check_token_ids(input_ids, cfg.vocab_size)
         if position_ids is None:
+            # (1, T): broadcasts over the batch, and the position table's gradient gathers
+            # T rows instead of B*T.
             position_ids = torch.arange(start, start + T, device=input_ids.device)[None]
-            position_ids = position_ids.expand(B, T)  # (B, T)
         if self.pos_emb is not None and start + T > cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {start + T} tokens is longer than max_seq_len={cfg.max_seq_len}, "
