@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m glassformer train --config configs/shakespeare-char.toml
 	$(PY) -m glassformer generate --model out/shakespeare-char --threads 2 \
-		--max-new-tokens 120 --temperature 0.8 --top-k 40 --seed 0 --stats "ROMEO:"
+		--max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 0 --stats "ROMEO:"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -63,6 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
         eos_token_id=tokenizer.eos_token_id,
+        on_full_context=args.on_full_context,
     )
     decoder = IncrementalDecoder(tokenizer)
     sys.stdout.write(args.prompt)
@@ -70,6 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.write(decoder.push(token_id))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
     if args.stats:
         print_stats(stream.stats)
 
@@ -80,7 +82,8 @@ def print_stats(stats) -> None:
         f"stop: {stats.stop_reason}] time to first token {stats.time_to_first_token_s * 1e3:.1f}"
         f" ms | decode {stats.decode_tokens_per_s:.1f} tok/s | prefill "
         f"{stats.prefill_tokens_per_s:.0f} tok/s | KV cache {stats.kv_cache_bytes / 1024:.1f} KiB"
-        f" in use of {stats.kv_cache_capacity_bytes / 1024:.1f} KiB allocated",
+        f" in use of {stats.kv_cache_capacity_bytes / 1024:.1f} KiB allocated"
+        + (f" | context shifted {stats.context_shifts}x" if stats.context_shifts else ""),
         file=sys.stderr,
     )
 
@@ -177,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample from the smallest set of tokens whose probability is >= p",
     )
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument(
+        "--on-full-context",
+        choices=("shift", "stop"),
+        default="shift",
+        help="when the context window fills up: keep its second half and go on (shift, the "
+        "default), or stop",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--stats",

@@ -131,3 +131,24 @@ def test_cache_is_reused_and_reset_between_generations():
 def test_bad_input_gives_a_clear_error(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):
         gf.Engine(tiny_model()).generate(prompt, **kwargs)
+
+
+def test_shift_on_full_context_equals_recomputing_the_kept_window():
+    """With on_full_context="shift", a full window keeps its second half; the reference
+    recomputes the logits of that window from scratch at every step."""
+    model = tiny_model(position="learned")  # absolute positions: the window must restart at 0
+    L, keep = model.cfg.max_seq_len, model.cfg.max_seq_len // 2
+    prompt = [i % 37 for i in range(40)]
+    result = gf.Engine(model).generate(
+        prompt, max_new_tokens=60, temperature=0.0, on_full_context="shift"
+    )
+    context, expected = list(prompt), []
+    with torch.no_grad():
+        for _ in range(60):
+            token = int(model(torch.tensor([context]))[0, -1].argmax())
+            expected.append(token)
+            if len(context) == L:  # feeding one more would overflow: cut to the second half
+                context = context[len(context) - keep + 1 :]
+            context.append(token)
+    assert result.token_ids == expected
+    assert result.stats.context_shifts >= 2 and result.stats.stop_reason == "max_new_tokens"

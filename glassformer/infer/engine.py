@@ -28,6 +28,7 @@ class GenerationStats:
     kv_cache_bytes: int = 0  # bytes of keys/values held for the final context
     kv_cache_capacity_bytes: int = 0  # bytes allocated for the whole cache
     stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
+    context_shifts: int = 0  # times a full context window was cut to its second half
 
 
 @dataclass
@@ -92,10 +93,18 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | None = None,
+        on_full_context: str = "stop",
     ) -> TokenStream:
-        """Yield new token ids one by one as they are sampled."""
+        """Yield new token ids one by one as they are sampled.
+
+        on_full_context: what to do when prompt + generated tokens fill max_seq_len: "stop",
+        or "shift" (keep the window's second half as context and go on)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if on_full_context not in ("stop", "shift"):
+            raise ValueError(
+                f"on_full_context={on_full_context!r} is not known: pick 'stop' or 'shift'"
+            )
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt = self._prompt_tensor(prompt_ids)
         if eos_token_id is None:
@@ -104,7 +113,9 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=prompt.device).manual_seed(seed)
         stats = GenerationStats(prompt_tokens=prompt.shape[1])
-        tokens = self._generate(prompt, max_new_tokens, params, generator, eos_token_id, stats)
+        tokens = self._generate(
+            prompt, max_new_tokens, params, generator, eos_token_id, on_full_context, stats
+        )
         return TokenStream(tokens, stats)
 
     def _generate(
@@ -114,6 +125,7 @@ class Engine:
         params: SamplingParams,
         generator: torch.Generator | None,
         eos_token_id: int | None,
+        on_full_context: str,
         stats: GenerationStats,
     ) -> Iterator[int]:
         capacity = min(self.max_seq_len, prompt.shape[1] + max_new_tokens)
@@ -129,6 +141,7 @@ class Engine:
             stats.prefill_tokens_per_s = prompt.shape[1] / stats.time_to_first_token_s
             stats.total_time_s = stats.time_to_first_token_s
             stats.stop_reason = "max_new_tokens"
+            context = prompt[0].tolist()  # the tokens whose keys/values the cache holds
             while True:
                 stats.generated_tokens += 1
                 stats.kv_cache_bytes = cache.filled_bytes
@@ -138,10 +151,21 @@ class Engine:
                     break
                 if stats.generated_tokens >= max_new_tokens:
                     break
-                if cache.length >= cache.max_seq_len:
+                context.append(token_id)
+                if cache.length < cache.max_seq_len:
+                    logits = self.model(token[:, None], cache=cache, last_token_only=True)
+                elif on_full_context == "shift":
+                    # The window is full: keep its second half and prefill it again, so the
+                    # model keeps seeing positions it was trained on (nanoGPT crops likewise).
+                    del context[: len(context) - self.max_seq_len // 2]
+                    cache.reset()
+                    stats.context_shifts += 1
+                    window = torch.tensor([context], device=prompt.device)
+                    logits = self.model(window, cache=cache, last_token_only=True)
+                else:
                     stats.stop_reason = "context_full"
                     break
-                logits = self.model(token[:, None], cache=cache, last_token_only=True)[:, -1]
+                logits = logits[:, -1]  # (1, V)
                 token = sample(logits, params, generator)
                 token_id = int(token)
                 now = time.perf_counter()
@@ -157,10 +181,18 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | None = None,
+        on_full_context: str = "stop",
     ) -> GenerationResult:
         """Generate up to max_new_tokens; temperature 0 means greedy."""
         stream = self.stream(
-            prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id
+            prompt_ids,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            eos_token_id,
+            on_full_context,
         )
         token_ids = list(stream)
         return GenerationResult(token_ids=token_ids, stats=stream.stats)
