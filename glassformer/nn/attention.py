@@ -156,14 +156,14 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)  # the √d_k of §3.3
         self.dropout = cfg.dropout
         self.backend = cfg.attention_backend
-        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        qkv_bias = cfg.has_bias("qkv")
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         if cross:
             self.q_proj = nn.Linear(cfg.d_model, q_size, bias=qkv_bias)
             self.kv_proj = nn.Linear(cfg.d_model, 2 * kv_size, bias=qkv_bias)
         else:
             self.qkv_proj = nn.Linear(cfg.d_model, q_size + 2 * kv_size, bias=qkv_bias)
-        self.out_proj = nn.Linear(q_size, cfg.d_model, bias=cfg.bias)
+        self.out_proj = nn.Linear(q_size, cfg.d_model, bias=cfg.has_bias("attn_out"))
         # Set by glassformer.inspect to record this layer's weights; None on the fast path.
         self.weights_sink: list[Tensor] | None = None
 

@@ -75,7 +75,7 @@ class MoE(nn.Module):
         self.top_k = cfg.n_experts_per_token
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(
-            make_dense_ffn(cfg.moe_expert_ffn, cfg.d_model, cfg.d_ff, cfg.bias)
+            make_dense_ffn(cfg.moe_expert_ffn, cfg.d_model, cfg.d_ff, cfg.has_bias("mlp"))
             for _ in range(cfg.n_experts)
         )
         self.aux_loss: Tensor = torch.zeros(())
@@ -104,4 +104,4 @@ class MoE(nn.Module):
 def make_ffn(cfg: ModelConfig) -> nn.Module:
     if cfg.ffn == "moe":
         return MoE(cfg)
-    return make_dense_ffn(cfg.ffn, cfg.d_model, cfg.d_ff, cfg.bias)
+    return make_dense_ffn(cfg.ffn, cfg.d_model, cfg.d_ff, cfg.has_bias("mlp"))

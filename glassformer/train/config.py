@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glassformer.config import PRESETS, ConfigError, ModelConfig
+from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice
 
 CHUNKINGS = ("sliding", "truncate", "pack")
 TOKENIZERS = ("char", "bpe")
@@ -29,9 +29,9 @@ class DataConfig:
     val_fraction: float = 0.1  # the last part of every document is held out
 
     def __post_init__(self) -> None:
-        _check_choice("data.chunking", self.chunking, CHUNKINGS)
-        _check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
-        _check_choice("data.documents", self.documents, ("play", "paragraph"))
+        check_choice("data.chunking", self.chunking, CHUNKINGS)
+        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check_choice("data.documents", self.documents, ("play", "paragraph"))
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
 
@@ -59,7 +59,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads; None keeps torch's default
 
     def __post_init__(self) -> None:
-        _check_choice("train.dtype", self.dtype, DTYPES)
+        check_choice("train.dtype", self.dtype, DTYPES)
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
@@ -97,11 +97,6 @@ class RunConfig:
             data=_build(DataConfig, raw.get("data", {}), "data"),
             train=_build(TrainConfig, raw.get("train", {}), "train"),
         )
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not known: pick one of {', '.join(allowed)}")
 
 
 def _build(cls: type, values: dict[str, Any], section: str):

