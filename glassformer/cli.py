@@ -41,10 +41,9 @@ def cmd_train(args: argparse.Namespace) -> None:
 # --- generate ---------------------------------------------------------------------------------
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from glassformer.infer.engine import Engine
+def _load_with_tokenizer(args: argparse.Namespace, why: str):
+    """Set threads, then load --model with its tokenizer (which text commands need)."""
     from glassformer.interop.pretrained import from_pretrained
-    from glassformer.tokenizers import IncrementalDecoder
 
     if args.threads:
         import torch
@@ -52,7 +51,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = from_pretrained(args.model)
     if tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer.json: generate needs one to encode text")
+        raise ValueError(f"{args.model} has no tokenizer.json: {why}")
+    return model, tokenizer
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from glassformer.infer.engine import Engine
+    from glassformer.tokenizers import IncrementalDecoder
+
+    model, tokenizer = _load_with_tokenizer(args, "generate needs one to encode text")
     prompt_ids = tokenizer.encode(args.prompt)
     engine = Engine(model)
     stream = engine.stream(
@@ -192,15 +199,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     from glassformer.chat import ChatSession, SamplingOptions, run_chat
     from glassformer.infer.engine import Engine
-    from glassformer.interop.pretrained import from_pretrained
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model, tokenizer = from_pretrained(args.model)
-    if tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer: chat needs one with a chat template")
+    model, tokenizer = _load_with_tokenizer(args, "chat needs one with a chat template")
     sampling = SamplingOptions(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -212,6 +212,32 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 # --- parser -----------------------------------------------------------------------------------
+
+
+def _add_sampling_flags(
+    p: argparse.ArgumentParser, max_new_tokens: int, temperature: float
+) -> None:
+    """The flags shared by generate and chat: how many tokens, how to sample, threads."""
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=max_new_tokens,
+        help=f"most tokens to generate (default {max_new_tokens})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=temperature,
+        help=f"divide logits by this before sampling; 0 = greedy (default {temperature})",
+    )
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        help="sample from the smallest set of tokens whose probability is >= p",
+    )
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,20 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory (a run's out_dir), alias (smollm2), Hugging Face folder or "
         ".gguf file",
     )
-    p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="default 200")
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="divide logits by this before sampling; 0 = greedy (default 0.8)",
-    )
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    p.add_argument(
-        "--top-p",
-        type=float,
-        help="sample from the smallest set of tokens whose probability is >= p",
-    )
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    _add_sampling_flags(p, max_new_tokens=200, temperature=0.8)
     p.add_argument(
         "--on-full-context",
         choices=("shift", "stop"),
@@ -277,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the context window fills up: keep its second half and go on (shift, the "
         "default), or stop",
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--stats",
         action="store_true",
@@ -308,21 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="alias (smollm2), Hugging Face folder or .gguf file"
     )
     p.add_argument("--system", help="a system message that opens the conversation")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=512, help="per reply (512)")
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.7,
-        help="divide logits by this before sampling; 0 = greedy (default 0.7)",
-    )
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    p.add_argument(
-        "--top-p",
-        type=float,
-        help="sample from the smallest set of tokens whose probability is >= p",
-    )
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    _add_sampling_flags(p, max_new_tokens=512, temperature=0.7)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser(

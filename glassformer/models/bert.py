@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.models.gpt import LossOutput, check_token_ids
-from glassformer.nn.attention import AttentionMask, build_allowed
+from glassformer.models.gpt import LossOutput, check_token_ids, init_weights
+from glassformer.nn.attention import AttentionMask, model_mask
 from glassformer.nn.block import Block
-from glassformer.nn.ffn import ACTIVATIONS, MoE
+from glassformer.nn.ffn import ACTIVATIONS, moe_aux_loss
 from glassformer.nn.norm import make_norm
-from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_bias, alibi_slopes
+from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
 
 
 class Pooler(nn.Module):
@@ -80,26 +80,13 @@ class BERT(nn.Module):
             self.mlm_head.decoder.weight = self.tok_emb.weight
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding) or (
-            isinstance(module, AbsolutePositions) and module.kind == "learned"
-        ):
-            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+        init_weights(module, self.cfg.init_std)
 
     # --- masks --------------------------------------------------------------------------------
 
     def _attention_mask(
         self, batch_size: int, n_tokens: int, padding_mask: Tensor | None, device: torch.device
     ) -> AttentionMask:
-        bias = None
-        if self.cfg.position == "alibi":
-            index = torch.arange(n_tokens, device=device)[None]  # (1, T)
-            bias = alibi_bias(self.alibi_slopes, index, index)  # (1, H, T, T)
-        if padding_mask is None and self.cfg.sliding_window is None:
-            return AttentionMask(bias=bias)  # every token sees every token
         if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, n_tokens):
             raise ValueError(
                 f"padding_mask has shape {tuple(padding_mask.shape)}, input_ids "
@@ -107,15 +94,15 @@ class BERT(nn.Module):
             )
         # Only keys are masked: a pad query still looks at the real tokens (as in transformers),
         # and its output is never used.
-        allowed = build_allowed(
+        return model_mask(
             n_tokens,
             n_tokens,
             causal=False,
             sliding_window=self.cfg.sliding_window,
-            key_padding=padding_mask,
+            padding_mask=padding_mask,
+            alibi_slopes=getattr(self, "alibi_slopes", None),
             device=device,
         )
-        return AttentionMask(allowed=allowed, bias=bias)
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -225,8 +212,7 @@ class BERT(nn.Module):
 
     def moe_aux_loss(self) -> Tensor:
         """The load-balancing losses of the last forward pass, summed over MoE layers."""
-        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE)]
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        return moe_aux_loss(self)
 
     @property
     def device(self) -> torch.device:

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.nn.attention import AttentionMask, build_allowed
+from glassformer.nn.attention import AttentionMask, model_mask
 from glassformer.nn.block import Block
-from glassformer.nn.ffn import MoE
+from glassformer.nn.ffn import moe_aux_loss
 from glassformer.nn.kv_cache import KVCache
 from glassformer.nn.norm import make_norm
-from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_bias, alibi_slopes
+from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
 
 
 @dataclass
@@ -59,14 +59,7 @@ class GPT(nn.Module):
                 nn.init.normal_(param, 0.0, cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding) or (
-            isinstance(module, AbsolutePositions) and module.kind == "learned"
-        ):
-            nn.init.normal_(module.weight, 0.0, self.cfg.init_std)
+        init_weights(module, self.cfg.init_std)
 
     # --- caches and masks ---------------------------------------------------------------------
 
@@ -93,27 +86,16 @@ class GPT(nn.Module):
         document_ids: Tensor | None,
         device: torch.device,
     ) -> AttentionMask:
-        cfg = self.cfg
-        bias = None
-        if cfg.position == "alibi":
-            q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[None]  # (1, Tq)
-            k_index = torch.arange(n_keys, device=device)[None]  # (1, Tk)
-            bias = alibi_bias(self.alibi_slopes, q_index, k_index)  # (1, H, Tq, Tk)
-        plain = padding_mask is None and document_ids is None and cfg.sliding_window is None
-        if plain and (not cfg.causal or n_queries == 1):
-            return AttentionMask(bias=bias)  # every key is visible
-        if plain and n_queries == n_keys:
-            return AttentionMask(bias=bias, is_causal=True)  # SDPA's own lower triangle
-        allowed = build_allowed(
+        return model_mask(
             n_queries,
             n_keys,
-            causal=cfg.causal,
-            sliding_window=cfg.sliding_window,
-            key_padding=padding_mask,
+            causal=self.cfg.causal,
+            sliding_window=self.cfg.sliding_window,
+            padding_mask=padding_mask,
             document_ids=document_ids,
+            alibi_slopes=getattr(self, "alibi_slopes", None),
             device=device,
         )
-        return AttentionMask(allowed=allowed, bias=bias)
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -197,12 +179,23 @@ class GPT(nn.Module):
 
     def moe_aux_loss(self) -> Tensor:
         """The load-balancing losses of the last forward pass, summed over MoE layers."""
-        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE)]
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+        return moe_aux_loss(self)
 
     @property
     def device(self) -> torch.device:
         return self.tok_emb.weight.device
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """N(0, std) for matrices and embedding tables, zeros for biases (GPT-2 / BERT init)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding) or (
+        isinstance(module, AbsolutePositions) and module.kind == "learned"
+    ):
+        nn.init.normal_(module.weight, 0.0, std)
 
 
 def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:

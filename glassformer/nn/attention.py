@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.nn.kv_cache import KVCache
-from glassformer.nn.position import apply_rope
+from glassformer.nn.position import alibi_bias, apply_rope
 
 # --- masks ------------------------------------------------------------------------------------
 
@@ -82,6 +82,44 @@ def build_allowed(
     # A query that may see nothing (a padding position) would softmax over all -inf: NaN.
     # Let such rows see everything instead; their outputs are padding and never used.
     return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+def model_mask(
+    n_queries: int,
+    n_keys: int,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    device: torch.device | None = None,
+) -> AttentionMask:
+    """The AttentionMask a model passes to all its layers for one forward pass.
+
+    Plain cases stay cheap: nothing to mask (bidirectional, or one decode step), or the square
+    causal triangle that SDPA applies by itself. ALiBi adds its distance bias on top.
+    """
+    bias = None
+    if alibi_slopes is not None:
+        q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[None]  # (1, Tq)
+        k_index = torch.arange(n_keys, device=device)[None]  # (1, Tk)
+        bias = alibi_bias(alibi_slopes, q_index, k_index)  # (1, H, Tq, Tk)
+    plain = padding_mask is None and document_ids is None and sliding_window is None
+    if plain and (not causal or n_queries == 1):
+        return AttentionMask(bias=bias)  # every key is visible
+    if plain and n_queries == n_keys:
+        return AttentionMask(bias=bias, is_causal=True)  # SDPA's own lower triangle
+    allowed = build_allowed(
+        n_queries,
+        n_keys,
+        causal=causal,
+        sliding_window=sliding_window,
+        key_padding=padding_mask,
+        document_ids=document_ids,
+        device=device,
+    )
+    return AttentionMask(allowed=allowed, bias=bias)
 
 
 # --- the two attention paths ----------------------------------------------------------------

@@ -105,3 +105,12 @@ def make_ffn(cfg: ModelConfig) -> nn.Module:
     if cfg.ffn == "moe":
         return MoE(cfg)
     return make_dense_ffn(cfg.ffn, cfg.d_model, cfg.d_ff, cfg.has_bias("mlp"))
+
+
+def moe_aux_loss(model: nn.Module) -> Tensor:
+    """The load-balancing losses of a model's last forward pass, summed over its MoE layers
+    (zero for a dense model)."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE)]
+    if not losses:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.stack(losses).sum()
