@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if result.val_loss is not None:
         print(
             f"done: {result.steps} steps | val loss {result.val_loss:.4f} nats/token vs "
-            f"{result.unigram_entropy:.4f} for the unigram baseline (token frequencies alone) | "
+            f"{result.baseline_loss:.4f} for the {result.baseline_name} baseline | "
             f"checkpoint in {result.out_dir}"
         )
 

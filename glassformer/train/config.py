@@ -19,6 +19,7 @@ DTYPES = ("fp32", "bf16")
 
 @dataclass
 class DataConfig:
+    task: str = "lm"  # what to learn: "lm" (next token); other families add theirs
     corpus: str = "shakespeare"  # "shakespeare", or a path to a .txt file or a folder of them
     spelling: str = "modern"  # shakespeare only: "modern" or "folio"
     documents: str = "play"  # "play" (whole files) or "paragraph" (split at blank lines)

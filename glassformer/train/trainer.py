@@ -10,24 +10,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from glassformer.data import (
-    LMExamples,
-    batch_indices,
-    get_batch,
-    make_lm_examples,
-    shakespeare_plays,
-    split_paragraphs,
-    train_val_split,
-)
 from glassformer.models import build_model
-from glassformer.tokenizers import BPETokenizer, CharTokenizer, load_tokenizer
+from glassformer.tokenizers import load_tokenizer
 from glassformer.train.checkpoint import (
     list_checkpoints,
     load_model_weights,
@@ -40,6 +30,7 @@ from glassformer.train.checkpoint import (
     save_checkpoint,
 )
 from glassformer.train.config import RunConfig, run_config_json
+from glassformer.train.tasks import Task, make_task
 
 
 @dataclass
@@ -48,43 +39,9 @@ class TrainResult:
     steps: int
     train_losses: list[float] = field(default_factory=list)  # one per optimizer step
     val_loss: float | None = None
-    unigram_entropy: float | None = None  # the loss of always predicting token frequencies
+    baseline_name: str = "baseline"
+    baseline_loss: float | None = None  # e.g. unigram entropy: what ignoring context scores
     tokens_per_s: float = 0.0
-
-
-# --- data -------------------------------------------------------------------------------------
-
-
-def load_documents(data_cfg) -> list[str]:
-    """The corpus as a list of documents (plays, files or paragraphs)."""
-    if data_cfg.corpus == "shakespeare":
-        docs = list(shakespeare_plays(data_cfg.spelling).values())
-    else:
-        path = Path(data_cfg.corpus)
-        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise FileNotFoundError(
-                f"data.corpus={data_cfg.corpus!r} is neither 'shakespeare' nor a .txt file or a "
-                "folder of .txt files"
-            )
-        docs = [f.read_text(encoding="utf-8") for f in files]
-    if data_cfg.documents == "paragraph":
-        docs = [p for doc in docs for p in split_paragraphs(doc)]
-    return docs
-
-
-def build_tokenizer(data_cfg, documents: list[str]):
-    if data_cfg.tokenizer == "char":
-        return CharTokenizer.from_text("".join(documents))
-    return BPETokenizer.train(documents, vocab_size=data_cfg.bpe_vocab_size)
-
-
-def unigram_entropy(docs_ids: list[list[int]]) -> float:
-    """Entropy in nats of the token frequency distribution: the loss of a model that ignores
-    context entirely. A model that learned something must beat it."""
-    counts = Counter(t for ids in docs_ids for t in ids)
-    total = sum(counts.values())
-    return -sum(c / total * math.log(c / total) for c in counts.values())
 
 
 # --- optimization -------------------------------------------------------------------------------
@@ -119,16 +76,13 @@ def autocast(dtype: str):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, examples: LMExamples, batch_size: int, n_batches: int, dtype: str):
-    """Mean loss over a fixed, evenly spread set of validation batches."""
+def evaluate(model: nn.Module, task: Task, batch_size: int, n_batches: int, dtype: str) -> float:
+    """Mean loss over the task's fixed validation batches."""
     model.eval()
-    n = len(examples)
-    count = min(n, batch_size * n_batches)
-    picks = torch.linspace(0, n - 1, count).round().long()
     losses = []
-    for chunk in picks.split(batch_size):
+    for batch in task.val_batches(batch_size, n_batches):
         with autocast(dtype):
-            losses.append(model.loss(**get_batch(examples, chunk)).ce_loss.item())
+            losses.append(model.loss(**batch).ce_loss.item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -148,28 +102,14 @@ class Trainer:
 
         run.model_config(vocab_size=1)  # fail on a bad [model] before reading the corpus
         resume_dir = self._resume_dir() if resume else None
-        docs = load_documents(run.data)
-        self.tokenizer = (
-            load_tokenizer(resume_dir) if resume_dir else build_tokenizer(run.data, docs)
-        )
-        self.model_cfg = run.model_config(self.tokenizer.vocab_size)
-        block_size = self.model_cfg.max_seq_len
-        docs_ids = [self.tokenizer.encode(doc) for doc in docs]
-        train_docs, val_docs = train_val_split(docs_ids, run.data.val_fraction)
-        self.unigram_entropy = unigram_entropy(train_docs)
-        stride = run.data.stride if run.data.chunking == "sliding" else None
-        self.train_examples = make_lm_examples(train_docs, block_size, run.data.chunking, stride)
-        self.val_examples = make_lm_examples(val_docs, block_size, "sliding", block_size)
-        if len(self.train_examples) == 0 or len(self.val_examples) == 0:
-            raise ValueError(
-                f"the corpus gives {len(self.train_examples)} training and "
-                f"{len(self.val_examples)} validation blocks of {block_size + 1} tokens: use a "
-                "larger corpus or a smaller model.max_seq_len"
-            )
+        self.task = make_task(run, load_tokenizer(resume_dir) if resume_dir else None)
+        self.tokenizer = self.task.tokenizer
+        self.model_cfg = self.task.model_config(run)
 
         self.model = build_model(self.model_cfg)
         self.optimizer = make_optimizer(self.model, self.cfg)
         self.step = 0
+        self.tokens_seen = 0  # in this process (for tokens/s)
         self.train_losses: list[float] = []
         if resume_dir is not None:
             self._restore(resume_dir)
@@ -218,9 +158,10 @@ class Trainer:
         total = 0.0
         for micro in range(cfg.grad_accum_steps):
             micro_step = self.step * cfg.grad_accum_steps + micro
-            idx = batch_indices(len(self.train_examples), cfg.batch_size, micro_step, cfg.seed)
+            batch = self.task.train_batch(micro_step, cfg.batch_size, cfg.seed)
+            self.tokens_seen += self.task.tokens_in(batch)
             with autocast(cfg.dtype):
-                out = self.model.loss(**get_batch(self.train_examples, idx))
+                out = self.model.loss(**batch)
             (out.loss / cfg.grad_accum_steps).backward()
             total += out.ce_loss.item() / cfg.grad_accum_steps
         if cfg.grad_clip > 0:
@@ -238,31 +179,30 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "run_config.json").write_text(run_config_json(self.run) + "\n")
         n_params = sum(p.numel() for p in self.model.parameters())
-        tokens_per_step = cfg.batch_size * cfg.grad_accum_steps * self.model_cfg.max_seq_len
         print(
             f"model: {n_params / 1e6:.2f}M parameters | vocab {self.tokenizer.vocab_size} | "
-            f"{len(self.train_examples)} training blocks of {self.model_cfg.max_seq_len} tokens"
+            f"task {self.task.name}: {self.task.n_train} training examples"
         )
         bar = _progress_bar(self.step, stop, enabled=self.progress)
         self.model.train()
         val_loss = None
-        t_start, steps_done = time.perf_counter(), 0
+        t_start = time.perf_counter()
         tokens_per_s = 0.0
         while self.step < stop:
             loss = self.train_step()
-            steps_done += 1
             elapsed = time.perf_counter() - t_start
-            tokens_per_s = steps_done * tokens_per_step / elapsed
+            tokens_per_s = self.tokens_seen / elapsed
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
             last = self.step == stop
             if self.step % cfg.eval_interval == 0 or last:
                 val_loss = evaluate(
-                    self.model, self.val_examples, cfg.batch_size, cfg.eval_batches, cfg.dtype
+                    self.model, self.task, cfg.batch_size, cfg.eval_batches, cfg.dtype
                 )
                 bar.write(
                     f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
-                    f"unigram entropy {self.unigram_entropy:.4f} | {tokens_per_s:,.0f} tok/s"
+                    f"{self.task.baseline_name} {self.task.baseline_loss:.4f} | "
+                    f"{tokens_per_s:,.0f} tok/s"
                 )
             if self.step % cfg.checkpoint_interval == 0 or last:
                 self.save()
@@ -272,7 +212,8 @@ class Trainer:
             steps=self.step,
             train_losses=list(self.train_losses),
             val_loss=val_loss,
-            unigram_entropy=self.unigram_entropy,
+            baseline_name=self.task.baseline_name,
+            baseline_loss=self.task.baseline_loss,
             tokens_per_s=tokens_per_s,
         )
 
