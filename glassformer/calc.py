@@ -14,9 +14,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 def component_of(name: str) -> str:
     """Which row of the parameter table a parameter name belongs to."""
-    if name.startswith("tok_emb"):
+    if name.startswith(("tok_emb", "dec_tok_emb")):  # dec_tok_emb: a seq2seq decoder's own
         return "embedding"
-    if name.startswith("pos_emb"):
+    if name.startswith(("pos_emb", "enc_pos", "dec_pos", "enc_rel", "dec_rel")):
         return "positions"
     if name.startswith("lm_head"):
         return "lm_head"
@@ -28,6 +28,8 @@ def component_of(name: str) -> str:
         return "attention"
     if ".ffn." in name:
         return "ffn"
+    if name.startswith("rnn_layers."):
+        return "recurrent"  # RNN family: W_xh, W_hh (and the LSTM/GRU gates)
     return "other"
 
 
@@ -45,3 +47,12 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "fp16") -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r} is not known: pick one of {', '.join(DTYPE_BYTES)}")
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def rnn_state_bytes(cfg: ModelConfig, dtype: str = "fp32") -> int:
+    """An RNN's whole generation "cache": one hidden vector per layer (two for an LSTM: h and
+    c), the same at any context length (seed 000 §2.5.1: memory as lossy compression)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not known: pick one of {', '.join(DTYPE_BYTES)}")
+    per_layer = 2 if cfg.cell == "lstm" else 1
+    return cfg.n_layers * per_layer * cfg.d_model * DTYPE_BYTES[dtype]

@@ -1,4 +1,5 @@
-"""The command line: `glassformer train | generate | info` (also `python -m glassformer`).
+"""The command line: `glassformer train | generate | info | fill-mask | evaluate | ...` (also
+`python -m glassformer`).
 
 Each subcommand parses its flags and calls one typed function. Errors a user can fix print one
 clear line (set GLASSFORMER_DEBUG=1 for the traceback).
@@ -121,10 +122,13 @@ def cmd_info(args: argparse.Namespace) -> None:
     print("\nparameters by component:")
     for name, count in sorted(table.items(), key=lambda kv: -kv[1]):
         per_layer = ""
-        if name in ("attention", "ffn", "moe router"):
+        if name in ("attention", "ffn", "moe router", "recurrent"):
             per_layer = f"  ({count // cfg.n_layers:,} per layer)"
         print(f"  {name:<12} {count:>14,}  {100 * count / total:5.1f}%{per_layer}")
     print(f"  {'total':<12} {total:>14,}")
+    if cfg.family == "rnn":
+        _print_rnn_state(cfg)
+        return
     print("\nKV cache per token (2 x layers x kv_heads x head_dim numbers):")
     for dtype in ("fp32", "bf16"):
         per_token = kv_cache_bytes_per_token(cfg, dtype)
@@ -133,6 +137,15 @@ def cmd_info(args: argparse.Namespace) -> None:
             f"  {dtype}: {per_token:,} bytes/token | {full / 2**20:.2f} MiB for the full "
             f"{cfg.max_seq_len}-token context"
         )
+
+
+def _print_rnn_state(cfg) -> None:
+    from glassformer.calc import rnn_state_bytes
+
+    parts = "h and c" if cfg.cell == "lstm" else "h"
+    print(f"\n{cfg.cell} hidden state, the generation cache ({parts} per layer x d_model):")
+    for dtype in ("fp32", "bf16"):
+        print(f"  {dtype}: {rnn_state_bytes(cfg, dtype):,} bytes at any context length")
 
 
 # --- embed ------------------------------------------------------------------------------------
@@ -188,9 +201,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         print(f"  {name}")
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
-    print(
-        f"load it with transformers: AutoModelForCausalLM.from_pretrained({str(report.out_dir)!r})"
-    )
+    seq2seq = report.model_type in ("bart", "t5")
+    auto = "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM"
+    print(f"load it with transformers: {auto}.from_pretrained({str(report.out_dir)!r})")
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -209,6 +222,105 @@ def cmd_chat(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     run_chat(ChatSession(Engine(model), tokenizer, system=args.system, sampling=sampling))
+
+
+# --- fill-mask and evaluate (BERT) -------------------------------------------------------------
+
+
+def encode_with_cls_sep(tokenizer, text: str) -> list[int]:
+    """[CLS] text [SEP]: a Hugging Face BERT tokenizer adds them itself, ours does not."""
+    ids = list(tokenizer.encode(text))
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    if cls is not None and (not ids or ids[0] != cls):
+        ids.insert(0, cls)
+    if sep is not None and ids[-1] != sep:
+        ids.append(sep)
+    return ids
+
+
+def cmd_fill_mask(args: argparse.Namespace) -> None:
+    from glassformer.infer.fill_mask import fill_mask
+
+    model, tokenizer = _load_with_tokenizer(args, "fill-mask needs one to encode text")
+    mask_id = getattr(tokenizer, "token_to_id", lambda _: None)("[MASK]")
+    if mask_id is None:
+        raise ValueError(f"{args.model}'s tokenizer has no [MASK] token: use a BERT checkpoint")
+    ids = encode_with_cls_sep(tokenizer, args.text)
+    results = fill_mask(model, ids, mask_id, top_k=args.top_k)
+    best = list(ids)
+    for number, found in enumerate(results, 1):
+        print(f"[MASK] {number} (token {found.position}):")
+        for token_id, prob in zip(found.token_ids, found.probs, strict=True):
+            print(f"  {prob:7.4f}  {tokenizer.decode([token_id])!r}")
+        best[found.position] = found.token_ids[0]
+    special = {tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]")}
+    print("top-1: " + tokenizer.decode([i for i in best if i not in special]).strip())
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from glassformer.train.checkpoint import load, resolve_checkpoint
+    from glassformer.train.config import RunConfig
+    from glassformer.train.tasks import make_task
+
+    step_dir = resolve_checkpoint(args.model)
+    config_file = next(
+        (d / "run_config.json" for d in (Path(args.model), step_dir.parent) if d.is_dir()
+         and (d / "run_config.json").is_file()),
+        None,
+    )  # fmt: skip
+    if config_file is None:
+        raise ValueError(f"{args.model} has no run_config.json: evaluate reads a trained run")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run = RunConfig.from_dict(json.loads(config_file.read_text()))
+    model, tokenizer = load(step_dir)
+    task = make_task(run, tokenizer)
+    if not hasattr(task, "evaluate"):
+        raise ValueError(f"task {task.name!r} has no evaluation beyond the trainer's val loss")
+    result = task.evaluate(model)
+    print(f"{task.name} on {step_dir}:")
+    if "accuracy" in result:
+        print(
+            f"  held-out accuracy {result['accuracy']:.4f} on {result['n_test']} examples vs "
+            f"{result['majority_accuracy']:.4f} for always guessing the majority class "
+            f"({result['majority_class']})"
+        )
+    for key, value in result.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"  {key}: {shown}")
+
+
+# --- translate (encoder-decoder) --------------------------------------------------------------
+
+
+def cmd_translate(args: argparse.Namespace) -> None:
+    from glassformer.train import translation
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer, data = translation.load_translator(args.model)
+    decoding = dict(beam_size=args.beam_size, length_penalty=args.length_penalty)
+    if args.eval:
+        pairs = translation.held_out_pairs(args.split, data)
+        pairs = translation.evenly_spaced(pairs, args.limit)
+        scores = translation.evaluate_translation(model, tokenizer, pairs, **decoding)
+        print(translation.format_scores(scores, args.split, n_examples=args.examples))
+        return
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise ValueError("nothing to translate: give TEXT arguments, lines on stdin, or --eval")
+    outputs = translation.translate(
+        model, tokenizer, texts, **decoding, max_chars=data.max_pair_chars
+    )
+    for output in outputs:
+        print(output)
 
 
 # --- parser -----------------------------------------------------------------------------------
@@ -347,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a model as a Hugging Face folder (safetensors + config.json + tokenizer)",
         description="Convert SRC (an alias such as smollm2, a Hugging Face folder, a GGUF file "
         "or a glassformer checkpoint) into a folder that transformers loads with "
-        "AutoModelForCausalLM.from_pretrained and runs with the same logits.",
+        "AutoModelForCausalLM (AutoModelForSeq2SeqLM for bart, t5).from_pretrained and runs "
+        "with the same logits.",
     )
     p.add_argument("src", metavar="SRC", help="alias, Hugging Face folder, .gguf or checkpoint")
     p.add_argument("out", metavar="OUT", help="folder to write")
@@ -360,6 +473,64 @@ def build_parser() -> argparse.ArgumentParser:
         "the source's own, or the closest to its config)",
     )
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "fill-mask",
+        help="top candidates for each [MASK] from a BERT (e.g. an mlm-trained checkpoint)",
+        description="Encode TEXT as [CLS] TEXT [SEP], run the encoder once (both directions) and "
+        "print the most probable tokens with their probabilities at every [MASK].",
+    )
+    p.add_argument("text", metavar="TEXT", help='e.g. "To be or not to [MASK]"')
+    p.add_argument(
+        "--model", required=True, help="mlm checkpoint directory or BertForMaskedLM folder"
+    )
+    p.add_argument("--top-k", type=_positive_int, default=5, help="candidates per [MASK] (5)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_fill_mask)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="score a trained run on its task (genre: held-out accuracy vs majority baseline)",
+        description="Rebuild the run's task from its run_config.json and the checkpoint's "
+        "tokenizer, then print the task's scores (genre: accuracy on the held-out plays next "
+        "to always guessing the majority class; mlm: val loss vs unigram entropy).",
+    )
+    p.add_argument("--model", required=True, help="a run directory (its out_dir) or step-*")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser(
+        "translate",
+        help="modernize First Folio spelling with an encoder-decoder checkpoint",
+        description="Translate TEXT (or stdin lines) with a seq2seq checkpoint trained on the "
+        "Folio -> modern spelling task (configs/folio2modern.toml). --eval instead decodes the "
+        "held-out plays' aligned pairs and prints chrF and BLEU (sacrebleu) for the model and "
+        "for copying the input unchanged.",
+    )
+    p.add_argument("texts", nargs="*", metavar="TEXT", help='e.g. "Long liue the King"')
+    p.add_argument("--model", required=True, help="checkpoint directory (a run's out_dir)")
+    p.add_argument(
+        "--beam-size", type=_positive_int, default=1, help="1 = greedy (default), else beam"
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="beam search ranks sum(log p) / length**penalty (default 1.0)",
+    )
+    p.add_argument("--eval", action="store_true", help="score the held-out plays instead")
+    p.add_argument(
+        "--split",
+        choices=("test", "validation"),
+        default="test",
+        help="which held-out plays --eval scores (default test)",
+    )
+    p.add_argument(
+        "--limit", type=_positive_int, help="--eval on at most this many pairs, evenly spaced"
+    )
+    p.add_argument("--examples", type=int, default=3, help="example pairs --eval prints")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_translate)
     return parser
 
 

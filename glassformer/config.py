@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("gpt", "bert", "seq2seq", "rnn")
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none", "relative")
 NORMS = ("layer", "rms")
 NORM_POSITIONS = ("pre", "post")
-FFNS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "moe")
+# geglu_tanh: GeGLU with the tanh GELU (T5 v1.1's "gated-gelu")
+FFNS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu", "moe", "geglu_tanh")
 DENSE_FFNS = tuple(f for f in FFNS if f != "moe")
 ATTENTION_BACKENDS = ("sdpa", "eager")
+CELLS = ("rnn", "lstm", "gru")  # family "rnn": the recurrent cell (seed 000 §1)
 ROPE_SCALINGS = ("linear", "dynamic", "yarn", "llama3")
 
 
@@ -71,6 +73,8 @@ class ModelConfig:
     embedding_norm: bool = False  # a norm right after the embeddings (BERT)
     pooler: bool = False  # BERT's pooler: tanh(W h_[CLS] + b)
     mlm_head: bool = False  # BERT's masked-LM head: dense, act, norm, then the tied decoder
+    n_classes: int = 0  # a sequence-classification head on the pooled [CLS]; 0 = none
+    nsp_head: bool = False  # BERT's next-sentence head on the pooled [CLS] (IsNext/NotNext)
 
     bias: bool = False  # biases on the linear layers; the three below override it per part
     qkv_bias: bool | None = None  # None: follows `bias` (Qwen2 sets it alone)
@@ -79,11 +83,25 @@ class ModelConfig:
     tie_embeddings: bool = True
     sliding_window: int | None = None
     attention_backend: str = "sdpa"
+    cell: str = "lstm"  # family "rnn" only: "rnn" (the tutorial's tanh cell), "lstm" or "gru"
     dropout: float = 0.0
     init_std: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+
+    # Encoder-decoder (seed 000 §6.1; family="seq2seq"): n_layers is the decoder's depth
+    n_encoder_layers: int | None = None  # None: same as n_layers
+    share_embeddings: bool = True  # encoder, decoder and output share one token table
+    label_smoothing: float = 0.0  # the paper's eps_ls = 0.1
+    decoder_start_token_id: int | None = None  # None: bos_token_id
+    scale_embeddings: bool | None = None  # token embeddings * sqrt(d_model); None: sinusoidal
+    position_offset: int = 0  # learned table rows skipped before position 0 (BART: 2)
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim); T5 folds it into its init: 1.0
+    relative_buckets: int = 32  # position="relative" (T5): log-bucketed distance bias
+    relative_max_distance: int = 128
+    output_scale: float = 1.0  # decoder output * this before the lm_head (T5 tied: d_model**-0.5)
+    lm_head_bias: bool = False  # a bias on the output projection (BART's final_logits_bias)
 
     def __post_init__(self) -> None:
         check_choice("family", self.family, FAMILIES)
@@ -93,6 +111,7 @@ class ModelConfig:
         check_choice("ffn", self.ffn, FFNS)
         check_choice("moe_expert_ffn", self.moe_expert_ffn, DENSE_FFNS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("cell", self.cell, CELLS)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -124,6 +143,20 @@ class ModelConfig:
                 f"n_experts_per_token={self.n_experts_per_token} must be in 1..n_experts="
                 f"{self.n_experts}"
             )
+        if self.position == "relative" and self.family != "seq2seq":
+            raise ConfigError(
+                f"position='relative' (T5's bucketed bias) is built by family='seq2seq' only, not "
+                f"family={self.family!r}: use rope or alibi for a relative position"
+            )
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
+        if self.n_encoder_layers is not None and self.n_encoder_layers < 1:
+            raise ConfigError(f"n_encoder_layers={self.n_encoder_layers} must be >= 1 or None")
+        if self.n_classes < 0 or ((self.n_classes or self.nsp_head) and not self.pooler):
+            raise ConfigError(
+                f"n_classes={self.n_classes}, nsp_head={self.nsp_head}: the heads read the "
+                "pooled [CLS], so set pooler=True (and n_classes >= 0)"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 or None")
         if not 0.0 <= self.dropout < 1.0:
@@ -138,7 +171,7 @@ class ModelConfig:
 
     def default_d_ff(self) -> int:
         ffn = self.moe_expert_ffn if self.ffn == "moe" else self.ffn
-        if ffn in ("swiglu", "geglu"):
+        if ffn in ("swiglu", "geglu", "geglu_tanh"):
             # A gated FFN has three matrices; 8/3 * d keeps the parameter count of a 4*d MLP.
             return 64 * math.ceil(8 * self.d_model / 3 / 64)
         return 4 * self.d_model

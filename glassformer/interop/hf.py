@@ -298,6 +298,8 @@ def default_model_type(cfg: ModelConfig) -> str:
     """The Hugging Face architecture a glassformer config is closest to."""
     if cfg.family == "bert":
         return "bert"
+    if cfg.family == "seq2seq":
+        return "t5" if cfg.position == "relative" else "bart"
     if cfg.position == "learned" and cfg.norm == "layer":
         return "gpt2"
     if cfg.ffn == "moe":

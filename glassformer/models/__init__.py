@@ -7,8 +7,15 @@ from torch import nn
 from glassformer.config import ConfigError, ModelConfig
 from glassformer.models.bert import BERT
 from glassformer.models.gpt import GPT, LossOutput
+from glassformer.models.rnn import RNNLM
+from glassformer.models.seq2seq import Seq2Seq
 
-FAMILY_CLASSES: dict[str, type[nn.Module]] = {"gpt": GPT, "bert": BERT}
+FAMILY_CLASSES: dict[str, type[nn.Module]] = {
+    "gpt": GPT,
+    "bert": BERT,
+    "rnn": RNNLM,
+    "seq2seq": Seq2Seq,
+}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -21,4 +28,4 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return FAMILY_CLASSES[cfg.family](cfg)
 
 
-__all__ = ["BERT", "FAMILY_CLASSES", "GPT", "LossOutput", "build_model"]
+__all__ = ["BERT", "FAMILY_CLASSES", "GPT", "RNNLM", "LossOutput", "Seq2Seq", "build_model"]

@@ -6,8 +6,14 @@ Shapes: B batch, T time, C channels (d_model), V vocab, N selected (masked) posi
 token ids -> token + position + token-type embeddings -> embedding norm -> N x Block
 (bidirectional, padding masked) -> hidden states. On top, optionally: the pooler (tanh of a
 dense layer on position 0, the [CLS] token) and the masked-LM head (dense, activation, norm,
-then a decoder tied to the token embedding). The same Block as GPT, with norm_position="post"
-and no causal mask.
+then a decoder tied to the token embedding), a sequence classifier and the next-sentence head
+(both linear layers on the pooled [CLS]). The same Block as GPT, with norm_position="post" and
+no causal mask.
+
+The task heads are config switches (n_classes, nsp_head) like pooler and mlm_head rather than
+wrapper classes (transformers' BertForSequenceClassification): a checkpoint stays a config plus
+one state dict, so build_model, save, load and fine-tuning from a pretrained encoder need no
+second class, and `loss` picks its objective from the batch (targets, labels, nsp_labels).
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class BERT(nn.Module):
         self.final_norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
         self.pooler = Pooler(cfg) if cfg.pooler else None
         self.mlm_head = MLMHead(cfg) if cfg.mlm_head else None
+        # Task heads on the pooled [CLS] (dropout before them, as in BERT's fine-tuning).
+        self.classifier = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes else None
+        self.nsp_head = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None
         self.apply(self._init_weights)
         if self.mlm_head is not None and cfg.tie_embeddings:
             self.mlm_head.decoder.weight = self.tok_emb.weight
@@ -193,22 +202,57 @@ class BERT(nn.Module):
             )
         return self.mlm_head(hidden)
 
-    def loss(self, input_ids: Tensor, targets: Tensor, **kwargs) -> LossOutput:
-        """Masked language modeling (seed 000 §6.3, the cloze task): predict the original token
-        at the selected positions.
+    def classify(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) hidden states -> (B, n_classes) logits of the sequence classifier."""
+        if self.classifier is None:
+            raise ValueError("this model has no classifier (n_classes=0): build with n_classes")
+        return self.classifier(self.drop(self.pooled(hidden)))  # (B, C) -> (B, n_classes)
 
-        input_ids: (B, T) with the selected positions already masked/replaced.
-        targets: (B, T) original ids at the selected positions, -100 everywhere else."""
+    def nsp_logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) hidden states -> (B, 2) next-sentence logits: 0 = IsNext, 1 = NotNext."""
+        if self.nsp_head is None:
+            raise ValueError("this model has no next-sentence head: build with nsp_head=True")
+        return self.nsp_head(self.pooled(hidden))
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        targets: Tensor | None = None,
+        *,
+        labels: Tensor | None = None,
+        nsp_labels: Tensor | None = None,
+        **kwargs,
+    ) -> LossOutput:
+        """The objectives the batch asks for, summed: ce_loss reports the main one.
+
+        targets: (B, T) masked LM (seed 000 §6.3, the cloze task): original ids at the selected
+            positions of the already-corrupted input_ids, -100 everywhere else.
+        labels: (B,) class ids for the sequence classifier (fine-tuning).
+        nsp_labels: (B,) next-sentence labels (0 = B follows A, 1 = B is random), added to the
+            MLM loss as in BERT's pretraining."""
+        if (targets is None) == (labels is None):
+            raise ValueError(
+                "give targets (masked LM, shape (B, T)) or labels (classification, shape (B,)), "
+                "exactly one of them"
+            )
         hidden = self(input_ids, **kwargs)  # (B, T, C)
+        if labels is not None:
+            ce = F.cross_entropy(self.classify(hidden).float(), labels)
+        else:
+            ce = self._mlm_loss(hidden, targets)
+        total = ce
+        if nsp_labels is not None:
+            total = total + F.cross_entropy(self.nsp_logits(hidden).float(), nsp_labels)
+        aux = self.moe_aux_loss()
+        return LossOutput(loss=total + self.cfg.moe_aux_loss_coef * aux, ce_loss=ce, aux_loss=aux)
+
+    def _mlm_loss(self, hidden: Tensor, targets: Tensor) -> Tensor:
         selected = targets != -100  # (B, T)
         # Only the selected positions need the V-wide decoder: ~15% of the work.
         logits = self.mlm_logits(hidden[selected])  # (N, V)
         if logits.shape[0] == 0:  # nothing selected in this batch: no signal, no NaN
-            ce = logits.sum() * 0.0
-        else:
-            ce = F.cross_entropy(logits.float(), targets[selected])
-        aux = self.moe_aux_loss()
-        return LossOutput(loss=ce + self.cfg.moe_aux_loss_coef * aux, ce_loss=ce, aux_loss=aux)
+            return logits.sum() * 0.0
+        return F.cross_entropy(logits.float(), targets[selected])
 
     def moe_aux_loss(self) -> Tensor:
         """The load-balancing losses of the last forward pass, summed over MoE layers."""

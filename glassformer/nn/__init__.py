@@ -9,10 +9,11 @@ from glassformer.nn.attention import (
 )
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import MLP, GatedMLP, MoE, make_ffn
-from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
 from glassformer.nn.norm import LayerNorm, RMSNorm, make_norm
 from glassformer.nn.position import (
     AbsolutePositions,
+    RelativePositionBias,
     RotaryEmbedding,
     alibi_bias,
     alibi_slopes,
@@ -27,11 +28,13 @@ __all__ = [
     "Attention",
     "AttentionMask",
     "Block",
+    "CrossAttentionCache",
     "GatedMLP",
     "KVCache",
     "LayerNorm",
     "MoE",
     "RMSNorm",
+    "RelativePositionBias",
     "RotaryEmbedding",
     "alibi_bias",
     "alibi_slopes",

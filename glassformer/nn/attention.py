@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
 from glassformer.nn.position import alibi_bias, apply_rope
 
 # --- masks ------------------------------------------------------------------------------------
@@ -192,6 +192,8 @@ class Attention(nn.Module):
         self.cross = cross
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)  # the √d_k of §3.3
+        if cfg.attention_scale is not None:  # T5 folds the scale into its weights' init
+            self.scale = cfg.attention_scale
         self.dropout = cfg.dropout
         self.backend = cfg.attention_backend
         qkv_bias = cfg.has_bias("qkv")
@@ -209,13 +211,18 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, n_heads, self.head_dim).transpose(1, 2)  # (B, h, T, D)
 
+    def project_context(self, context: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys/values from the encoder output: (B, S, C) -> 2 x (B, Hkv, S, D)."""
+        if context is None:
+            raise ValueError("cross-attention needs the encoder output as `context`")
+        k, v = self.kv_proj(context).split(self.n_kv_heads * self.head_dim, dim=-1)
+        return self._split_heads(k, self.n_kv_heads), self._split_heads(v, self.n_kv_heads)
+
     def project(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if self.cross:
-            if context is None:
-                raise ValueError("cross-attention needs the encoder output as `context`")
-            q = self.q_proj(x)
-            k, v = self.kv_proj(context).split(kv_size, dim=-1)
+            k, v = self.project_context(context)
+            return self._split_heads(self.q_proj(x), self.n_heads), k, v
         else:
             q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         return (
@@ -229,11 +236,21 @@ class Attention(nn.Module):
         x: Tensor,
         mask: AttentionMask,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | CrossAttentionCache | None = None,
         context: Tensor | None = None,
     ) -> Tensor:
+        """cache: a KVCache for self-attention; for cross-attention a CrossAttentionCache, whose
+        keys/values are projected from `context` on the first call and reused after."""
         B, T, _ = x.shape
-        q, k, v = self.project(x, context)
+        if self.cross and cache is not None:
+            kv = cache.get(self.layer_idx)
+            if kv is None:
+                kv = self.project_context(context)
+                cache.store(self.layer_idx, *kv)
+            q, (k, v) = self._split_heads(self.q_proj(x), self.n_heads), kv
+            cache = None  # nothing to append: the source does not grow
+        else:
+            q, k, v = self.project(x, context)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

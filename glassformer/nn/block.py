@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from glassformer.config import ModelConfig
 from glassformer.nn.attention import Attention, AttentionMask
 from glassformer.nn.ffn import make_ffn
-from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
 from glassformer.nn.norm import make_norm
 
 
@@ -42,12 +42,15 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         context: Tensor | None = None,
         context_mask: AttentionMask | None = None,
+        cross_cache: CrossAttentionCache | None = None,
     ) -> Tensor:
         x = self._residual(x, self.attn_norm, lambda h: self.attn(h, mask, rope, cache))
         if self.cross_attn is not None:
             x = self._residual(
                 x,
                 self.cross_norm,
-                lambda h: self.cross_attn(h, context_mask or AttentionMask(), context=context),
+                lambda h: self.cross_attn(
+                    h, context_mask or AttentionMask(), cache=cross_cache, context=context
+                ),
             )
         return self._residual(x, self.ffn_norm, self.ffn)

@@ -20,6 +20,7 @@ ACTIVATIONS = {
     "silu": F.silu,
     "swiglu": F.silu,
     "geglu": F.gelu,
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
 
@@ -54,7 +55,7 @@ class GatedMLP(nn.Module):
 
 
 def make_dense_ffn(kind: str, d_model: int, d_ff: int, bias: bool) -> nn.Module:
-    if kind in ("swiglu", "geglu"):
+    if kind in ("swiglu", "geglu", "geglu_tanh"):
         return GatedMLP(d_model, d_ff, kind, bias)
     return MLP(d_model, d_ff, kind, bias)
 

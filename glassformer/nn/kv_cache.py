@@ -65,3 +65,31 @@ class KVCache:
     @property
     def filled_bytes(self) -> int:
         return self.bytes_per_token * self.length * self.k.shape[1]
+
+
+class CrossAttentionCache:
+    """The decoder's cross-attention keys and values (seed 000 §3.1): they come from the encoder
+    output, which does not change while decoding, so each layer projects them once per source.
+
+    Per layer: k, v (B, Hkv, S, D), or None until the first decode step computes them.
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+
+    def get(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        if self.k[layer] is None:
+            return None
+        return self.k[layer], self.v[layer]
+
+    def store(self, layer: int, k: Tensor, v: Tensor) -> None:
+        self.k[layer], self.v[layer] = k, v
+
+    def reset(self) -> None:
+        self.k = [None] * len(self.k)
+        self.v = [None] * len(self.v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v if t is not None)

@@ -181,3 +181,47 @@ def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tens
     Under a causal mask only j <= i survives, so this equals the paper's -slope * (i - j)."""
     distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().float()  # (B, Tq, Tk)
     return -slopes[None, :, None, None] * distance[:, None]
+
+
+# --- T5's relative position bias --------------------------------------------------------------
+
+
+def relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool, n_buckets: int, max_distance: int
+) -> Tensor:
+    """T5's bucket of each key - query distance: exact for small distances, logarithmic up to
+    max_distance, one bucket beyond. Bidirectional (encoder) splits the buckets by direction;
+    the causal decoder only ever sees keys behind the query."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        n_buckets //= 2
+        buckets += (relative_position > 0).long() * n_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -relative_position.clamp(max=0)
+    max_exact = n_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (n_buckets - max_exact)).long()
+    large = large.clamp(max=n_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned scalar per (bucket, head) added to the attention scores (T5). Computed once
+    per forward and shared by every layer of a stack, as in T5's first layer."""
+
+    def __init__(self, cfg: ModelConfig, bidirectional: bool) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.n_buckets = cfg.relative_buckets
+        self.max_distance = cfg.relative_max_distance
+        self.weight = nn.Parameter(torch.zeros(cfg.relative_buckets, cfg.n_heads))
+
+    def forward(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """(Tq,), (Tk,) positions -> (1, H, Tq, Tk) bias."""
+        relative = k_positions[None, :] - q_positions[:, None]  # (Tq, Tk)
+        bucket = relative_position_bucket(
+            relative, self.bidirectional, self.n_buckets, self.max_distance
+        )
+        return self.weight[bucket].permute(2, 0, 1)[None]  # (1, H, Tq, Tk)

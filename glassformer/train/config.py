@@ -28,6 +28,11 @@ class DataConfig:
     chunking: str = "sliding"  # seed 000 §2.4: "sliding", "truncate" or "pack"
     stride: int | None = None  # sliding windows: None = block size (no overlap)
     val_fraction: float = 0.1  # the last part of every document is held out
+    nsp: bool = False  # task "mlm": add BERT's next-sentence prediction (50% real / random)
+    # task "translation" (Folio -> modern spelling, data/parallel.py): pairs of at most this
+    # many characters per side, aligned speeches kept above this trigram-cosine similarity
+    max_pair_chars: int = 200
+    align_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         check_choice("data.chunking", self.chunking, CHUNKINGS)
@@ -58,6 +63,7 @@ class TrainConfig:
     seed: int = 1337
     dtype: str = "fp32"  # "bf16" trains under bf16 autocast with fp32 weights
     threads: int | None = None  # torch threads; None keeps torch's default
+    init_from: str | None = None  # start from these weights (a checkpoint), e.g. fine-tuning
 
     def __post_init__(self) -> None:
         check_choice("train.dtype", self.dtype, DTYPES)

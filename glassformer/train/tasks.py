@@ -126,6 +126,10 @@ class LanguageModelingTask(Task):
 
 
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelingTask}
+# The BERT tasks (mlm, genre) subclass Task and add themselves to TASKS when imported; the
+# import sits here, below Task, so either module can be imported first.
+import glassformer.train.bert_tasks  # noqa: E402
+import glassformer.train.translation  # noqa: E402, F401  (task "translation", seq2seq)
 
 
 def make_task(run: RunConfig, tokenizer=None) -> Task:

@@ -87,6 +87,25 @@ def evaluate(model: nn.Module, task: Task, batch_size: int, n_batches: int, dtyp
     return sum(losses) / len(losses)
 
 
+def init_matching_weights(model: nn.Module, step_dir: Path) -> None:
+    """Copy the checkpoint's tensors that the model has (same name and shape): fine-tuning
+    keeps the pretrained encoder, new heads start fresh and unused heads are dropped."""
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(step_dir / "model.safetensors"))
+    state = model.state_dict()
+    shared = {k: v for k, v in on_disk.items() if k in state and v.shape == state[k].shape}
+    if not shared:
+        raise ValueError(f"train.init_from={str(step_dir)!r} shares no weights with this model")
+    model.load_state_dict(shared, strict=False)
+    fresh = sorted(k for k in state if k not in shared)
+    unused = sorted(k for k in on_disk if k not in shared)
+    print(
+        f"initialized {len(shared)} tensors from {step_dir}; new: {', '.join(fresh) or 'none'}; "
+        f"not used: {', '.join(unused) or 'none'}"
+    )
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
@@ -102,7 +121,10 @@ class Trainer:
 
         run.model_config(vocab_size=1)  # fail on a bad [model] before reading the corpus
         resume_dir = self._resume_dir() if resume else None
-        self.task = make_task(run, load_tokenizer(resume_dir) if resume_dir else None)
+        init_dir = resolve_checkpoint(self.cfg.init_from) if self.cfg.init_from else None
+        # A run started from pretrained weights must read text with their tokenizer.
+        tokenizer_dir = resume_dir or init_dir
+        self.task = make_task(run, load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
         self.tokenizer = self.task.tokenizer
         self.model_cfg = self.task.model_config(run)
 
@@ -113,6 +135,8 @@ class Trainer:
         self.train_losses: list[float] = []
         if resume_dir is not None:
             self._restore(resume_dir)
+        elif init_dir is not None:
+            init_matching_weights(self.model, init_dir)
 
     def _resume_dir(self) -> Path | None:
         if not list_checkpoints(self.out_dir):

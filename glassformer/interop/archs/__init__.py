@@ -1,3 +1,3 @@
 """One module per architecture family; importing registers their name tables."""
 
-from glassformer.interop.archs import bert, gpt2, llama  # noqa: F401
+from glassformer.interop.archs import bart, bert, gpt2, llama, t5  # noqa: F401

@@ -1,9 +1,11 @@
-"""BERT name table (seed 000 §6.3): BertModel (with or without its pooler) and BertForMaskedLM.
+"""BERT name table (seed 000 §6.3): BertModel (with or without its pooler), BertForMaskedLM,
+BertForPreTraining (MLM + next-sentence heads) and BertForSequenceClassification.
 
 HF stores query/key/value separately; glassformer fuses them into one qkv_proj. Which heads a
 checkpoint holds is not in config.json (a BertModel saved without its pooler still says
 "BertModel"), so `refine_config` reads it off the tensor names: a pooler if `pooler.dense` is
-there, an MLM head if `cls.predictions.transform` is. Keys are bare (`embeddings.*`, a saved
+there, an MLM head if `cls.predictions.transform` is, an NSP head if `cls.seq_relationship` is,
+a classifier if `classifier` is. Keys are bare (`embeddings.*`, a saved
 BertModel) or prefixed `bert.` (BertForMaskedLM and the other task models).
 """
 
@@ -29,6 +31,7 @@ ACT_FROM_HF = {
 ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 
 MLM = "cls.predictions"
+NSP = "cls.seq_relationship"
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -54,6 +57,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     # A first guess from the class name; refine_config settles it from the tensors.
     architectures = hf.get("architectures") or ["BertModel"]
+    n_labels = len(hf.get("id2label") or {0: "LABEL_0", 1: "LABEL_1"})
     return ModelConfig(
         family="bert",
         vocab_size=hf["vocab_size"],
@@ -70,8 +74,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         ffn=ACT_FROM_HF[act],
         bias=True,
         embedding_norm=True,
-        pooler="BertModel" in architectures,
+        pooler=bool({"BertModel", "BertForSequenceClassification"} & set(architectures)),
         mlm_head="BertForMaskedLM" in architectures,
+        # num_labels is not saved; transformers derives it from id2label (default 2 labels)
+        n_classes=n_labels if "BertForSequenceClassification" in architectures else 0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         pad_token_id=hf.get("pad_token_id"),
         init_std=hf.get("initializer_range", 0.02),
@@ -84,6 +90,8 @@ def refine_config(cfg: ModelConfig, names: set[str]) -> ModelConfig:
     return cfg.replace(
         pooler=f"{prefix}pooler.dense.weight" in names,
         mlm_head=f"{MLM}.transform.dense.weight" in names,
+        nsp_head=f"{NSP}.weight" in names,
+        n_classes=(cfg.n_classes or 2) if "classifier.weight" in names else 0,
     )
 
 
@@ -111,15 +119,19 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         problems.append("no embedding norm or no token types (type_vocab_size=0)")
     if cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window}")
+    if cfg.n_classes and (cfg.mlm_head or cfg.nsp_head):
+        problems.append("a classifier together with pretraining heads (no such transformers class)")
     if problems:
         raise InteropError(
             "this config has no Hugging Face BERT equivalent: " + "; ".join(problems)
         )
+    labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(cfg.n_classes)}}
     return {
+        **(labels if cfg.n_classes else {}),
         "model_type": "bert",
         # With both heads this is BertForMaskedLM plus `bert.pooler.*`, which transformers'
         # BertForMaskedLM skips (glassformer reads both back).
-        "architectures": ["BertForMaskedLM" if cfg.mlm_head else "BertModel"],
+        "architectures": [_architecture(cfg)],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -139,6 +151,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _architecture(cfg: ModelConfig) -> str:
+    if cfg.n_classes:
+        return "BertForSequenceClassification"
+    if cfg.nsp_head:
+        return "BertForPreTraining"
+    return "BertForMaskedLM" if cfg.mlm_head else "BertModel"
+
+
 # --- weights ----------------------------------------------------------------------------------
 
 
@@ -156,7 +176,7 @@ def _linear(target: str, source: str) -> list[WeightRule]:
 def rules(cfg: ModelConfig, names: set[str]) -> list[WeightRule]:
     # Saving (no names): the MLM layout is BertForMaskedLM's, prefixed; a bare encoder is
     # BertModel's, bare.
-    prefix = _prefix(names) if names else ("bert." if cfg.mlm_head else "")
+    prefix = _prefix(names) if names else ("" if _architecture(cfg) == "BertModel" else "bert.")
     emb = f"{prefix}embeddings"
     table = [
         rename("tok_emb.weight", f"{emb}.word_embeddings.weight"),
@@ -187,6 +207,10 @@ def rules(cfg: ModelConfig, names: set[str]) -> list[WeightRule]:
         table.append(_mlm_bias(names))
         if not cfg.tie_embeddings:
             table.append(rename("mlm_head.decoder.weight", f"{MLM}.decoder.weight"))
+    if cfg.nsp_head:
+        table += _linear("nsp_head", NSP)
+    if cfg.n_classes:
+        table += _linear("classifier", "classifier")
     return table
 
 
