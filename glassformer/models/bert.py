@@ -63,11 +63,7 @@ class BERT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = (
-            AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.d_model)
-            if cfg.position in ("learned", "sinusoidal")
-            else None
-        )
+        self.pos_emb = AbsolutePositions.for_config(cfg)
         self.type_emb = (
             nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
         )

@@ -36,11 +36,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = (
-            AbsolutePositions(cfg.position, cfg.max_seq_len, cfg.d_model)
-            if cfg.position in ("learned", "sinusoidal")
-            else None
-        )
+        self.pos_emb = AbsolutePositions.for_config(cfg)
         self.rope = RotaryEmbedding(cfg) if cfg.position == "rope" else None
         if cfg.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
@@ -68,14 +64,8 @@ class GPT(nn.Module):
     ) -> KVCache:
         """An empty preallocated KV cache for generation."""
         param = self.tok_emb.weight
-        return KVCache(
-            self.cfg.n_layers,
-            batch_size,
-            self.cfg.n_kv_heads,
-            max_seq_len or self.cfg.max_seq_len,
-            self.cfg.head_dim,
-            dtype=dtype or param.dtype,
-            device=param.device,
+        return KVCache.for_config(
+            self.cfg, batch_size, max_seq_len, dtype or param.dtype, param.device
         )
 
     def _attention_mask(

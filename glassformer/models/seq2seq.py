@@ -132,14 +132,8 @@ class Seq2Seq(nn.Module):
     ) -> Seq2SeqCache:
         """An empty decoder cache for `batch_size` sources and up to max_seq_len target tokens."""
         param = self.tok_emb.weight
-        self_attn = KVCache(
-            self.cfg.n_layers,
-            batch_size,
-            self.cfg.n_kv_heads,
-            max_seq_len or self.cfg.max_seq_len,
-            self.cfg.head_dim,
-            dtype=dtype or param.dtype,
-            device=param.device,
+        self_attn = KVCache.for_config(
+            self.cfg, batch_size, max_seq_len, dtype or param.dtype, param.device
         )
         return Seq2SeqCache(self_attn, CrossAttentionCache(self.cfg.n_layers))
 

@@ -34,6 +34,26 @@ class KVCache:
         self.max_seq_len = max_seq_len
         self.length = 0
 
+    @classmethod
+    def for_config(
+        cls,
+        cfg,
+        batch_size: int,
+        max_seq_len: int | None,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> KVCache:
+        """A cache shaped for a ModelConfig's decoder layers (max_seq_len None: the config's)."""
+        return cls(
+            cfg.n_layers,
+            batch_size,
+            cfg.n_kv_heads,
+            max_seq_len or cfg.max_seq_len,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, Hkv, T, D) after the filled positions; return all keys/values so far."""
         start, end = self.length, self.length + k.shape[2]

@@ -42,6 +42,13 @@ class AbsolutePositions(nn.Module):
         else:
             self.register_buffer("weight", sinusoidal_table(max_seq_len, d_model), persistent=False)
 
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> AbsolutePositions | None:
+        """The table a config's position kind needs, or None when positions live elsewhere."""
+        if cfg.position not in ("learned", "sinusoidal"):
+            return None
+        return cls(cfg.position, cfg.max_seq_len, cfg.d_model)
+
     def forward(self, position_ids: Tensor) -> Tensor:
         # (B, T) -> (B, T, C)
         return self.weight[position_ids]
