@@ -356,6 +356,17 @@ class PretrainedTokenizer:
         return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"
 
 
+def require_token_ids(tokenizer: Any, tokens: Sequence[str], purpose: str) -> list[int]:
+    """The ids of `tokens`, or one error naming every token the tokenizer lacks."""
+    ids = [tokenizer.token_to_id(token) for token in tokens]
+    missing = [token for token, i in zip(tokens, ids, strict=True) if i is None]
+    if missing:
+        raise ValueError(
+            f"the tokenizer has no {', '.join(missing)}: {purpose} needs {', '.join(tokens)}"
+        )
+    return ids
+
+
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Load a tokenizer saved by `save`: a directory holding tokenizer.json, or the file."""
     path = Path(path)

@@ -20,7 +20,7 @@ from glassformer.config import ConfigError, ModelConfig
 from glassformer.data import batch_indices, train_val_split, window_starts
 from glassformer.data.genre import GENRES, genre_split
 from glassformer.data.mlm import mask_tokens, mlm_generator
-from glassformer.tokenizers import BPETokenizer, load_tokenizer
+from glassformer.tokenizers import BPETokenizer, load_tokenizer, require_token_ids
 from glassformer.train.checkpoint import read_config, resolve_checkpoint
 from glassformer.train.config import RunConfig
 from glassformer.train.tasks import TASKS, Task, load_documents, unigram_entropy
@@ -41,15 +41,11 @@ class SpecialIds:
     """The ids of [PAD] [CLS] [SEP] [MASK] in a tokenizer (ours or a Hugging Face BERT's)."""
 
     def __init__(self, tokenizer) -> None:
-        ids = {token: tokenizer.token_to_id(token) for token in BERT_SPECIAL_TOKENS}
-        missing = [token for token, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(
-                f"the tokenizer has no {', '.join(missing)}: BERT tasks need a tokenizer with "
-                f"{', '.join(BERT_SPECIAL_TOKENS)}; let the task train one (drop the tokenizer "
-                "or init_from) or use a BERT checkpoint's"
-            )
-        self.pad, self.cls, self.sep, self.mask = (ids[t] for t in BERT_SPECIAL_TOKENS)
+        self.pad, self.cls, self.sep, self.mask = require_token_ids(
+            tokenizer,
+            BERT_SPECIAL_TOKENS,
+            "a BERT task (let the task train its tokenizer, or use a BERT checkpoint's)",
+        )
         self.all = [self.pad, self.cls, self.sep, self.mask]
 
 

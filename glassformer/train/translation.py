@@ -17,7 +17,7 @@ import torch
 from glassformer.config import ConfigError, ModelConfig
 from glassformer.data import IGNORE_INDEX, batch_indices
 from glassformer.data.parallel import ParallelPair, parallel_corpus
-from glassformer.tokenizers import BPETokenizer
+from glassformer.tokenizers import BPETokenizer, require_token_ids
 from glassformer.train.config import RunConfig
 from glassformer.train.tasks import TASKS, Task, unigram_entropy
 
@@ -45,13 +45,17 @@ class SpecialIds:
 
     @classmethod
     def of(cls, tokenizer) -> SpecialIds:
-        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-        missing = [token for token, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(
-                f"the tokenizer has no {', '.join(missing)}: the translation task needs "
-                f"{', '.join(SPECIAL_TOKENS)}; let the task train its own tokenizer"
+        ids = dict(
+            zip(
+                SPECIAL_TOKENS,
+                require_token_ids(
+                    tokenizer,
+                    SPECIAL_TOKENS,
+                    "the translation task (let it train its own tokenizer)",
+                ),
+                strict=True,
             )
+        )
         return cls(ids[PAD], ids[BOS], ids[EOS])
 
 
