@@ -102,12 +102,21 @@ def print_stats(stats) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from glassformer.calc import kv_cache_bytes_per_token, parameter_table
+    from glassformer.calc import kv_cache_bytes_per_token
     from glassformer.interop.pretrained import from_pretrained
 
     model, _ = from_pretrained(args.model)
     cfg = model.cfg
     print(f"model: {args.model}")
+    if cfg.family == "rnn":
+        print(
+            f"  family rnn | cell {cfg.cell} | {cfg.n_layers} layers | hidden size {cfg.d_model}"
+            f" | vocab {cfg.vocab_size} | training window {cfg.max_seq_len} | norm {cfg.norm} |"
+            f" tied embeddings {cfg.tie_embeddings}"
+        )
+        _print_parameters(model)
+        _print_rnn_state(cfg)
+        return
     print(
         f"  family {cfg.family} | {cfg.n_layers} layers | d_model {cfg.d_model} | "
         f"{cfg.n_heads} heads ({cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim}) | "
@@ -117,18 +126,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         f"  position {cfg.position} | norm {cfg.norm} ({cfg.norm_position}) | ffn {cfg.ffn} | "
         f"tied embeddings {cfg.tie_embeddings}"
     )
-    table = parameter_table(model)
-    total = sum(table.values())
-    print("\nparameters by component:")
-    for name, count in sorted(table.items(), key=lambda kv: -kv[1]):
-        per_layer = ""
-        if name in ("attention", "ffn", "moe router", "recurrent"):
-            per_layer = f"  ({count // cfg.n_layers:,} per layer)"
-        print(f"  {name:<12} {count:>14,}  {100 * count / total:5.1f}%{per_layer}")
-    print(f"  {'total':<12} {total:>14,}")
-    if cfg.family == "rnn":
-        _print_rnn_state(cfg)
-        return
+    _print_parameters(model)
     print("\nKV cache per token (2 x layers x kv_heads x head_dim numbers):")
     for dtype in ("fp32", "bf16"):
         per_token = kv_cache_bytes_per_token(cfg, dtype)
@@ -137,6 +135,20 @@ def cmd_info(args: argparse.Namespace) -> None:
             f"  {dtype}: {per_token:,} bytes/token | {full / 2**20:.2f} MiB for the full "
             f"{cfg.max_seq_len}-token context"
         )
+
+
+def _print_parameters(model) -> None:
+    from glassformer.calc import parameter_table
+
+    table = parameter_table(model)
+    total = sum(table.values())
+    print("\nparameters by component:")
+    for name, count in sorted(table.items(), key=lambda kv: -kv[1]):
+        per_layer = ""
+        if name in ("attention", "ffn", "moe router", "recurrent"):
+            per_layer = f"  ({count // model.cfg.n_layers:,} per layer)"
+        print(f"  {name:<12} {count:>14,}  {100 * count / total:5.1f}%{per_layer}")
+    print(f"  {'total':<12} {total:>14,}")
 
 
 def _print_rnn_state(cfg) -> None:

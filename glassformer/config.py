@@ -118,22 +118,8 @@ class ModelConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                good = [h for h in _divisors(self.d_model) if h <= 64]
-                raise ConfigError(
-                    f"n_heads={self.n_heads} does not divide d_model={self.d_model}: pick n_heads"
-                    f" in {{{', '.join(map(str, good))}}} or set head_dim explicitly"
-                )
-            self.head_dim = self.d_model // self.n_heads
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: pick"
-                f" n_kv_heads in {{{', '.join(map(str, _divisors(self.n_heads)))}}}"
-                " (1 = MQA, n_heads = MHA)"
-            )
-        if self.position == "rope" and self.head_dim % 2:
-            raise ConfigError(f"RoPE rotates pairs of dims: head_dim={self.head_dim} must be even")
+        if self.family != "rnn":  # an RNN has no attention heads: nothing to check there
+            self._check_heads()
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ConfigError(f"sinusoidal positions need an even d_model, got {self.d_model}")
         if self.d_ff is None:
@@ -168,6 +154,24 @@ class ModelConfig:
                 raise ConfigError(
                     f"rope_scaling factor={self.rope_scaling.get('factor')!r} must be > 0"
                 )
+
+    def _check_heads(self) -> None:
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                good = [h for h in _divisors(self.d_model) if h <= 64]
+                raise ConfigError(
+                    f"n_heads={self.n_heads} does not divide d_model={self.d_model}: pick n_heads"
+                    f" in {{{', '.join(map(str, good))}}} or set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: pick"
+                f" n_kv_heads in {{{', '.join(map(str, _divisors(self.n_heads)))}}}"
+                " (1 = MQA, n_heads = MHA)"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"RoPE rotates pairs of dims: head_dim={self.head_dim} must be even")
 
     def default_d_ff(self) -> int:
         ffn = self.moe_expert_ffn if self.ffn == "moe" else self.ffn

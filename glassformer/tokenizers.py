@@ -17,6 +17,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 TOKENIZER_FILE = "tokenizer.json"
 ENDOFTEXT = "<|endoftext|>"
+# The spellings an end-of-text token goes by (GPT-2, T5/BART/Llama, ChatML, BERT): a tokenizer
+# file names no EOS, so the first of these among its special tokens is taken as the EOS.
+EOS_SPELLINGS = (ENDOFTEXT, "</s>", "<|im_end|>", "<eos>", "[SEP]")
+AUTO = "auto"
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode writes for bytes that are not (yet) a char
 _N_BYTES = 256  # a byte-level BPE starts from one token per byte value
 
@@ -121,21 +125,33 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
+def _find_eos(hf_tokenizer: HFTokenizer) -> str | None:
+    """The first of EOS_SPELLINGS that is one of the tokenizer's special tokens, or None."""
+    special = {
+        token.content for token in hf_tokenizer.get_added_tokens_decoder().values() if token.special
+    }
+    return next((token for token in EOS_SPELLINGS if token in special), None)
+
+
 class BPETokenizer:
     """Byte-level BPE (GPT-2 style) around a Hugging Face `tokenizers.Tokenizer`.
 
     Byte-level means any Unicode string encodes and decodes back exactly: every byte has a
     token, there is no normalizer, and the pre-tokenizer adds no prefix space. Text that
     contains a special token's spelling (e.g. "<|endoftext|>") encodes to that special id.
+    eos_token: the special token that ends a text; "auto" takes the first of EOS_SPELLINGS
+    among the special tokens (so a tokenizer trained with "</s>" stops generation there).
     """
 
-    def __init__(self, hf_tokenizer: HFTokenizer, eos_token: str | None = ENDOFTEXT) -> None:
+    def __init__(self, hf_tokenizer: HFTokenizer, eos_token: str | None = AUTO) -> None:
         if not isinstance(hf_tokenizer, HFTokenizer):
             raise TypeError(
                 f"BPETokenizer wraps a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}; "
                 f"to read a tokenizer.json use BPETokenizer.from_file(path) or load_tokenizer(path)"
             )
         self.hf = hf_tokenizer
+        if eos_token == AUTO:
+            eos_token = _find_eos(hf_tokenizer)
         self._eos_token_id = None if eos_token is None else hf_tokenizer.token_to_id(eos_token)
 
     @classmethod
@@ -166,7 +182,7 @@ class BPETokenizer:
         return cls(hf)
 
     @classmethod
-    def from_file(cls, path: str | Path, eos_token: str | None = ENDOFTEXT) -> BPETokenizer:
+    def from_file(cls, path: str | Path, eos_token: str | None = AUTO) -> BPETokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}: expected a tokenizer.json")

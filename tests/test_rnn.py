@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_rnn(cell: str, **overrides) -> RNNLM:
-    fields = dict(family="rnn", cell=cell, vocab_size=13, d_model=8, n_layers=2, n_heads=1)
+    # d_model=7: an RNN has no heads, so nothing asks n_heads (default 6) to divide it
+    fields = dict(family="rnn", cell=cell, vocab_size=13, d_model=7, n_layers=2)
     fields.update(max_seq_len=64, **overrides)
     model = build_model(ModelConfig(**fields))
     assert isinstance(model, RNNLM)
@@ -60,7 +61,7 @@ def test_rnn_lm_is_the_tutorial_recurrence():
     E, W_ho = p["tok_emb.weight"], p["lm_head.weight"]
     W_xh, W_hh = p["rnn_layers.0.cell.W_xh.weight"], p["rnn_layers.0.cell.W_hh.weight"]
     b = p["rnn_layers.0.cell.W_xh.bias"] + p["rnn_layers.0.cell.W_hh.bias"]
-    h = np.zeros((2, 8))
+    h = np.zeros((2, 7))
     expected = []
     for t in range(6):
         x_t = E[ids[:, t].numpy()]  # (B, C)
@@ -97,7 +98,7 @@ def test_lstm_and_gru_layers_equal_their_equations_step_by_step(cell):
         {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"rnn_layers.{i}.")}
         for i in range(2)
     ]
-    states = [(np.zeros((2, 8)), np.zeros((2, 8))) for _ in layers]
+    states = [(np.zeros((2, 7)), np.zeros((2, 7))) for _ in layers]
     expected = []
     for t in range(7):
         x = p["tok_emb.weight"][ids[:, t].numpy()]
@@ -154,7 +155,7 @@ def test_engine_generation_equals_recomputing(cell, temperature):
 @pytest.mark.parametrize("cell", CELLS)
 def test_state_bytes_do_not_grow_with_the_context(cell):
     model = tiny_rnn(cell)
-    per_layer_state = 2 * 8 if cell == "lstm" else 8  # the LSTM also keeps its cell state c
+    per_layer_state = 2 * 7 if cell == "lstm" else 7  # the LSTM also keeps its cell state c
     cache = model.new_cache(batch_size=3)
     assert cache.filled_bytes == 0
     sizes = []
@@ -206,7 +207,7 @@ def rnn_run(out_dir, corpus: str, model: dict | None = None, **train) -> RunConf
     return RunConfig.from_dict(
         {
             "model": {"family": "rnn", "cell": "lstm", "d_model": 64, "n_layers": 1,
-                      "n_heads": 1, "max_seq_len": 32, **(model or {})},
+                      "max_seq_len": 32, **(model or {})},
             "data": {"corpus": corpus, "tokenizer": "char"},
             "train": {
                 "out_dir": str(out_dir), "max_steps": 20, "batch_size": 8, "warmup_steps": 4,
@@ -255,3 +256,16 @@ def test_rnn_config_matches_the_gpt_config_size():
     assert rnn.cfg.family == "rnn" and rnn.cfg.cell == "lstm"
     assert abs(n_rnn / n_gpt - 1) < 0.05, (n_rnn, n_gpt)
     assert rnn_run_cfg.data == gpt_run_cfg.data
+
+
+def test_info_describes_an_rnn_without_heads(tmp_path, small_corpus, capsys):
+    from glassformer.cli import main
+
+    run = rnn_run(tmp_path / "run", small_corpus, {"d_model": 50, "cell": "gru"}, max_steps=2)
+    Trainer(run, progress=False).fit()
+    assert main(["info", "--model", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "cell gru" in out and "hidden size 50" in out and "recurrent" in out
+    assert "heads" not in out and "d_ff" not in out and "KV cache" not in out
+    # one layer of h, 50 fp32 numbers: the state does not depend on the context
+    assert "fp32: 200 bytes at any context length" in out

@@ -362,3 +362,20 @@ def test_stream_context_dependent_decoder():
     ids = tok.encode("the cat sat on the hat")
     pieces, rest = stream(tok, ids)
     assert "".join(pieces) + rest == tok.decode(ids) == "the cat sat on the hat"
+
+
+@pytest.mark.parametrize(
+    ("specials", "eos"),
+    [
+        (("<|endoftext|>",), "<|endoftext|>"),
+        (("<pad>", "<s>", "</s>"), "</s>"),  # the translation task's tokenizer
+        (("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+        (("<pad>", "<mask>"), None),
+    ],
+)
+def test_bpe_finds_its_eos_among_the_special_tokens(tmp_path, specials, eos):
+    tok = BPETokenizer.train(["to be or not to be"], vocab_size=270, special_tokens=specials)
+    expected = None if eos is None else tok.token_to_id(eos)
+    assert tok.eos_token_id == expected
+    assert BPETokenizer.from_file(tok.save(tmp_path)).eos_token_id == expected
+    assert BPETokenizer(tok.hf, eos_token=None).eos_token_id is None  # asked for none
