@@ -50,10 +50,29 @@ def _load_with_tokenizer(args: argparse.Namespace, why: str):
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = from_pretrained(args.model)
+    model, tokenizer = from_pretrained(args.model, quantize=getattr(args, "quantize", None))
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json: {why}")
-    return model, tokenizer
+    return _prepare_for_decode(model, args), tokenizer
+
+
+def _prepare_for_decode(model, args: argparse.Namespace):
+    """GPT-family models get the decode kernels (infer/optimize.py) unless --plain; --dtype
+    bf16 casts the model. An int8 model (--quantize) already runs on the kernels."""
+    import torch
+
+    from glassformer.infer.optimize import optimize_for_decode
+
+    dtype = getattr(args, "dtype", "fp32")
+    if getattr(args, "quantize", None):
+        if dtype != "fp32":
+            raise ValueError(
+                f"--quantize {args.quantize} keeps activations in fp32: drop --dtype {dtype}"
+            )
+        return model
+    if getattr(args, "plain", False) or model.cfg.family != "gpt":
+        return model.to(torch.bfloat16) if dtype == "bf16" else model
+    return optimize_for_decode(model, dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -61,8 +80,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from glassformer.tokenizers import IncrementalDecoder
 
     model, tokenizer = _load_with_tokenizer(args, "generate needs one to encode text")
-    prompt_ids = tokenizer.encode(args.prompt)
     engine = Engine(model)
+    if len(args.prompt) > 1:
+        _generate_batch(args, engine, tokenizer)
+        return
+    prompt = args.prompt[0]
+    prompt_ids = tokenizer.encode(prompt)
     stream = engine.stream(
         prompt_ids,
         max_new_tokens=args.max_new_tokens,
@@ -74,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         on_full_context=args.on_full_context,
     )
     decoder = IncrementalDecoder(tokenizer)
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(prompt)
     for token_id in stream:
         if token_id == tokenizer.eos_token_id:
             continue  # the end-of-sequence marker is a stop signal, not text
@@ -84,6 +107,38 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sys.stdout.flush()
     if args.stats:
         print_stats(stream.stats)
+
+
+def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
+    """Several prompts: generate them as one left-padded batch, then print each prompt and its
+    continuation on a line of its own, numbered from 1 (a batch does not stream)."""
+    prompt_ids = [tokenizer.encode(prompt) for prompt in args.prompt]
+    results = engine.generate_batch(
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    for number, (prompt, result) in enumerate(zip(args.prompt, results, strict=True), start=1):
+        # The end-of-sequence marker is a stop signal, not text.
+        text = tokenizer.decode([t for t in result.token_ids if t != tokenizer.eos_token_id])
+        print(f"[{number}] {prompt}{text}")
+    if args.stats:
+        stats = [result.stats for result in results]
+        batch = stats[0]  # the times, rates and cache bytes are the batch's, shared by all rows
+        print(
+            f"[batch of {len(stats)}: {sum(s.prompt_tokens for s in stats)} prompt tokens, "
+            f"{sum(s.generated_tokens for s in stats)} generated, stop: "
+            f"{', '.join(s.stop_reason for s in stats)}] time to first token "
+            f"{batch.time_to_first_token_s * 1e3:.1f} ms | decode {batch.decode_tokens_per_s:.1f}"
+            f" tok/s (all rows) | prefill {batch.prefill_tokens_per_s:.0f} tok/s | KV cache "
+            f"{batch.kv_cache_bytes / 1024:.1f} KiB in use of "
+            f"{batch.kv_cache_capacity_bytes / 1024:.1f} KiB allocated",
+            file=sys.stderr,
+        )
 
 
 def print_stats(stats) -> None:
@@ -362,6 +417,22 @@ def _add_sampling_flags(
     )
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="weights and activations in fp32 (default) or bf16 (half the bytes per token)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("int8",),
+        help="int8: weight-only int8 in groups of 32 (about 3.5x fewer weight bytes than fp32)",
+    )
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="run the model as built, without the decode kernels (for comparison)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,9 +468,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate",
         help="generate text from a checkpoint",
-        description="Prefill the prompt, then decode token by token with a KV cache, streaming.",
+        description="Prefill the prompt, then decode token by token with a KV cache, streaming. "
+        "Several prompts are generated together as one left-padded batch and printed numbered "
+        "when all are done.",
     )
-    p.add_argument("prompt", help="the text to continue")
+    p.add_argument(
+        "prompt",
+        nargs="+",
+        metavar="PROMPT",
+        help="the text to continue; give several to generate them as one batch",
+    )
     p.add_argument(
         "--model",
         required=True,
@@ -412,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("shift", "stop"),
         default="shift",
         help="when the context window fills up: keep its second half and go on (shift, the "
-        "default), or stop",
+        "default), or stop (a batch of several prompts always stops)",
     )
     p.add_argument(
         "--stats",

@@ -107,3 +107,24 @@ def test_python_dash_m_entry_point_shows_help():
         check=True,
     )
     assert "--top-p" in proc.stdout and "--temperature" in proc.stdout
+
+
+def test_decode_kernels_generate_what_the_plain_model_does(trained, capsys):
+    """generate runs the model through optimize_for_decode by default; --plain runs it as
+    built. Greedy, the two texts are the same (fp32 sums in another order: no near-ties)."""
+    args = ["generate", "--model", str(trained), "To be", "--max-new-tokens", "24",
+            "--temperature", "0"]  # fmt: skip
+    texts = []
+    for extra in ([], ["--plain"]):
+        assert main([*args, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0].rstrip("\n")) == len("To be") + 24
+    assert main([*args, "--dtype", "bf16"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+
+
+def test_int8_with_bf16_is_one_clear_line(trained, capsys):
+    args = ["generate", "--model", str(trained), "hi", "--quantize", "int8", "--dtype", "bf16"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "drop --dtype bf16" in err

@@ -69,12 +69,32 @@ def _refuse_pickles(path: Path) -> None:
             safetensors_files(path)  # raises the conversion hint, naming the files
 
 
-def from_pretrained(name_or_path: str | Path, dtype: torch.dtype = torch.float32):
+QUANTIZE_CHOICES = (None, "int8")
+
+
+def from_pretrained(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, quantize: str | None = None
+):
     """(model, tokenizer) for an alias (smollm2, minilm), a Hugging Face folder, a GGUF file or
     a glassformer checkpoint; the model is in eval mode, the tokenizer None if none was saved.
 
+    quantize="int8": every Linear of a GPT-family model becomes int8 weight-only with
+    per-channel scales (glassformer.nn.quant). A Q8_0 GGUF tensor is dequantized exactly
+    (q * d is exact in fp32) and requantized per channel.
+
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r} is not known: pick None or 'int8'")
+    model, tokenizer = _load_float(name_or_path, dtype)
+    if quantize == "int8":
+        from glassformer.nn.quant import quantize_int8
+
+        model = quantize_int8(model)
+    return model, tokenizer
+
+
+def _load_float(name_or_path: str | Path, dtype: torch.dtype):
     path = resolve(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         from glassformer.interop.gguf import load_gguf

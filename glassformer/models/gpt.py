@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.nn.attention import AttentionMask, model_mask
+from glassformer.nn.attention import AttentionMask, model_mask, positions_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
-from glassformer.nn.kv_cache import KVCache
+from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
 from glassformer.nn.norm import make_norm
 from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
 
@@ -60,11 +60,26 @@ class GPT(nn.Module):
     # --- caches and masks ---------------------------------------------------------------------
 
     def new_cache(
-        self, batch_size: int = 1, max_seq_len: int | None = None, dtype: torch.dtype | None = None
-    ) -> KVCache:
-        """An empty preallocated KV cache for generation."""
+        self,
+        batch_size: int = 1,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        kind: str = "auto",
+    ) -> KVCache | SlidingWindowCache:
+        """An empty preallocated KV cache for generation of up to max_seq_len positions.
+
+        kind: "full" (KVCache, memory for every position), "sliding" (SlidingWindowCache, a ring
+        of cfg.sliding_window positions) or "auto": sliding when the model has a window smaller
+        than max_seq_len, else full.
+        """
+        if kind not in ("auto", "full", "sliding"):
+            raise ValueError(f"kind={kind!r} is not known: pick 'auto', 'full' or 'sliding'")
+        window, capacity = self.cfg.sliding_window, max_seq_len or self.cfg.max_seq_len
+        if kind == "auto":
+            kind = "sliding" if window is not None and capacity > window else "full"
+        cache_class = SlidingWindowCache if kind == "sliding" else KVCache
         param = self.tok_emb.weight
-        return KVCache.for_config(
+        return cache_class.for_config(
             self.cfg, batch_size, max_seq_len, dtype or param.dtype, param.device
         )
 
@@ -87,6 +102,37 @@ class GPT(nn.Module):
             device=device,
         )
 
+    def _ring_mask(
+        self,
+        cache: SlidingWindowCache,
+        n_queries: int,
+        padding_mask: Tensor | None,
+        document_ids: Tensor | None,
+        device: torch.device,
+    ) -> AttentionMask:
+        """The mask over the keys a SlidingWindowCache returns (ring slots, then new keys)."""
+        if cache.window != self.cfg.sliding_window:
+            raise ValueError(
+                f"a SlidingWindowCache of window={cache.window} does not fit this model's "
+                f"sliding_window={self.cfg.sliding_window}: create it with model.new_cache()"
+            )
+        slopes = getattr(self, "alibi_slopes", None)
+        plain = padding_mask is None and document_ids is None
+        if n_queries == 1 and plain and slopes is None:
+            # Every filled slot is in the new query's past and within its window: no mask, and
+            # no positions to compute, so the decode step costs what it does with a KVCache.
+            return AttentionMask()
+        start = cache.length
+        return positions_mask(
+            torch.arange(start, start + n_queries, device=device),
+            cache.key_positions(n_queries, device),
+            causal=self.cfg.causal,
+            sliding_window=self.cfg.sliding_window,
+            padding_mask=padding_mask,
+            document_ids=document_ids,
+            alibi_slopes=slopes,
+        )
+
     # --- forward ------------------------------------------------------------------------------
 
     def hidden_states(
@@ -96,7 +142,7 @@ class GPT(nn.Module):
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SlidingWindowCache | None = None,
     ) -> Tensor:
         """(B, T) ids -> (B, T, C) final hidden states (after the final norm)."""
         cfg = self.cfg
@@ -121,7 +167,10 @@ class GPT(nn.Module):
             x = x + self.pos_emb(position_ids)
         x = self.drop(x)
         rope = self.rope(position_ids) if self.rope is not None else None
-        mask = self._attention_mask(T, start + T, padding_mask, document_ids, x.device)
+        if isinstance(cache, SlidingWindowCache):
+            mask = self._ring_mask(cache, T, padding_mask, document_ids, x.device)
+        else:
+            mask = self._attention_mask(T, start + T, padding_mask, document_ids, x.device)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if cache is not None:
@@ -135,12 +184,13 @@ class GPT(nn.Module):
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SlidingWindowCache | None = None,
         last_token_only: bool = False,
     ) -> Tensor:
         """(B, T) token ids -> (B, T, V) next-token logits ((B, 1, V) with last_token_only).
 
-        cache: a KVCache from new_cache(); the input continues where the cache ends.
+        cache: a KVCache or SlidingWindowCache from new_cache(); the input continues where
+            the cache ends.
         padding_mask: bool (B, cached + T), True for real tokens.
         document_ids: (B, cached + T) ids of packed documents, like padding_mask; attention
             stays inside each document.

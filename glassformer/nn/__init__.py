@@ -9,7 +9,7 @@ from glassformer.nn.attention import (
 )
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import MLP, GatedMLP, MoE, make_ffn
-from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
+from glassformer.nn.kv_cache import CrossAttentionCache, KVCache, SlidingWindowCache
 from glassformer.nn.norm import LayerNorm, RMSNorm, make_norm
 from glassformer.nn.position import (
     AbsolutePositions,
@@ -36,6 +36,7 @@ __all__ = [
     "RMSNorm",
     "RelativePositionBias",
     "RotaryEmbedding",
+    "SlidingWindowCache",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",

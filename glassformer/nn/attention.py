@@ -63,20 +63,42 @@ def build_allowed(
     key_padding: bool (B, Tk), True for real tokens. document_ids: (B, Tk) ids of the packed
     document each position belongs to; attention never crosses documents.
     """
-    q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (Tq, 1)
-    k_index = torch.arange(n_keys, device=device)[None, :]  # (1, Tk)
-    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    return allowed_at_positions(
+        torch.arange(n_keys - n_queries, n_keys, device=device),
+        torch.arange(n_keys, device=device),
+        causal=causal,
+        sliding_window=sliding_window,
+        padding_mask=key_padding,
+        document_ids=document_ids,
+    )
+
+
+def allowed_at_positions(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor | None:
+    """build_allowed for queries and keys at any sequence positions (Tq,), (Tk,), e.g. the
+    out-of-order slots of a ring KV cache. padding_mask, document_ids: (B, total sequence),
+    indexed by position."""
+    q_index, k_index = q_positions[:, None], k_positions[None, :]  # (Tq, 1), (1, Tk)
+    device = q_positions.device
+    allowed = torch.ones(len(q_positions), len(k_positions), dtype=torch.bool, device=device)
     if causal:
         allowed &= k_index <= q_index
     if sliding_window is not None:
         # A window of w keys: the query itself and the w - 1 before it (Mistral's convention).
         allowed &= (q_index - k_index < sliding_window) & (k_index - q_index < sliding_window)
     allowed = allowed[None, None]  # (1, 1, Tq, Tk)
-    if key_padding is not None:
-        allowed = allowed & key_padding.bool()[:, None, None, :]
+    if padding_mask is not None:
+        allowed = allowed & padding_mask.bool()[:, k_positions][:, None, None, :]
     if document_ids is not None:
-        q_docs = document_ids[:, n_keys - n_queries :]
-        allowed = allowed & (q_docs[:, None, :, None] == document_ids[:, None, None, :])
+        q_docs, k_docs = document_ids[:, q_positions], document_ids[:, k_positions]
+        allowed = allowed & (q_docs[:, None, :, None] == k_docs[:, None, None, :])
     if bool(allowed.all()):
         return None
     # A query that may see nothing (a padding position) would softmax over all -inf: NaN.
@@ -118,6 +140,32 @@ def model_mask(
         key_padding=padding_mask,
         document_ids=document_ids,
         device=device,
+    )
+    return AttentionMask(allowed=allowed, bias=bias)
+
+
+def positions_mask(
+    q_positions: Tensor,
+    k_positions: Tensor,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> AttentionMask:
+    """model_mask for keys at given sequence positions (Tk,), as a SlidingWindowCache returns
+    them; queries at q_positions (Tq,). ALiBi's bias is built from the same positions."""
+    bias = None
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, q_positions[None], k_positions[None])  # (1, H, Tq, Tk)
+    allowed = allowed_at_positions(
+        q_positions,
+        k_positions,
+        causal=causal,
+        sliding_window=sliding_window,
+        padding_mask=padding_mask,
+        document_ids=document_ids,
     )
     return AttentionMask(allowed=allowed, bias=bias)
 

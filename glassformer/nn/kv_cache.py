@@ -1,4 +1,5 @@
-"""A static, preallocated KV cache (seed 000 §2.5.1; seed 002's "0.5 MB per token").
+"""A static, preallocated KV cache (seed 000 §2.5.1; seed 002's "0.5 MB per token"), and a
+rolling-buffer cache for sliding-window models (Mistral) whose memory stays at W positions.
 
 Prefill writes the whole prompt's keys and values at once; each decode step appends one
 position in place. Memory is allocated once, up front, so the decode loop allocates nothing.
@@ -72,6 +73,16 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding's rollback of rejected
+        tokens). Nothing is erased: the next update writes at `length` and reads only [:end]."""
+        if not 0 <= length <= self.length:
+            raise ValueError(
+                f"truncate(length={length}) must keep between 0 and the {self.length} cached "
+                "positions: a cache can only be rolled back, not extended"
+            )
+        self.length = length
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated for the whole capacity."""
@@ -85,6 +96,137 @@ class KVCache:
     @property
     def filled_bytes(self) -> int:
         return self.bytes_per_token * self.length * self.k.shape[1]
+
+
+class SlidingWindowCache:
+    """Mistral's rolling buffer: a KV cache for sliding-window models whose memory is bounded by
+    the window W instead of the sequence length.
+
+    A query at position p sees only keys p - W + 1 .. p, so a key older than W positions is never
+    needed again: position p is written to slot p % W, over the key that just left the window.
+    RoPE is applied before caching (each key carries its position), so a 1-token decode step
+    may attend to the filled slots in any order; `key_positions` names the position of each
+    key that `update` returns, for masks and ALiBi. Per layer: k, v (B, Hkv, W, D).
+
+    `max_seq_len` bounds the total positions fed (what the model's positions support), not
+    memory: `length` can run past W up to it.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        window: int,
+        head_dim: int,
+        max_seq_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1: the model's sliding_window")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len={max_seq_len} must be >= 1: the most positions fed")
+        shape = (n_layers, batch_size, n_kv_heads, window, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, W, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window = window
+        self.max_seq_len = max_seq_len
+        self.length = 0  # positions fed so far (may exceed the window)
+
+    @classmethod
+    def for_config(
+        cls,
+        cfg,
+        batch_size: int,
+        max_seq_len: int | None,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> SlidingWindowCache:
+        """A ring of cfg.sliding_window slots (max_seq_len None: the config's position limit)."""
+        if cfg.sliding_window is None:
+            raise ValueError(
+                "sliding_window=None: this model attends to every earlier key, so a ring cache "
+                "would drop keys it needs; use KVCache (model.new_cache(kind='full'))"
+            )
+        return cls(
+            cfg.n_layers,
+            batch_size,
+            cfg.n_kv_heads,
+            cfg.sliding_window,
+            cfg.head_dim,
+            max_seq_len or cfg.max_seq_len,
+            dtype=dtype,
+            device=device,
+        )
+
+    def key_positions(self, n_new: int, device: torch.device | str | None = None) -> Tensor:
+        """Sequence positions (Tk,) of the keys `update` returns when n_new positions arrive.
+
+        One new position: the filled slots in slot order (slot s holds the latest position
+        p < length + 1 with p % W == s). Several: the cached positions in order, then the new.
+        """
+        W, end = self.window, self.length + n_new
+        if n_new == 1:
+            slots = torch.arange(min(end, W), device=device)
+            return slots + W * ((end - 1 - slots) // W)
+        return torch.arange(max(0, self.length - W), end, device=device)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, T, D) into the ring; return the keys/values the new queries attend
+        over, in the order of `key_positions(T)`."""
+        T, W, start = k.shape[2], self.window, self.length
+        if start + T > self.max_seq_len:
+            raise ValueError(
+                f"sliding-window cache is at its position limit: {start} fed + {T} new "
+                f"positions > max_seq_len {self.max_seq_len}; create it with a larger max_seq_len"
+            )
+        if T == 1:
+            # Decode: overwrite the slot of position start - W (now outside the window). In
+            # place, no allocation; every filled slot is within the window of the new query.
+            slot = start % W
+            self.k[layer, :, :, slot : slot + 1] = k
+            self.v[layer, :, :, slot : slot + 1] = v
+            n_filled = min(start + 1, W)
+            return self.k[layer, :, :, :n_filled], self.v[layer, :, :, :n_filled]
+        # A chunk of several queries: the earliest still need keys that the chunk's own writes
+        # overwrite, so copy the ring out (in position order) before writing. The model's mask
+        # keeps each query within its own window.
+        keys = torch.cat([self._in_position_order(self.k[layer]), k], dim=2)  # (B, Hkv, Tk, D)
+        values = torch.cat([self._in_position_order(self.v[layer]), v], dim=2)
+        kept = min(T, W)  # only the last W positions can be needed later
+        slots = torch.arange(start + T - kept, start + T, device=k.device) % W
+        self.k[layer].index_copy_(2, slots, k[:, :, T - kept :])
+        self.v[layer].index_copy_(2, slots, v[:, :, T - kept :])
+        return keys, values
+
+    def _in_position_order(self, ring: Tensor) -> Tensor:
+        """The cached positions max(0, length - W) .. length - 1 of one layer, oldest first."""
+        if self.length < self.window:
+            return ring[:, :, : self.length]
+        oldest = self.length % self.window  # the slot written longest ago
+        return torch.cat([ring[:, :, oldest:], ring[:, :, :oldest]], dim=2)
+
+    def advance(self, n_positions: int) -> None:
+        self.length += n_positions
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated: W positions, whatever the sequence length."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes."""
+        return self.nbytes // self.window // self.k.shape[1]
+
+    @property
+    def filled_bytes(self) -> int:
+        """Bytes of keys/values held: at most W positions."""
+        return self.bytes_per_token * min(self.length, self.window) * self.k.shape[1]
 
 
 class CrossAttentionCache:

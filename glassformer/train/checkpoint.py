@@ -131,6 +131,9 @@ def _weights_to_save(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[st
 
 def save_model_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Write the model's weights to one safetensors file (tied tensors stored once)."""
+    from glassformer.nn.quant import refuse_quantized
+
+    refuse_quantized(model, f"save {path} from")
     tensors, aliases = _weights_to_save(model)
     metadata = {"format": "pt"}
     if aliases:

@@ -1,0 +1,268 @@
+"""Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023): a cheap draft model proposes k tokens one by one, the target model
+checks all of them in ONE forward pass over its KV cache, and every proposal it agrees with is a
+token gained for the price of a draft step.
+
+Decoding is memory-bound (seed 000 §2.5.1): one target step reads every weight to make one
+token, and a pass over k + 1 tokens reads them once too, so it costs about the same. Greedy
+output is exactly the target's own greedy output; with temperature > 0 the rejection rule keeps
+the output distributed exactly as the target's. Shapes: V vocab, K proposals in a round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
+
+
+@dataclass
+class SpeculativeStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    k: int = 0  # proposals asked of the draft per round (fewer near the end)
+    rounds: int = 0  # verification passes of the target after the prefill
+    proposed: int = 0  # draft tokens the target checked
+    accepted: int = 0  # draft tokens the target agreed with
+    time_to_first_token_s: float = 0.0  # the target's prefill + the first token
+    # Tokens after the first, per second of decoding (the draft's prefill of the prompt
+    # happens in the first round, so it counts here).
+    decode_tokens_per_s: float = 0.0
+    draft_time_s: float = 0.0  # time spent in draft forward passes
+    target_time_s: float = 0.0  # time spent in target verification passes
+    total_time_s: float = 0.0
+    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """New tokens per verification pass (the prefill's token left out): plain decoding
+        makes 1, a draft the target always agrees with makes k + 1."""
+        return (self.generated_tokens - 1) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class SpeculativeResult:
+    token_ids: list[int]  # the new tokens only
+    stats: SpeculativeStats
+
+
+def check_draft(target: nn.Module, draft: nn.Module) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    target_vocab, draft_vocab = target.cfg.vocab_size, draft.cfg.vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"the draft's vocab_size={draft_vocab} differs from the target's "
+            f"vocab_size={target_vocab}: speculative decoding needs both models to share one "
+            "tokenizer; pick a draft trained with the target's tokenizer"
+        )
+
+
+def _prompt_list(prompt_ids: Sequence[int] | Tensor, max_seq_len: int) -> list[int]:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(
+            f"prompt_ids must be one non-empty sequence of token ids, got shape {tuple(ids.shape)}"
+        )
+    if ids.numel() > max_seq_len:
+        raise ValueError(
+            f"the prompt has {ids.numel()} tokens but the target's context window is "
+            f"max_seq_len={max_seq_len}: shorten the prompt"
+        )
+    return ids.tolist()
+
+
+def rollback(cache, length: int) -> None:
+    """Drop the cache's positions from `length` on; only caches that keep them can do it."""
+    if not hasattr(cache, "truncate"):
+        raise TypeError(
+            f"{type(cache).__name__} cannot roll back rejected tokens (no truncate()): use "
+            "the plain KVCache for speculative decoding"
+        )
+    cache.truncate(length)
+
+
+def propose(
+    draft: nn.Module,
+    cache,
+    context: list[int],
+    n_proposals: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], Tensor | None]:
+    """Let the draft continue `context` by n_proposals tokens, one forward pass each.
+
+    The draft's cache may lag behind the context by a few tokens (the target's correction, or
+    the last proposal after a full acceptance): the first pass feeds all of them at once.
+    Returns the tokens and, when sampling, the draft's distributions q (K, V) they came from.
+    """
+    feed = context[cache.length :]  # at least the last token: the cache holds context[:-1]
+    tokens: list[int] = []
+    q_rows: list[Tensor] = []
+    for _ in range(n_proposals):
+        ids = torch.tensor([feed], device=draft.device)  # (1, T)
+        logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+        if not params.is_greedy:
+            q_rows.append(sampling_distribution(logits, params)[0])
+        token = int(sample(logits, params, generator))
+        tokens.append(token)
+        feed = [token]
+    return tokens, (torch.stack(q_rows) if q_rows else None)
+
+
+def verify_greedy(target_logits: Tensor, proposals: list[int]) -> list[int]:
+    """The longest prefix of proposals equal to the target's argmax, then the target's own token.
+
+    target_logits (K + 1, V): row i is the target's prediction after context + proposals[:i].
+    Why the result equals plain greedy decoding: a proposal is kept only if it IS the target's
+    argmax given everything before it, so every kept row was computed on the very prefix plain
+    greedy decoding would have built. The one caveat is float rounding: a (K + 1)-token pass
+    sums in a different order than K + 1 single steps, so two logits within ~1e-6 of each other
+    could swap; with trained or random weights such a near-tie essentially never happens.
+    """
+    choices = target_logits.argmax(dim=-1).tolist()  # (K + 1,)
+    n_accepted = 0
+    while n_accepted < len(proposals) and proposals[n_accepted] == choices[n_accepted]:
+        n_accepted += 1
+    # Row n_accepted is the correction after a rejection, or the bonus token after k accepts.
+    return [*proposals[:n_accepted], choices[n_accepted]]
+
+
+def verify_sampled(
+    target_logits: Tensor,
+    proposals: list[int],
+    draft_probs: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Leviathan et al.'s rejection rule: keep proposal x ~ q with probability min(1, p(x)/q(x));
+    at the first rejection draw from the residual max(0, p - q), normalized; after k accepts
+    draw a bonus token from p. Each emitted token is then distributed exactly as p.
+
+    target_logits (K + 1, V); draft_probs q (K, V): the distributions the proposals came from.
+    """
+    p = sampling_distribution(target_logits, params)  # (K + 1, V)
+    for i, token in enumerate(proposals):
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * draft_probs[i, token] < p[i, token]:  # u < p/q without dividing by q
+            continue
+        residual = (p[i] - draft_probs[i]).clamp(min=0)  # (V,)
+        if float(residual.sum()) <= 0:
+            # p == q up to rounding: a rejection was a rounding artefact; p itself is exact.
+            residual = p[i]
+        fix = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+        return [*proposals[:i], int(fix)]
+    bonus = torch.multinomial(p[len(proposals)], 1, generator=generator)
+    return [*proposals, int(bonus)]
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: nn.Module,
+    draft: nn.Module,
+    prompt_ids: Sequence[int] | Tensor,
+    max_new_tokens: int = 64,
+    k: int = 4,
+    eos_token_id: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> SpeculativeResult:
+    """Generate up to max_new_tokens with `draft` proposing k tokens per target pass (batch 1).
+
+    temperature 0 (the default) gives exactly Engine(target).generate(temperature=0)'s tokens;
+    temperature > 0 (with top_k/top_p) samples from the same distribution as the target alone.
+    Stops at eos_token_id (default: the target config's), max_new_tokens or the context end.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an integer >= 1: the draft tokens proposed per round")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    check_draft(target, draft)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    target_max, draft_max = target.cfg.max_seq_len, draft.cfg.max_seq_len
+    context = _prompt_list(prompt_ids, target_max)
+    if eos_token_id is None:
+        eos_token_id = target.cfg.eos_token_id
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+    target.eval()
+    draft.eval()
+    n_prompt = len(context)
+    # Full caches even for sliding-window models: a ring buffer overwrites the slot of the key
+    # leaving the window, so rejected proposals could not be rolled back; the mask still
+    # limits attention to the window.
+    target_cache = target.new_cache(1, min(target_max, n_prompt + max_new_tokens), kind="full")
+    draft_cache = draft.new_cache(1, min(draft_max, n_prompt + max_new_tokens), kind="full")
+    stats = SpeculativeStats(prompt_tokens=n_prompt, k=k)
+
+    t0 = time.perf_counter()
+    prompt = torch.tensor([context], device=target.device)  # (1, T)
+    logits = target(prompt, cache=target_cache, last_token_only=True)[:, -1]  # (1, V)
+    new_tokens = [int(sample(logits, params, generator))]
+    context.append(new_tokens[0])
+    t_first = time.perf_counter()
+    stats.time_to_first_token_s = t_first - t0
+    done = eos_token_id is not None and new_tokens[0] == eos_token_id
+    stats.stop_reason = "eos" if done else "max_new_tokens"
+    # Invariant between rounds: both caches hold at most context[:-1]; the target's exactly.
+    while not done and len(new_tokens) < max_new_tokens:
+        if target_cache.length >= target_max:
+            stats.stop_reason = "context_full"
+            break
+        remaining = max_new_tokens - len(new_tokens)
+        # Propose no more than fits: a round emits up to n_proposals + 1 tokens, the target's
+        # pass writes positions len(context) - 1 ... + n_proposals, the draft's one fewer.
+        n_proposals = min(k, remaining - 1, target_max - len(context), draft_max - len(context) + 1)
+        n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
+
+        t_draft = time.perf_counter()
+        proposals, draft_probs = propose(
+            draft, draft_cache, context, n_proposals, params, generator
+        )
+        t_target = time.perf_counter()
+        n_cached = target_cache.length
+        ids = torch.tensor([context[-1:] + proposals], device=target.device)  # (1, K + 1)
+        target_logits = target(ids, cache=target_cache)[0]  # (K + 1, V)
+        if params.is_greedy:
+            emitted = verify_greedy(target_logits, proposals)
+        else:
+            emitted = verify_sampled(target_logits, proposals, draft_probs, params, generator)
+        n_accepted = len(emitted) - 1
+        # Roll back the rejected proposals' keys/values: the caches hold context[:-1] again.
+        rollback(target_cache, n_cached + 1 + n_accepted)
+        rollback(draft_cache, min(draft_cache.length, len(context) + n_accepted))
+        now = time.perf_counter()
+        stats.draft_time_s += t_target - t_draft
+        stats.target_time_s += now - t_target
+        stats.rounds += 1
+        stats.proposed += n_proposals
+        stats.accepted += n_accepted
+
+        for token in emitted:
+            new_tokens.append(token)
+            context.append(token)
+            if eos_token_id is not None and token == eos_token_id:
+                stats.stop_reason = "eos"
+                done = True
+                break
+
+    t_end = time.perf_counter()
+    stats.generated_tokens = len(new_tokens)
+    stats.total_time_s = t_end - t0
+    if len(new_tokens) > 1:
+        stats.decode_tokens_per_s = (len(new_tokens) - 1) / (t_end - t_first)
+    return SpeculativeResult(token_ids=new_tokens, stats=stats)

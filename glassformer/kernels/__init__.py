@@ -1,0 +1,183 @@
+"""Hand-written matrix-vector kernels for batch-1 decoding (seed 000 §2.5.1: memory-bound).
+
+`matvec(x, weight, scale)` computes x @ weight.T (times a per-row scale for int8) with the C
+loops in matvec.c when the input has few rows and the CPU has AVX2/FMA; anything else (prefill,
+other CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized weight, which is
+also the reference the tests hold the kernel to.
+
+The C file is compiled on first use with the system C compiler into a cache folder keyed by
+the source, flags and CPU (~1 s; `GLASSFORMER_KERNELS=0` turns it off), and called through
+ctypes on the tensors' memory. A plain C shared object rather than a torch C++ extension:
+it builds in a second instead of a minute, and needs no torch headers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("matvec.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
+MAX_ROWS = 8  # above this the product is compute-bound: MKL's matmul wins
+_STORAGES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty off Linux or off x86)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in lines
+                     if line.startswith("flags")), []))  # fmt: skip
+
+
+def build_flags() -> tuple[str, ...]:
+    """Compiler flags for this CPU: AVX2 + FMA, plus AVX-512 where present."""
+    has_avx512 = {"avx512f", "avx512bw"} <= _cpu_flags()
+    return FLAGS + (AVX512_FLAGS if has_avx512 else ())
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "glassformer" / "kernels"
+
+
+def _build() -> Path:
+    """Compile matvec.c once per (source, flags, compiler, CPU model); return the .so path."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "")  # fmt: skip
+    flags = build_flags()
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), " ".join(flags), version, cpu]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"matvec-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent build or an interrupted one never
+    # leaves a half-written library under the final name.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / "matvec.so"
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning) when they cannot be had here."""
+    if os.environ.get("GLASSFORMER_KERNELS", "1") == "0" or not {"avx2", "fma"} <= _cpu_flags():
+        return None
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as error:
+        warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=3)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for storage in _STORAGES.values():
+        function = getattr(library, f"matvec_{storage}")
+        # x, w, scale, y, rows, in, out, group, n_threads
+        function.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
+        function.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the C kernels run on this machine (AVX2/FMA CPU, a C compiler)."""
+    return _library() is not None
+
+
+def can_use(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
+    """Whether matvec(x, weight, scale) will take the kernel rather than F.linear."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return (
+        0 < rows <= MAX_ROWS
+        and x.device.type == "cpu"
+        and weight.dtype in _STORAGES
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and weight.is_contiguous()
+        and _group_size(weight, scale) % 32 == 0  # the C loop steps 32 columns at a time
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and available()
+    )
+
+
+def _group_size(weight: Tensor, scale: Tensor | None) -> int:
+    """Columns per scale: all of a row (per-channel, or no scale) or in_features / groups."""
+    if scale is None or scale.dim() == 1:
+        return weight.shape[1]
+    return weight.shape[1] // scale.shape[1]
+
+
+def dequantize(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The weight as `dtype` floats: int8 times its scales (out,) or (out, groups); other
+    storages cast."""
+    if scale is None:
+        return weight.to(dtype)
+    out_features, in_features = weight.shape
+    groups = scale.reshape(out_features, -1)  # (out, G)
+    w = weight.to(torch.float32).view(out_features, groups.shape[1], -1) * groups[..., None]
+    return w.view(out_features, in_features).to(dtype)
+
+
+def matvec(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight (out, in).T, the weight dequantized by `scale` when given.
+
+    weight is fp32, bf16 or int8; int8 needs scale: (out,) per output row, or (out, G) per row
+    and group of in/G columns. The result has x's dtype."""
+    if weight.dtype == torch.int8 and scale is None:
+        raise ValueError("an int8 weight needs its scales: matvec(x, weight, scale)")
+    if not can_use(x, weight, scale):
+        return F.linear(x, dequantize(weight, scale, x.dtype))
+    x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
+    if x2d.dtype != torch.float32 or not x2d.is_contiguous():
+        x2d = x2d.to(torch.float32).contiguous()
+    if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
+        scale = scale.to(torch.float32).contiguous()
+    rows, n_out = x2d.shape[0], weight.shape[0]
+    y = torch.empty(rows, n_out, dtype=torch.float32)
+    _functions()[weight.dtype](
+        x2d.data_ptr(),
+        weight.data_ptr(),
+        None if scale is None else scale.data_ptr(),
+        y.data_ptr(),
+        rows,
+        weight.shape[1],
+        n_out,
+        _group_size(weight, scale),
+        torch.get_num_threads(),
+    )
+    y = y.view(*x.shape[:-1], n_out)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+@functools.cache
+def _functions() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The C function for each weight storage."""
+    library = _library()
+    return {dtype: getattr(library, f"matvec_{name}") for dtype, name in _STORAGES.items()}

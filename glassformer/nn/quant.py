@@ -1,0 +1,154 @@
+"""int8 weight-only quantization (seed 002: a model is its numbers; seed 000 §2.5.1: decode is
+memory-bound, so fewer bytes per weight is more tokens per second).
+
+Each Linear weight is stored as int8 with float scales: w ~= q * scale, symmetric, scale =
+max|w| / 127 over a group of weights. With one group per output row (per-channel scaling) an
+outlier input column costs its whole row precision; groups of `group_size` columns (32, as
+llama.cpp's Q8_0) bound that damage to 32 weights for 4 more bytes per 32. Activations stay
+float: the int8 rows are turned back into floats inside the matrix-vector kernel
+(glassformer/kernels), or dequantized for a plain matmul when many rows come at once (prefill).
+
+Shapes: O output features, K input features, G = K / group_size groups per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from glassformer import kernels
+
+DEFAULT_GROUP_SIZE = 32  # llama.cpp Q8_0 blocks: a Q8_0 GGUF loads exactly
+
+
+def check_group_size(group_size: int | None, in_features: int) -> int:
+    """The group size to use for a K-column weight: None means per-channel (group = K)."""
+    if group_size is None:
+        return in_features
+    if not isinstance(group_size, int) or group_size < 1 or in_features % group_size:
+        raise ValueError(
+            f"group_size={group_size!r} does not divide in_features={in_features}: use a "
+            f"divisor of it (32 as llama.cpp's Q8_0), or None for one scale per output row"
+        )
+    return group_size
+
+
+def quantize_groupwise(weight: Tensor, group_size: int | None = DEFAULT_GROUP_SIZE):
+    """Symmetric int8: (O, K) float -> q int8 (O, K), scales float32 (O, G).
+
+    |w - q * scale| <= scale / 2 for every weight; an all-zero group gets scale 1 and q = 0."""
+    w = weight.detach().float()  # (O, K)
+    O, K = w.shape
+    group = check_group_size(group_size, K)
+    groups = w.view(O, K // group, group)  # (O, G, group)
+    scales = groups.abs().amax(dim=-1) / 127  # (O, G)
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(O, K), scales
+
+
+class Int8Linear(nn.Module):
+    """A Linear with an int8 weight (O, K) and float32 scales (O, G): y = x (q * s)^T + b.
+
+    Inference only (the int8 weight has no gradient). The output has the input's dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        group_size: int | None = DEFAULT_GROUP_SIZE,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = check_group_size(group_size, in_features)
+        n_groups = in_features // self.group_size
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        )
+        self.register_buffer("scales", torch.ones(out_features, n_groups, device=device))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int | None = DEFAULT_GROUP_SIZE
+    ) -> Int8Linear:
+        """Quantize an nn.Linear (its weight is copied, never shared)."""
+        weight = linear.weight
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group_size=group_size,
+            device=weight.device,
+        )
+        q, scales = quantize_groupwise(weight, group_size)
+        module.weight.copy_(q)
+        module.scales.copy_(scales)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        return module
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight (O, K) this module computes with: q * scale."""
+        return kernels.dequantize(self.weight, self.scales, torch.float32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = kernels.matvec(x, self.weight, self.scales)  # (..., O)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}"
+        )
+
+
+def quantize_int8(model: nn.Module, group_size: int | None = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """Replace every nn.Linear in a GPT's blocks, and its lm_head, by an Int8Linear (in place;
+    the model is returned, in eval mode). Forward, KV cache and Engine work unchanged.
+
+    Tied embeddings: the lm_head becomes its own int8 copy and the embedding lookup keeps the
+    float table (SmolLM2: 113 MB fp32 table + 28 MB int8 head; the table is only read one row
+    per token). MoE routers stay float: top-k routing turns tiny logit differences into
+    different experts, and a router is a small matrix."""
+    cfg = getattr(model, "cfg", None)
+    family = getattr(cfg, "family", type(model).__name__)
+    if family != "gpt" or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"quantize_int8 supports GPT-family models (GPT-2, Llama, SmolLM2), not {family!r}: "
+            "load a decoder-only checkpoint, or run this model in float"
+        )
+    model.eval()
+    with torch.no_grad():
+        for parent in list(model.blocks.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and name != "router":
+                    setattr(parent, name, Int8Linear.from_linear(child, group_size))
+        if isinstance(model.lm_head, nn.Linear):
+            model.lm_head = Int8Linear.from_linear(model.lm_head, group_size)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer, counting shared (tied) storage once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def refuse_quantized(model: nn.Module, action: str) -> None:
+    """A clear error for saving a quantized model into a float checkpoint format."""
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError(
+            f"cannot {action} an int8-quantized model: save the float model and quantize after "
+            "loading (from_pretrained(..., quantize='int8') or --quantize int8)"
+        )

@@ -1,0 +1,207 @@
+"""The decode kernels (glassformer/kernels) and the optimized model (infer/optimize.py) against
+torch's F.linear and the plain model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import glassformer as gf
+from glassformer import kernels
+from glassformer.infer.engine import Engine
+from glassformer.infer.optimize import DecodeLinear, optimize_for_decode
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no AVX2/FMA CPU or compiler")
+
+
+def int8_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(out_features, in_features)
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor:
+    """F.linear in float64 on the exact weight values the kernel reads; scale (out,) or
+    (out, G) for groups of in/G columns, expanded column by column here."""
+    w = weight.double()
+    if scale is not None:
+        scale = scale.double().reshape(w.shape[0], -1)  # (out, G)
+        w = w * scale.repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
+    return F.linear(x.double(), w)
+
+
+# --- the kernels --------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(7, 32), (96, 64), (33, 576)])
+def test_matvec_equals_linear(storage, rows, out_features, in_features):
+    x = torch.randn(rows, in_features)
+    if storage is torch.int8:
+        weight, scale = int8_weight(out_features, in_features)
+    else:
+        weight, scale = torch.randn(out_features, in_features).to(storage), None
+    assert kernels.can_use(x, weight)
+    with torch.no_grad():
+        y = kernels.matvec(x, weight, scale)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    # fp32 accumulation of `in` products in another order than float64: ~sqrt(in) ulps
+    torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 64, 192])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_group_scales_equal_linear(group, rows):
+    weight = torch.randint(-127, 128, (40, 576), dtype=torch.int8)
+    scale = torch.rand(40, 576 // group) + 0.01  # one scale per row and group of columns
+    x = torch.randn(rows, 576)
+    assert kernels.can_use(x, weight, scale)
+    with torch.no_grad():
+        y = kernels.matvec(x, weight, scale)
+        fallback = F.linear(x, kernels.dequantize(weight, scale, torch.float32))
+    expected = reference(x, weight, scale)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(fallback.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+@needs_kernels
+def test_matvec_keeps_leading_dims_and_input_dtype():
+    weight = torch.randn(48, 32)
+    x = torch.randn(2, 1, 32).transpose(0, 1)  # (1, 2, 32), not contiguous
+    with torch.no_grad():
+        y = kernels.matvec(x, weight)
+        y_bf16 = kernels.matvec(x.bfloat16(), weight.bfloat16())
+    assert y.shape == (1, 2, 48)
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert y_bf16.dtype == torch.bfloat16
+    expected = F.linear(x.bfloat16().float(), weight.bfloat16().float())
+    torch.testing.assert_close(y_bf16.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_shapes_the_kernel_does_not_take_fall_back_to_linear():
+    weight = torch.randn(12, 20)  # in_features 20 is not a multiple of 32
+    x = torch.randn(3, 20)
+    many_rows = torch.randn(kernels.MAX_ROWS + 1, 32)
+    wide = torch.randn(5, 32)
+    with torch.no_grad():
+        assert not kernels.can_use(x, weight) and not kernels.can_use(many_rows, wide)
+        torch.testing.assert_close(kernels.matvec(x, weight), F.linear(x, weight))
+        torch.testing.assert_close(kernels.matvec(many_rows, wide), F.linear(many_rows, wide))
+    # Training needs gradients, which the C loops do not give: F.linear is used.
+    assert not kernels.can_use(torch.randn(1, 32, requires_grad=True), wide)
+    assert not kernels.can_use(torch.randn(1, 64), wide)  # shapes that do not fit: F.linear says so
+
+
+def test_int8_without_kernel_dequantizes_exactly():
+    weight, scale = int8_weight(9, 20)
+    x = torch.randn(2, 20)
+    with torch.no_grad():
+        y = kernels.matvec(x, weight, scale)
+    torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-5)
+
+
+# --- the optimized model ------------------------------------------------------------------------
+
+
+def tiny_model(**overrides) -> torch.nn.Module:
+    fields = dict(
+        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
+        position="rope", norm="rms", ffn="swiglu",
+    )  # fmt: skip
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = gf.build_model(gf.ModelConfig(**fields))
+    with torch.no_grad():  # peaked distributions: greedy choices are not near-ties
+        for p in model.parameters():
+            p.mul_(8.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # Llama-style, tied
+        {"position": "learned", "norm": "layer", "ffn": "gelu", "bias": True, "n_kv_heads": 4},
+        {"tie_embeddings": False, "n_kv_heads": 1},
+        {"ffn": "moe", "n_experts": 4, "n_experts_per_token": 2},
+    ],
+)
+def test_optimized_model_equals_the_plain_one(overrides):
+    plain = tiny_model(**overrides)
+    fast = optimize_for_decode(copy.deepcopy(plain))
+    assert any(isinstance(m, DecodeLinear) for m in fast.modules())
+    assert not any(type(m) is torch.nn.Linear and n != "router" for n, m in _named(fast))
+    prompt = torch.tensor([[3, 14, 15, 9, 2, 6, 5, 35]])
+    with torch.inference_mode():
+        assert_logits_close(fast(prompt), plain(prompt))
+        # decode steps through the cache: 1 row each, the kernel path
+        caches = plain.new_cache(1, 20), fast.new_cache(1, 20)
+        plain(prompt, cache=caches[0])
+        fast(prompt, cache=caches[1])
+        for token in (7, 1, 30):
+            step = torch.tensor([[token]])
+            assert_logits_close(fast(step, cache=caches[1]), plain(step, cache=caches[0]))
+    plain_ids = Engine(plain).generate([1, 2, 3], max_new_tokens=20, temperature=0).token_ids
+    fast_ids = Engine(fast).generate([1, 2, 3], max_new_tokens=20, temperature=0).token_ids
+    assert fast_ids == plain_ids
+
+
+def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # fp32 sums in another order, amplified through two layers of x8 weights: relative to
+    # the logits' scale, far below any difference that changes a greedy choice
+    assert (actual - expected).abs().max() <= 5e-5 * expected.abs().max()
+
+
+def _named(model):
+    for parent in model.modules():
+        yield from parent.named_children()
+
+
+def test_tied_head_keeps_sharing_the_embedding_table():
+    fast = optimize_for_decode(tiny_model())
+    assert fast.lm_head.weight is fast.tok_emb.weight
+
+
+def test_bf16_model_matches_the_plain_model_cast_to_bf16():
+    plain = tiny_model()
+    fast = optimize_for_decode(copy.deepcopy(plain), dtype="bf16")
+    reference_bf16 = copy.deepcopy(plain).to(torch.bfloat16)
+    assert fast.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[3, 14, 15, 9]])
+    with torch.inference_mode():
+        cache = fast.new_cache(1, 8)
+        fast(ids[:, :3], cache=cache)
+        step = fast(ids[:, 3:], cache=cache)[0, -1].float()  # the kernel path
+        expected = reference_bf16(ids)[0, -1].float()
+        full = plain(ids)[0, -1]
+    # bf16 keeps 8 bits of mantissa; both bf16 paths stay near each other and near fp32
+    scale = full.abs().max()
+    assert (step - expected).abs().max() < 0.03 * scale
+    assert (step - full).abs().max() < 0.05 * scale
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="dtype='fp16' is not supported"):
+        optimize_for_decode(tiny_model(), dtype="fp16")
+    bert = gf.build_model(
+        gf.ModelConfig(family="bert", vocab_size=30, d_model=32, n_layers=1, n_heads=2)
+    )
+    with pytest.raises(ValueError, match="decoder-only"):
+        optimize_for_decode(bert)
+
+
+@pytest.mark.slow
+def test_smollm2_fast_greedy_equals_plain_greedy():
+    from glassformer.interop.pretrained import from_pretrained
+
+    plain, tokenizer = from_pretrained("smollm2")
+    prompt = tokenizer.encode("The capital of France is")
+    expected = Engine(plain).generate(prompt, max_new_tokens=24, temperature=0).token_ids
+    fast = optimize_for_decode(plain)
+    assert Engine(fast).generate(prompt, max_new_tokens=24, temperature=0).token_ids == expected
