@@ -25,6 +25,7 @@ import torch
 
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
+from glassformer.infer.optimize import optimize_for_decode
 from glassformer.interop.pretrained import from_pretrained
 
 NO_EOS = -1  # an id the sampler never returns: every row generates all its new tokens
@@ -76,7 +77,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = from_pretrained(args.model)
-    engine = Engine(model)
+    engine = Engine(optimize_for_decode(model))  # the decode kernels, as `generate` runs
     prompts = shakespeare_prompts(tokenizer, args.prompts, args.prompt_tokens)
     lengths = [len(p) for p in prompts]
     n_generated = args.prompts * args.new_tokens

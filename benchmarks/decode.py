@@ -12,7 +12,7 @@ random weights (preset gpt2-124m). transformers gets the same weights through
 glassformer.interop.save_hf_model. Precisions: fp32, bf16 (the whole model in bf16 for both),
 int8 (glassformer's weight-only int8 with per-channel scales; transformers has no CPU int8 path
 without extra packages, so that row's ratio is to transformers bf16, its fastest). Prompts are
-Shakespeare tokens; generation is greedy with EOS ignored, so every run makes --new-tokens
+Hamlet's text; generation is greedy with EOS ignored, so every run makes --new-tokens
 tokens per row. Runs are interleaved (glassformer, transformers, glassformer, ...) so load from
 other processes hits both alike; each figure is the median of --runs.
 
@@ -75,7 +75,7 @@ def weight_bytes_per_step(model: nn.Module) -> int:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.nbytes
-    if getattr(model.cfg, "tie_embeddings", False):  # the head reads the whole shared table
+    if model.lm_head.weight is model.tok_emb.weight:  # the head reads the whole shared table
         total += model.tok_emb.weight.nbytes
     return total
 
@@ -167,11 +167,13 @@ def _prefill_seconds(model, ids, mask) -> float:
 
 
 def load_models(name: str, tmp: Path):
-    """(glassformer fp32 model, transformers fp32 model, label) with identical weights."""
+    """(glassformer fp32 model, transformers fp32 model, tokenizer or None, label) with
+    identical weights."""
     import transformers
 
+    tokenizer = None
     if name == "smollm2":
-        model, _ = from_pretrained("smollm2")
+        model, tokenizer = from_pretrained("smollm2")
         label = "SmolLM2-135M"
     elif name == "gpt2":
         torch.manual_seed(0)
@@ -182,20 +184,27 @@ def load_models(name: str, tmp: Path):
     model.eval()
     folder = save_hf_model(model, tmp / name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, hf, label
+    return model, hf, tokenizer, label
 
 
-def prompt_tokens(vocab_size: int, length: int, batch: int, seed: int = 0) -> list[list[int]]:
-    """`batch` prompts of `length` tokens: Shakespeare's bytes folded into the vocabulary (the
-    speed does not depend on the tokenizer; a fixed text keeps runs comparable)."""
-    text = shakespeare_plays("modern")["hamlet"].encode()
+def prompt_tokens(
+    vocab_size: int, length: int, batch: int, tokenizer=None, seed: int = 0
+) -> list[list[int]]:
+    """`batch` prompts of `length` tokens from Hamlet, each from its own place: the model's
+    tokens when it has a tokenizer, else the text's bytes folded into the vocabulary (random
+    weights: the speed does not depend on the tokenizer)."""
+    text = shakespeare_plays("modern")["hamlet"]
     generator = torch.Generator().manual_seed(seed)
     prompts = []
-    for row in range(batch):
-        offset = int(torch.randint(0, len(text) - 4 * length, (1,), generator=generator))
-        chunk = text[offset : offset + 4 * length]
-        prompts.append([(chunk[i] * 257 + chunk[i + 1] * 31 + row) % vocab_size
-                        for i in range(length)])  # fmt: skip
+    for _ in range(batch):
+        offset = int(torch.randint(0, len(text) - 8 * length, (1,), generator=generator))
+        chunk = text[offset : offset + 8 * length]
+        if tokenizer is not None:
+            prompts.append(tokenizer.encode(chunk)[:length])
+        else:
+            data = chunk.encode()
+            prompts.append([(data[i] * 257 + data[i + 1] * 31) % vocab_size
+                            for i in range(length)])  # fmt: skip
     return prompts
 
 
@@ -235,7 +244,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            base, hf_fp32, label = load_models(name, Path(tmp))
+            base, hf_fp32, tokenizer, label = load_models(name, Path(tmp))
             hf_models = {"fp32": hf_fp32, "bf16": copy.deepcopy(hf_fp32).to(torch.bfloat16)}
             print(header)
             for precision in args.precision:
@@ -246,7 +255,7 @@ def main() -> None:
                 for batch in args.batch:
                     for length in args.prompt:
                         length = min(length, base.cfg.max_seq_len - args.new_tokens)
-                        prompts = prompt_tokens(base.cfg.vocab_size, length, batch)
+                        prompts = prompt_tokens(base.cfg.vocab_size, length, batch, tokenizer)
                         timings = measure(contestants, hf_models[hf_peer], prompts, args)
                         report(label, precision, batch, length, timings, hf_peer, contestants,
                                bandwidth)  # fmt: skip

@@ -156,8 +156,10 @@ def main() -> None:
     from glassformer.interop.pretrained import from_pretrained
 
     torch.set_num_threads(args.threads)
+    from glassformer.infer.optimize import optimize_for_decode
+
     model, tokenizer = from_pretrained(args.model)
-    model = model.float().eval()
+    model = optimize_for_decode(model.float())  # the decode kernels, as `generate` runs
     longest = max(args.contexts) + args.new_tokens + 1
     if longest > model.cfg.max_seq_len:
         parser.error(

@@ -80,7 +80,7 @@ def make_drafts(target: nn.Module, names: list[str]) -> dict[str, nn.Module]:
     drafts = {}
     for name in names:
         if name == "bf16":
-            drafts[name] = copy.deepcopy(target).to(torch.bfloat16)
+            drafts[name] = copy.deepcopy(target)  # cast by optimize_for_decode in main
         elif name == "int8":
             draft = int8_draft(target)
             if draft is None:
@@ -126,6 +126,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 
+    from glassformer.infer.optimize import optimize_for_decode
     from glassformer.interop.pretrained import from_pretrained
 
     target, tokenizer = from_pretrained(args.model)
@@ -133,6 +134,10 @@ def main() -> None:
     prompt = text_prompt(tokenizer) if args.prompt == "text" else chat_prompt(tokenizer)
     ks = [int(k) for k in args.ks.split(",")]
     drafts = make_drafts(target, args.drafts.split(","))
+    # Every model on the decode kernels (the int8 draft already is), as `generate` runs them.
+    drafts = {name: d if name == "int8" else optimize_for_decode(d, "bf16" if name == "bf16"
+              else "fp32") for name, d in drafts.items()}  # fmt: skip
+    target = optimize_for_decode(target)
     engine = Engine(target)
     print(
         f"target {args.model} fp32, prompt {len(prompt)} tokens ({args.prompt}), "

@@ -6,12 +6,16 @@ model = gf.build_model(cfg)
 result = gf.Engine(model).generate([1, 2, 3], max_new_tokens=16, temperature=0.0)
 """
 
+from glassformer import inspect, numpy_ref
 from glassformer.config import PRESETS, ConfigError, ModelConfig
 from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
+from glassformer.infer.optimize import optimize_for_decode
 from glassformer.infer.sampling import SamplingParams
+from glassformer.infer.speculative import speculative_generate
 from glassformer.interop.hf import InteropError
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
+from glassformer.nn.quant import quantize_int8
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 from glassformer.train.checkpoint import CheckpointError, load
 
@@ -32,6 +36,11 @@ __all__ = [
     "Tokenizer",
     "build_model",
     "from_pretrained",
+    "inspect",
     "load",
     "load_tokenizer",
+    "numpy_ref",
+    "optimize_for_decode",
+    "quantize_int8",
+    "speculative_generate",
 ]

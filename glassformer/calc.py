@@ -1,15 +1,32 @@
-"""Calculators (seed 000 §2.1's parameter table; seed 002's KV-cache memory): parameters by
-component, and KV-cache bytes per token, from a config or a built model."""
+"""Calculators: the parameter table of seed 000 §2.1 (with MoE's total vs active, §2.5.3), the
+KV-cache memory of seed 002 ("about 0.5 MB per token for a 7B fp16 model") and the FLOPs of a
+forward pass, whose attention part grows with the context (seed 002's O(n²)).
+
+Everything is computed from a config, never from weights: `parameter_counts` builds the model on
+torch's meta device (shapes without storage: exact at any size, instantly) and `parameter_rows`
+writes the same numbers as closed-form formulas, one row per line of the tutorial's table.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from glassformer.config import ModelConfig
+from glassformer.config import PRESETS, ConfigError, ModelConfig
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+def _dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r} is not known: pick one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+# --- the table of a built model -------------------------------------------------------------
 
 
 def component_of(name: str) -> str:
@@ -44,15 +61,706 @@ def parameter_table(model: nn.Module) -> dict[str, int]:
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "fp16") -> int:
     """Keys and values of one position in every layer: 2 * n_layers * n_kv_heads * head_dim
     numbers. For Llama-7B in fp16: 2 * 32 * 32 * 128 * 2 B = 0.5 MiB (seed 002)."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is not known: pick one of {', '.join(DTYPE_BYTES)}")
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _dtype_bytes(dtype)
 
 
 def rnn_state_bytes(cfg: ModelConfig, dtype: str = "fp32") -> int:
     """An RNN's whole generation "cache": one hidden vector per layer (two for an LSTM: h and
     c), the same at any context length (seed 000 §2.5.1: memory as lossy compression)."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is not known: pick one of {', '.join(DTYPE_BYTES)}")
     per_layer = 2 if cfg.cell == "lstm" else 1
-    return cfg.n_layers * per_layer * cfg.d_model * DTYPE_BYTES[dtype]
+    return cfg.n_layers * per_layer * cfg.d_model * _dtype_bytes(dtype)
+
+
+# --- an architecture glassformer counts but does not build ------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAMoEConfig:
+    """DeepSeek-V3's shape, for counting only: Multi-head Latent Attention (q and kv pass through
+    low-rank "latent" projections; the cache holds the kv latent, not per-head K and V) and a MoE
+    FFN of shared + routed experts after a few dense layers. Field names follow its config.json.
+    """
+
+    name: str
+    vocab_size: int
+    d_model: int  # hidden_size
+    n_layers: int  # num_hidden_layers (the multi-token-prediction module is not counted)
+    n_heads: int  # num_attention_heads
+    q_lora_rank: int  # queries: d_model -> q_lora_rank -> heads
+    kv_lora_rank: int  # keys/values: d_model -> kv_lora_rank (cached) -> heads
+    qk_rope_head_dim: int  # per head, the part of q/k that RoPE rotates (k's is shared by heads)
+    qk_nope_head_dim: int  # per head, the part of q/k without positions
+    v_head_dim: int
+    d_ff: int  # intermediate_size: the dense layers' SwiGLU width
+    moe_d_ff: int  # moe_intermediate_size: each expert's SwiGLU width
+    n_routed_experts: int
+    n_shared_experts: int  # always run, for every token
+    n_experts_per_token: int  # num_experts_per_tok: routed experts each token runs
+    n_dense_layers: int  # first_k_dense_replace: the first layers keep a dense FFN
+    max_seq_len: int
+    published: str  # the vendor's own numbers, printed beside ours
+    tie_embeddings: bool = False
+    family: str = "gpt"  # a decoder: everything below treats it as one
+
+
+DEEPSEEK_V3 = MLAMoEConfig(
+    name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+    v_head_dim=128, d_ff=18432, moe_d_ff=2048, n_routed_experts=256, n_shared_experts=1,
+    n_experts_per_token=8, n_dense_layers=3, max_seq_len=163840,
+    published="671B total, 37B activated per token (DeepSeek-V3 technical report)",
+)  # fmt: skip
+
+# Presets glassformer cannot build (ModelConfig has no MLA): counted with the formulas below.
+COUNT_ONLY_PRESETS: dict[str, MLAMoEConfig] = {"deepseek-v3": DEEPSEEK_V3}
+
+AnyConfig = ModelConfig | MLAMoEConfig
+
+
+def preset_names() -> list[str]:
+    """Every name `calc` knows: ModelConfig presets (buildable) and count-only ones."""
+    return sorted([*PRESETS, *COUNT_ONLY_PRESETS])
+
+
+def resolve_preset(name: str) -> AnyConfig:
+    """A ModelConfig preset, or a count-only architecture such as deepseek-v3."""
+    if name in COUNT_ONLY_PRESETS:
+        return COUNT_ONLY_PRESETS[name]
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: pick one of {', '.join(preset_names())}")
+    return ModelConfig.preset(name)
+
+
+# --- the table of a config, in closed form ----------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of the parameter table. `count` is the total over `layers` (None: not a
+    per-layer row); `active` is what one token uses (MoE: only its top-k experts); `matmul` is
+    how many of the weights one token multiplies in a forward pass (FLOPs = 2 x that)."""
+
+    name: str
+    shape: str
+    count: int
+    component: str  # the parameter_table component these weights fall under
+    layers: int | None = None
+    active: int | None = None  # None: all of count
+    matmul: int = 0
+
+    def __post_init__(self) -> None:
+        if self.active is None:
+            self.active = self.count
+
+    @property
+    def per_layer(self) -> int | None:
+        return None if self.layers is None else self.count // self.layers
+
+
+def _m(*dims: int) -> str:
+    return "[" + " x ".join(str(d) for d in dims) + "]"
+
+
+def _times(n: int, shape: str) -> str:
+    return shape if n == 1 else f"{n} x {shape}"
+
+
+def _norm_size(cfg: ModelConfig) -> int:
+    # LayerNorm: gain gamma and shift beta; RMSNorm (and a bias-free LayerNorm): gamma only
+    return cfg.d_model * (2 if cfg.norm == "layer" and cfg.norm_bias else 1)
+
+
+def _norm_shape(cfg: ModelConfig, n: int = 1) -> str:
+    """ "2 x ([768] + [768])": n norms, each a gain (and a shift)."""
+    one = _m(cfg.d_model)
+    one = f"({one} + {one})" if _norm_size(cfg) == 2 * cfg.d_model else one
+    return one if n == 1 else f"{n} x {one}"
+
+
+def _norm_name(cfg: ModelConfig) -> str:
+    if cfg.norm == "rms":
+        return "RMSNorm gamma"
+    return "LayerNorm gamma/beta" if cfg.norm_bias else "LayerNorm gamma"
+
+
+def _attention_row(cfg: ModelConfig, layers: int, name: str) -> Row:
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    weights = d * q + 2 * d * kv + q * d  # W_Q, W_K, W_V (kv heads only: GQA/MQA), W_O
+    biases = (q + 2 * kv) * cfg.has_bias("qkv") + d * cfg.has_bias("attn_out")
+    mha = q == kv == d  # the tutorial's "4 x [4096 x 4096]"
+    shape = f"4 x {_m(d, d)}" if mha else f"{_m(d, q)} + 2 x {_m(d, kv)} + {_m(q, d)}"
+    shape += " + biases" if biases else ""
+    return Row(
+        name, shape, layers * (weights + biases), "attention", layers, matmul=layers * weights
+    )
+
+
+def _dense_ffn(kind: str, d: int, d_ff: int, bias: bool) -> tuple[int, int, str, str]:
+    """(parameters, matmul weights, row name, shape) of one dense FFN."""
+    if kind in ("swiglu", "geglu", "geglu_tanh"):
+        gate = {"swiglu": "SwiGLU", "geglu": "GeGLU", "geglu_tanh": "GeGLU"}[kind]
+        weights = 3 * d * d_ff
+        return (
+            weights + (2 * d_ff + d) * bias,
+            weights,
+            f"W_gate/W_up/W_down ({gate})",
+            (f"3 x {_m(d, d_ff)}"),
+        )
+    weights = 2 * d * d_ff
+    return weights + (d_ff + d) * bias, weights, f"W_in/W_out ({kind})", f"2 x {_m(d, d_ff)}"
+
+
+def _ffn_rows(cfg: ModelConfig, layers: int) -> list[Row]:
+    bias = cfg.has_bias("mlp")
+    if cfg.ffn != "moe":
+        count, weights, name, shape = _dense_ffn(cfg.ffn, cfg.d_model, cfg.d_ff, bias)
+        shape += " + biases" if bias else ""
+        return [Row(f"FFN {name}", shape, layers * count, "ffn", layers, matmul=layers * weights)]
+    count, weights, name, shape = _dense_ffn(cfg.moe_expert_ffn, cfg.d_model, cfg.d_ff, bias)
+    E, k = cfg.n_experts, cfg.n_experts_per_token
+    experts = Row(
+        f"MoE experts ({E} FFNs, each {name.split(' ')[-1].strip('()')})",
+        f"{E} x {shape}",
+        layers * E * count,
+        "ffn",
+        layers,
+        active=layers * k * count,  # each token runs only its top-k experts (seed 000 §2.5.3)
+        matmul=layers * k * weights,
+    )
+    router = Row("MoE router", _m(cfg.d_model, E), layers * cfg.d_model * E, "moe router", layers)
+    router.matmul = router.count
+    return [experts, router]
+
+
+def _block_rows(cfg: ModelConfig, layers: int, cross: bool, prefix: str = "") -> list[Row]:
+    rows = [_attention_row(cfg, layers, f"{prefix}Attention W_Q/W_K/W_V/W_O")]
+    if cross:
+        rows.append(_attention_row(cfg, layers, f"{prefix}Cross-attention W_Q/W_K/W_V/W_O"))
+    rows += [Row(prefix + r.name, r.shape, r.count, r.component, layers, r.active, r.matmul)
+             for r in _ffn_rows(cfg, layers)]  # fmt: skip
+    n_norms = 3 if cross else 2  # one before (or after) each sublayer
+    rows.append(
+        Row(
+            f"{prefix}{_norm_name(cfg)}",
+            _norm_shape(cfg, n_norms),
+            layers * n_norms * _norm_size(cfg),
+            "norms",
+            layers,
+        )
+    )
+    return rows
+
+
+def _embedding_rows(cfg: ModelConfig, n_tables: int = 1) -> list[Row]:
+    V, d = cfg.vocab_size, cfg.d_model
+    rows = [Row("Embedding table (token embedding)", _m(V, d), V * d, "embedding")]
+    if cfg.family == "seq2seq" and not cfg.share_embeddings:
+        rows.append(Row("Decoder embedding table", _m(V, d), V * d, "embedding"))
+    if cfg.position == "learned":
+        n = cfg.max_seq_len + (cfg.position_offset if cfg.family == "seq2seq" else 0)
+        rows.append(Row("Positions (learned table)", _times(n_tables, _m(n, d)), n_tables * n * d,
+                        "positions"))  # fmt: skip
+    if cfg.position == "relative":  # T5: a bias per (distance bucket, head), per stack
+        B, H = cfg.relative_buckets, cfg.n_heads
+        rows.append(Row("Relative position bias", _times(n_tables, _m(B, H)), n_tables * B * H,
+                        "positions"))  # fmt: skip
+    return rows
+
+
+def _output_row(cfg: ModelConfig) -> Row:
+    V, d = cfg.vocab_size, cfg.d_model
+    bias = V if cfg.family == "seq2seq" and cfg.lm_head_bias else 0
+    if cfg.tie_embeddings:  # the same matrix read backwards: no new weights, same matmul
+        return Row("Output head (tied to the embedding)", _m(d, V), bias, "lm_head", matmul=V * d)
+    return Row("Output head (lm_head)", _m(d, V), V * d + bias, "lm_head", matmul=V * d)
+
+
+def _final_norm_rows(cfg: ModelConfig, n: int, what: str = "Final norm") -> list[Row]:
+    if cfg.norm_position != "pre":  # post-norm stacks end normalized
+        return []
+    return [Row(what, _norm_shape(cfg, n), n * _norm_size(cfg), "norms")]
+
+
+def _bert_rows(cfg: ModelConfig) -> list[Row]:
+    d, V = cfg.d_model, cfg.vocab_size
+    rows = _embedding_rows(cfg)
+    if cfg.type_vocab_size:
+        rows.append(Row("Token types (segment A/B)", _m(cfg.type_vocab_size, d),
+                        cfg.type_vocab_size * d, "other"))  # fmt: skip
+    if cfg.embedding_norm:
+        rows.append(Row("Embedding norm", _norm_shape(cfg), _norm_size(cfg), "norms"))
+    rows += _block_rows(cfg, cfg.n_layers, cross=False)
+    rows += _final_norm_rows(cfg, 1)
+    # The pooler and task heads read one vector per sequence: no per-token matmul.
+    if cfg.pooler:
+        rows.append(Row("Pooler tanh(W h_[CLS] + b)", _m(d, d), d * d + d, "other"))
+    if cfg.mlm_head:
+        rows.append(Row("Masked-LM head dense + bias", _m(d, d), d * d + d, "other", matmul=d * d))
+        rows.append(Row("Masked-LM head norm", _norm_shape(cfg), _norm_size(cfg), "norms"))
+        decoder = 0 if cfg.tie_embeddings else V * d
+        tied = " bias (weight tied)" if cfg.tie_embeddings else " + bias"
+        rows.append(Row(f"Masked-LM decoder{tied}", _m(d, V), decoder + V, "other",
+                        matmul=V * d))  # fmt: skip
+    if cfg.n_classes:
+        n = cfg.n_classes
+        rows.append(Row("Classifier head", _m(d, n), d * n + n, "other"))
+    if cfg.nsp_head:
+        rows.append(Row("Next-sentence head", _m(d, 2), 2 * d + 2, "other"))
+    return rows
+
+
+def _seq2seq_rows(cfg: ModelConfig) -> list[Row]:
+    n_enc = cfg.n_encoder_layers or cfg.n_layers
+    rows = _embedding_rows(cfg, n_tables=2)  # the encoder and the decoder have their own
+    if cfg.embedding_norm:
+        rows.append(Row("Embedding norms", _norm_shape(cfg, 2), 2 * _norm_size(cfg),
+                        "norms"))  # fmt: skip
+    rows += _block_rows(cfg, n_enc, cross=False, prefix="Encoder ")
+    rows += _block_rows(cfg, cfg.n_layers, cross=True, prefix="Decoder ")
+    rows += _final_norm_rows(cfg, 2, "Final norms (encoder, decoder)")
+    return [*rows, _output_row(cfg)]
+
+
+def _mla_moe_rows(cfg: MLAMoEConfig) -> list[Row]:
+    """DeepSeek-V3, from the shapes of its weights (HF DeepseekV3ForCausalLM; no biases)."""
+    d, H, L = cfg.d_model, cfg.n_heads, cfg.n_layers
+    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    n_moe = L - cfg.n_dense_layers
+    attention = (
+        d * cfg.q_lora_rank  # W_DQ: compress the query
+        + cfg.q_lora_rank * H * qk_head  # W_UQ: expand it to every head's q (nope + rope parts)
+        + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # W_DKV: the cached latent + shared k_rope
+        + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # W_UKV: k_nope and v
+        + H * cfg.v_head_dim * d  # W_O
+    )
+    expert = 3 * d * cfg.moe_d_ff  # one SwiGLU expert: gate, up, down
+    routed = n_moe * cfg.n_routed_experts * expert
+    rows = [
+        Row("Embedding table (token embedding)", _m(cfg.vocab_size, d), cfg.vocab_size * d,
+            "embedding"),
+        Row("Attention (MLA) W_DQ/W_UQ/W_DKV/W_UKV/W_O",
+            f"{_m(d, cfg.q_lora_rank)} + {_m(cfg.q_lora_rank, H * qk_head)} + "
+            f"{_m(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)} + "
+            f"{_m(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))} + "
+            f"{_m(H * cfg.v_head_dim, d)}",
+            L * attention, "attention", L, matmul=L * attention),
+        Row("MLA latent norms (q, kv)", f"{_m(cfg.q_lora_rank)} + {_m(cfg.kv_lora_rank)}",
+            L * (cfg.q_lora_rank + cfg.kv_lora_rank), "norms", L),
+        Row(f"FFN W_gate/W_up/W_down (SwiGLU), first {cfg.n_dense_layers} layers",
+            f"3 x {_m(d, cfg.d_ff)}", cfg.n_dense_layers * 3 * d * cfg.d_ff, "ffn",
+            cfg.n_dense_layers, matmul=cfg.n_dense_layers * 3 * d * cfg.d_ff),
+        Row("MoE shared experts (run for every token)",
+            f"{cfg.n_shared_experts} x 3 x {_m(d, cfg.moe_d_ff)}",
+            n_moe * cfg.n_shared_experts * expert, "ffn", n_moe,
+            matmul=n_moe * cfg.n_shared_experts * expert),
+        Row(f"MoE routed experts (top-{cfg.n_experts_per_token} per token)",
+            f"{cfg.n_routed_experts} x 3 x {_m(d, cfg.moe_d_ff)}", routed, "ffn", n_moe,
+            active=n_moe * cfg.n_experts_per_token * expert,
+            matmul=n_moe * cfg.n_experts_per_token * expert),
+        # the router's weight and its load-balancing bias (added to scores when picking experts)
+        Row("MoE router + selection bias", f"{_m(d, cfg.n_routed_experts)} + "
+            f"{_m(cfg.n_routed_experts)}", n_moe * (d + 1) * cfg.n_routed_experts, "moe router",
+            n_moe, matmul=n_moe * d * cfg.n_routed_experts),
+        Row("RMSNorm gamma", f"2 x {_m(d)}", L * 2 * d, "norms", L),
+        Row("Final norm", _m(d), d, "norms"),
+    ]  # fmt: skip
+    V = cfg.vocab_size
+    if cfg.tie_embeddings:
+        rows.append(
+            Row("Output head (tied to the embedding)", _m(d, V), 0, "lm_head", matmul=V * d)
+        )
+    else:
+        rows.append(Row("Output head (lm_head)", _m(d, V), V * d, "lm_head", matmul=V * d))
+    return rows
+
+
+def parameter_rows(cfg: AnyConfig) -> list[Row]:
+    """The parameter table of seed 000 §2.1 as closed-form formulas, one Row per kind of weight.
+    Summed by component it equals parameter_table of the built model (tests hold it)."""
+    if isinstance(cfg, MLAMoEConfig):
+        return _mla_moe_rows(cfg)
+    if cfg.family == "gpt":
+        rows = _embedding_rows(cfg) + _block_rows(cfg, cfg.n_layers, cross=False)
+        return rows + _final_norm_rows(cfg, 1) + [_output_row(cfg)]
+    if cfg.family == "bert":
+        return _bert_rows(cfg)
+    if cfg.family == "seq2seq":
+        return _seq2seq_rows(cfg)
+    raise ValueError(
+        f"family={cfg.family!r} has no closed-form table here (the recurrent cells differ): "
+        "parameter_counts(cfg) counts it from the model built on the meta device"
+    )
+
+
+def _meta_model(cfg: ModelConfig) -> nn.Module:
+    from glassformer.models import build_model  # calc sits beside config: import models lazily
+
+    with torch.device("meta"):  # parameters get shapes but no storage: a 70B model in ~0.2 s
+        return build_model(cfg)
+
+
+def parameter_counts(cfg: AnyConfig) -> dict:
+    """{"total": N, "active": N one token uses, "components": {component: N}}.
+
+    A ModelConfig is built on the meta device and its parameters counted (exactly what
+    build_model makes, tied weights once); a count-only config (deepseek-v3) is summed from its
+    closed-form rows. active = total for dense models; for MoE everything but the experts plus
+    the top-k of them (seed 000 §2.5.3: "671B total / 37B active").
+    """
+    if isinstance(cfg, MLAMoEConfig):
+        rows = parameter_rows(cfg)
+        components: dict[str, int] = defaultdict(int)
+        for row in rows:
+            components[row.component] += row.count
+        total, active = sum(r.count for r in rows), sum(r.active for r in rows)
+        return {"total": total, "active": active, "components": dict(components)}
+    model = _meta_model(cfg)
+    components = parameter_table(model)
+    total = sum(components.values())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".ffn.experts." in n)
+    # every expert has the same shape, so the top-k share of them is exact
+    active = total - experts + experts * cfg.n_experts_per_token // cfg.n_experts
+    return {"total": total, "active": active, "components": components}
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+
+
+def _mla_cache_numbers(cfg: MLAMoEConfig) -> int:
+    # MLA caches, per layer and position, the kv latent and the one RoPE key all heads share:
+    # the heads' K and V are re-expanded from it (or absorbed into W_UQ and W_O).
+    return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+def kv_bytes_per_token(cfg: AnyConfig, dtype: str = "fp16") -> int:
+    """What one more position costs in the cache: 2 x layers x kv_heads x head_dim numbers
+    (MLA: layers x (kv latent + rope key)). For a seq2seq model: its decoder's self-attention."""
+    if isinstance(cfg, MLAMoEConfig):
+        return _mla_cache_numbers(cfg) * _dtype_bytes(dtype)
+    _check_has_kv_cache(cfg)
+    return kv_cache_bytes_per_token(cfg, dtype)
+
+
+def _check_has_kv_cache(cfg: ModelConfig) -> None:
+    if cfg.family == "bert":
+        raise ValueError(
+            "family='bert' is an encoder: it reads the whole input at once and caches nothing "
+            "(seed 000 §6.3); pick a decoder (gpt-style or seq2seq) preset"
+        )
+    if cfg.family == "rnn":
+        raise ValueError(
+            "family='rnn' keeps one hidden state, not a KV cache: rnn_state_bytes(cfg, dtype) "
+            "is its size at any length (seed 000 §2.5.1)"
+        )
+
+
+def kv_cache_bytes(cfg: AnyConfig, tokens: int, dtype: str = "fp16", batch_size: int = 1) -> int:
+    """Bytes of keys and values held after `tokens` positions (prompt + generated), per
+    batch of `batch_size` sequences. A sliding-window model keeps only the last
+    `sliding_window` positions (Mistral's rolling buffer), so its cache stops growing there.
+    Equals `filled_bytes` of the cache model.new_cache() makes (tests hold it)."""
+    if tokens < 0 or batch_size < 1:
+        raise ValueError(f"tokens={tokens}, batch_size={batch_size}: need tokens >= 0, batch >= 1")
+    kept = tokens
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None:
+        kept = min(tokens, window)
+    return kv_bytes_per_token(cfg, dtype) * kept * batch_size
+
+
+# --- FLOPs ------------------------------------------------------------------------------------
+
+
+def _attention_width(cfg: AnyConfig) -> tuple[int, int, int]:
+    """(attention layers, q.k width and v width summed over the query heads). GQA/MQA share
+    keys among heads but every query head still scores every key: n_heads x head_dim."""
+    if isinstance(cfg, MLAMoEConfig):
+        qk = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        return cfg.n_layers, qk, cfg.n_heads * cfg.v_head_dim
+    d_attn = cfg.n_heads * cfg.head_dim
+    layers = cfg.n_layers
+    if cfg.family == "seq2seq":  # encoder self, decoder self and decoder cross-attention
+        layers = (cfg.n_encoder_layers or cfg.n_layers) + 2 * cfg.n_layers
+    return layers, d_attn, d_attn
+
+
+def flops_per_token(cfg: AnyConfig, context: int) -> dict[str, int]:
+    """Forward and training FLOPs per token at a context of `context` positions.
+
+    matmul: 2 x the weights one token multiplies (a multiply and an add each; MoE: only the
+    top-k experts; a tied output head still multiplies). attention: QK^T and AV, each 2 x
+    context x n_heads x head_dim per layer: it grows with the context (seed 002's O(n²) over a
+    sequence). The full context is counted, as PaLM and nanoGPT do (a causal mask could skip
+    about half); a sliding window caps it. training: backward costs twice the forward, so
+    3 x forward = 6N + 12 x layers x context x d_attn. seq2seq: one source plus one target
+    token. Embedding lookups, norms and biases are not matmuls and are left out.
+    """
+    if context < 1:
+        raise ValueError(f"context={context} must be >= 1 token")
+    if isinstance(cfg, ModelConfig) and cfg.family == "rnn":
+        raise ValueError("family='rnn' has no attention: its cost per token does not grow")
+    weights = sum(row.matmul for row in parameter_rows(cfg))
+    window = getattr(cfg, "sliding_window", None)
+    seen = min(context, window) if window is not None else context
+    layers, qk, v = _attention_width(cfg)
+    matmul = 2 * weights
+    attention = 2 * layers * seen * (qk + v)  # = 2 x 2 x layers x context x d_attn (qk = v)
+    forward = matmul + attention
+    return {
+        "matmul_weights": weights,
+        "matmul": matmul,
+        "attention": attention,
+        "forward": forward,
+        "training": 3 * forward,
+    }
+
+
+# --- printed tables (the `glassformer calc` subcommands) --------------------------------------
+
+
+def _binary(n_bytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def _decimal(n_bytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def _billions(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _flop(n: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def describe(cfg: AnyConfig) -> str:
+    """One line of sizes: layers, widths, heads, vocabulary."""
+    if isinstance(cfg, MLAMoEConfig):
+        return (
+            f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense) | d_model {cfg.d_model} | "
+            f"{cfg.n_heads} heads, MLA (q latent {cfg.q_lora_rank}, kv latent "
+            f"{cfg.kv_lora_rank}) | {cfg.n_shared_experts} shared + {cfg.n_routed_experts} "
+            f"routed experts, top-{cfg.n_experts_per_token} | vocab {cfg.vocab_size}"
+        )
+    layers = f"{cfg.n_layers} layers"
+    if cfg.family == "seq2seq":
+        layers = f"{cfg.n_encoder_layers or cfg.n_layers} encoder + {cfg.n_layers} decoder layers"
+    if cfg.family == "rnn":
+        return f"{layers} | {cfg.cell} | hidden {cfg.d_model} | vocab {cfg.vocab_size}"
+    moe = f" | {cfg.n_experts} experts, top-{cfg.n_experts_per_token}" if cfg.ffn == "moe" else ""
+    return (
+        f"{layers} | d_model {cfg.d_model} | {cfg.n_heads} heads ({cfg.n_kv_heads} kv heads, "
+        f"head_dim {cfg.head_dim}) | d_ff {cfg.d_ff}{moe} | vocab {cfg.vocab_size} | "
+        f"context {cfg.max_seq_len}"
+    )
+
+
+def format_parameter_table(cfg: AnyConfig, name: str) -> str:
+    """Seed 000 §2.1's table for a config: one row per kind of weight, per layer and in all."""
+    if isinstance(cfg, ModelConfig) and cfg.family == "rnn":
+        counts = parameter_counts(cfg)
+        return format_component_table(counts["components"], cfg.n_layers, name, describe(cfg))
+    rows = parameter_rows(cfg)
+    counts = parameter_counts(cfg)
+    total = counts["total"]
+    source = (
+        "count-only preset: glassformer cannot build MLA, so these are the closed-form rows"
+        if isinstance(cfg, MLAMoEConfig)
+        else "a ModelConfig: closed-form rows, equal to the model built on the meta device"
+    )
+    width = max(len(r.name) for r in rows) + 2
+    lines = [
+        f"{name}: {total:,} parameters ({_billions(total)})",
+        f"  {describe(cfg)}",
+        f"  ({source})",
+        "",
+        f"{'parameter':<{width}}{'per layer':>14}{'layers':>8}{'total':>17}{'share':>8}  shape",
+    ]
+    for row in rows:
+        per_layer = "-" if row.per_layer is None else f"{row.per_layer:,}"
+        layers = "-" if row.layers is None else str(row.layers)
+        lines.append(
+            f"{row.name:<{width}}{per_layer:>14}{layers:>8}{row.count:>17,}"
+            f"{100 * row.count / total:>7.1f}%  {row.shape}"
+        )
+    lines.append(f"{'total':<{width}}{'':>14}{'':>8}{total:>17,}{100.0:>7.1f}%")
+    lines.append("")
+    if counts["active"] != total:
+        lines += _active_lines(cfg, counts)
+    if isinstance(cfg, MLAMoEConfig):
+        lines.append(f"published: {cfg.published}")
+    lines.append(
+        f"weights: {_decimal(total * 2)} in fp16/bf16, {_decimal(total * 4)} in fp32 "
+        '(seed 000 §2.1: a 7B model is "about 14GB in fp16")'
+    )
+    if _gated(cfg):
+        lines.append(
+            "note: seed 000 §2.1 draws the FFN as two matrices (W_in, W_out); a gated FFN "
+            "(SwiGLU) has three: act(x W_gate) * (x W_up), then W_down"
+        )
+    return "\n".join(lines)
+
+
+def _gated(cfg: AnyConfig) -> bool:
+    if isinstance(cfg, MLAMoEConfig):
+        return True  # DeepSeek's FFNs and experts are all SwiGLU
+    return (cfg.moe_expert_ffn if cfg.ffn == "moe" else cfg.ffn) in (
+        "swiglu",
+        "geglu",
+        "geglu_tanh",
+    )
+
+
+def _active_lines(cfg: AnyConfig, counts: dict) -> list[str]:
+    total, active = counts["total"], counts["active"]
+    k = cfg.n_experts_per_token
+    n = cfg.n_routed_experts if isinstance(cfg, MLAMoEConfig) else cfg.n_experts
+    lines = [
+        f"active per token: {active:,} ({_billions(active)}, {100 * active / total:.1f}% of "
+        f"{_billions(total)}): everything but the experts, plus the top-{k} of {n} experts",
+        "  (seed 000 §2.5.3: knowledge scales with the total, inference cost with the active)",
+    ]
+    lookup = counts["components"].get("embedding", 0) if not cfg.tie_embeddings else 0
+    if lookup:
+        lines.append(
+            f"  without the input embedding table (a lookup, not a matmul): "
+            f"{active - lookup:,} ({_billions(active - lookup)})"
+        )
+    return lines
+
+
+def format_component_table(table: dict[str, int], n_layers: int, name: str, about: str) -> str:
+    """The parameter_table of a built model (e.g. a checkpoint), by component."""
+    total = sum(table.values())
+    lines = [f"{name}: {total:,} parameters ({_billions(total)})", f"  {about}", ""]
+    lines.append(f"{'component':<14}{'per layer':>14}{'total':>17}{'share':>8}")
+    for component, count in sorted(table.items(), key=lambda kv: -kv[1]):
+        per_layer = "-"
+        if component in ("attention", "ffn", "moe router", "recurrent"):
+            per_layer = f"{count // n_layers:,}"
+        lines.append(f"{component:<14}{per_layer:>14}{count:>17,}{100 * count / total:>7.1f}%")
+    lines.append(f"{'total':<14}{'':>14}{total:>17,}{100.0:>7.1f}%")
+    return "\n".join(lines)
+
+
+def _kv_formula(cfg: AnyConfig, dtype: str) -> str:
+    if isinstance(cfg, MLAMoEConfig):
+        return (
+            f"{cfg.n_layers} layers x ({cfg.kv_lora_rank} kv latent + {cfg.qk_rope_head_dim} "
+            f"shared RoPE key) x {DTYPE_BYTES[dtype]} bytes (MLA caches the latent, not K and V)"
+        )
+    return (
+        f"2 (K and V) x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} "
+        f"head_dim x {DTYPE_BYTES[dtype]} bytes"
+    )
+
+
+def _kv_variants(cfg: AnyConfig, tokens: int, window: int) -> list[tuple[str, AnyConfig | int]]:
+    """(label, config) rows that show what GQA/MQA and a sliding window do to the cache."""
+    if isinstance(cfg, MLAMoEConfig):
+        return []
+    variants: list[tuple[str, AnyConfig]] = []
+    for n_kv, kind in ((cfg.n_heads, "MHA"), (8, "GQA"), (1, "MQA")):
+        if cfg.n_heads % n_kv or (kind == "GQA" and n_kv >= cfg.n_heads):
+            continue
+        own = " (this model)" if n_kv == cfg.n_kv_heads else ""
+        variants.append((f"{kind}, n_kv_heads={n_kv}{own}", cfg.replace(n_kv_heads=n_kv)))
+    if not any(c.n_kv_heads == cfg.n_kv_heads for _, c in variants):
+        variants.insert(0, (f"GQA, n_kv_heads={cfg.n_kv_heads} (this model)", cfg))
+    if cfg.sliding_window is None and tokens > window:
+        variants.append((f"sliding window of {window}", cfg.replace(sliding_window=window)))
+    return variants
+
+
+def format_kv_cache(
+    cfg: AnyConfig,
+    name: str,
+    tokens: int,
+    dtype: str = "fp16",
+    batch_size: int = 1,
+    window: int = 4096,
+) -> str:
+    """Seed 002's KV-cache bill: bytes per token, for `tokens` tokens, and what GQA, MQA and a
+    sliding window would make of it."""
+    per_token = kv_bytes_per_token(cfg, dtype)
+    total = kv_cache_bytes(cfg, tokens, dtype, batch_size)
+    lines = [
+        f"KV cache of {name} in {dtype}: {_kv_formula(cfg, dtype)}",
+        f"  per token: {per_token:,} bytes ({_binary(per_token)}; seed 002: about 0.5 MB for a "
+        "7B model in fp16)",
+        f"  {tokens:,} tokens x batch {batch_size}: {total:,} bytes ({_binary(total)}; seed 002: "
+        "about 2 GB for a 4096-token conversation)",
+    ]
+    if getattr(cfg, "sliding_window", None) is not None and tokens > cfg.sliding_window:
+        lines.append(f"  (sliding window {cfg.sliding_window}: only the last window is kept)")
+    if getattr(cfg, "family", "") == "seq2seq":
+        lines.append("  (decoder self-attention; cross-attention adds the same per source token)")
+    if isinstance(cfg, MLAMoEConfig):
+        heads = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        plain = cfg.n_layers * heads * DTYPE_BYTES[dtype]
+        lines.append(
+            f"  without MLA (every head's K and V cached): {plain:,} bytes per token "
+            f"({_binary(plain)}), {plain / per_token:.0f}x more"
+        )
+    variants = _kv_variants(cfg, tokens, window)
+    if variants:
+        width = max(len(label) for label, _ in variants) + 2
+        lines += [
+            "",
+            "what MQA/GQA (seed 000 §4.2) and a sliding window change:",
+            f"  {'variant':<{width}}{'kv heads':>9}{'window':>8}{'per token':>13}"
+            f"{f'{tokens:,} tokens':>16}",
+        ]
+        for label, variant in variants:
+            window_text = "-" if variant.sliding_window is None else str(variant.sliding_window)
+            lines.append(
+                f"  {label:<{width}}{variant.n_kv_heads:>9}{window_text:>8}"
+                f"{_binary(kv_bytes_per_token(variant, dtype)):>13}"
+                f"{_binary(kv_cache_bytes(variant, tokens, dtype, batch_size)):>16}"
+            )
+    return "\n".join(lines)
+
+
+def format_flops(cfg: AnyConfig, name: str, context: int) -> str:
+    """Forward and training FLOPs per token, and how the attention part grows with context."""
+    flops = flops_per_token(cfg, context)
+    layers, qk, v = _attention_width(cfg)
+    seen = context
+    if getattr(cfg, "sliding_window", None) is not None:
+        seen = min(context, cfg.sliding_window)
+    width = f"{qk:,}" if qk == v else f"({qk:,} + {v:,}) / 2"
+    parts = [
+        (f"matmuls: 2 x {flops['matmul_weights']:,} weights a token multiplies", "matmul"),
+        (f"attention QK^T and AV: 2 x 2 x {layers} layers x {seen:,} keys x {width}", "attention"),
+    ]
+    label = max(len(text) for text, _ in parts) + 2
+    lines = [f"FLOPs per token of {name} at a context of {context:,} tokens (multiply-add = 2):"]
+    for text, key in parts:
+        share = 100 * flops[key] / flops["forward"]
+        lines.append(f"  {text:<{label}}{_flop(flops[key]):>14}{share:>7.1f}%")
+    lines += [
+        f"  {'forward':<{label}}{_flop(flops['forward']):>14}",
+        f"  {'training: 3 x forward (6N + attention, PaLM/nanoGPT)':<{label}}"
+        f"{_flop(flops['training']):>14}",
+        "",
+        "how the context changes it (seed 002: twice the text, four times the attention work):",
+        f"  {'context':>9}{'forward/token':>16}{'attention share':>17}{'forward/sequence':>19}",
+    ]
+    for scale in (0.25, 0.5, 1, 2, 4):
+        n = max(1, int(context * scale))
+        row = flops_per_token(cfg, n)
+        share = 100 * row["attention"] / row["forward"]
+        lines.append(
+            f"  {n:>9,}{_flop(row['forward']):>16}{share:>16.1f}%{_flop(row['forward'] * n):>19}"
+        )
+    return "\n".join(lines)

@@ -390,6 +390,197 @@ def cmd_translate(args: argparse.Namespace) -> None:
         print(output)
 
 
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def cmd_inspect_attention(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from glassformer.inspect import attention_view, plots, top_attended
+    from glassformer.interop.pretrained import from_pretrained
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model, tokenizer = from_pretrained(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: inspect needs one to encode text")
+    view = attention_view(
+        model,
+        tokenizer,
+        args.text,
+        token=args.token,
+        position=args.position,
+        kind=args.kind,
+        target=args.target,
+        max_tokens=args.max_tokens,
+    )
+    for note in view.notes:
+        print(f"note: {note}", file=sys.stderr)
+    n_layers, n_heads = len(view.weights), view.weights[0].shape[0]
+    layer = args.layer if args.layer is not None else n_layers - 1
+    if not -n_layers <= layer < n_layers:
+        raise ValueError(f"--layer {layer} does not exist: pick 0..{n_layers - 1}")
+    layer %= n_layers
+    if args.head is not None and not 0 <= args.head < n_heads:
+        raise ValueError(f"--head {args.head} does not exist: pick 0..{n_heads - 1}")
+    cfg = model.cfg
+    query, label = view.query, view.query_tokens[view.query]
+    print(
+        f"{args.model}: {cfg.family}, {n_layers} layers x {n_heads} heads | {view.kind} "
+        f"attention | {len(view.query_tokens)} query x {len(view.key_tokens)} key tokens | query "
+        f"{label!r} at position {query}"
+    )
+    print(f"top {args.top} keys per layer: mean weight over heads (the head that looks most)")
+    for index, weights in enumerate(view.weights):
+        found = top_attended(weights[:, query], args.top)  # (H, Tk) row of the query
+        cells = [
+            f"{view.key_tokens[a.key]}@{a.key} {a.mean_weight:.3f} (head {a.best_head} "
+            f"{a.best_head_weight:.3f})"
+            for a in found
+        ]
+        print(f"  layer {index:>2}: " + " | ".join(cells))
+    out = Path(args.out)
+    name = f"{view.kind} attention of {label!r} (position {query})"
+    fig = plots.layer_grid(
+        view.weights, view.query_tokens, view.key_tokens, f"{args.model}: {name}, mean over "
+        "heads", query=query, max_tokens=args.max_view,
+    )  # fmt: skip
+    written = [plots.save(fig, out)]
+    if args.head is None:
+        fig = plots.head_grid(
+            view.weights[layer], view.query_tokens, view.key_tokens,
+            f"{args.model}: {name}, layer {layer}, every head", query=query,
+            max_tokens=args.max_view,
+        )  # fmt: skip
+        path = out.with_name(f"{out.stem}-layer{layer}-heads{out.suffix or '.png'}")
+    else:
+        found = top_attended(view.weights[layer][args.head : args.head + 1, query], args.top)
+        cells = [f"{view.key_tokens[a.key]}@{a.key} {a.mean_weight:.3f}" for a in found]
+        print(f"  layer {layer} head {args.head}: " + " | ".join(cells))
+        fig = plots.attention_heatmap(
+            view.weights[layer][args.head], view.query_tokens, view.key_tokens,
+            f"{args.model}: {name}, layer {layer} head {args.head}", query=query,
+            max_tokens=args.max_view,
+        )  # fmt: skip
+        path = out.with_name(f"{out.stem}-layer{layer}-head{args.head}{out.suffix or '.png'}")
+    written.append(plots.save(fig, path))
+    print("wrote " + " and ".join(str(p) for p in written))
+
+
+# --- calc -------------------------------------------------------------------------------------
+
+
+def _calc_source(args: argparse.Namespace):
+    """(config, name, loaded model or None) from exactly one of --preset, --config, --model."""
+    from glassformer.calc import preset_names, resolve_preset
+
+    given = [flag for flag in ("preset", "config", "model") if getattr(args, flag)]
+    if len(given) != 1:
+        raise ValueError(
+            f"give exactly one of --preset, --config or --model (got {len(given) or 'none'}): "
+            f"presets are {', '.join(preset_names())}"
+        )
+    if args.preset:
+        return resolve_preset(args.preset), args.preset, None
+    if args.config:
+        return _calc_run_config(args.config, args.vocab_size), args.config, None
+    from glassformer.interop.pretrained import from_pretrained
+
+    model, _ = from_pretrained(args.model)
+    return model.cfg, args.model, model
+
+
+def _calc_run_config(path: str, vocab_size: int | None):
+    """A TOML run config's ModelConfig. Its vocabulary comes from the tokenizer the run trains:
+    the corpus's characters (char) or data.bpe_vocab_size (bpe), unless --vocab-size says."""
+    from glassformer.train.config import load_run_config
+
+    run = load_run_config(path)
+    if vocab_size is None and run.data.tokenizer == "bpe":
+        vocab_size = run.data.bpe_vocab_size
+    if vocab_size is None:
+        from glassformer.train.tasks import build_tokenizer, load_documents
+
+        vocab_size = build_tokenizer(run.data, load_documents(run.data)).vocab_size
+    print(f"note: vocab_size {vocab_size} (from [data]; --vocab-size to change)", file=sys.stderr)
+    return run.model_config(vocab_size)
+
+
+def cmd_calc_params(args: argparse.Namespace) -> None:
+    from glassformer.calc import (
+        describe,
+        format_component_table,
+        format_parameter_table,
+        parameter_table,
+    )
+
+    cfg, name, model = _calc_source(args)
+    if model is None:
+        print(format_parameter_table(cfg, name))
+        return
+    table = parameter_table(model)  # the loaded weights themselves, counted
+    print(format_component_table(table, cfg.n_layers, name, describe(cfg)))
+
+
+def cmd_calc_kv_cache(args: argparse.Namespace) -> None:
+    from glassformer.calc import format_kv_cache
+
+    cfg, name, _ = _calc_source(args)
+    tokens = cfg.max_seq_len if args.tokens is None else args.tokens
+    print(format_kv_cache(cfg, name, tokens, args.dtype, args.batch_size, args.window))
+
+
+def cmd_calc_flops(args: argparse.Namespace) -> None:
+    from glassformer.calc import format_flops
+
+    cfg, name, _ = _calc_source(args)
+    print(format_flops(cfg, name, args.context or cfg.max_seq_len))
+
+
+def _add_calc_parser(sub) -> None:
+    p = sub.add_parser(
+        "calc",
+        help="parameters, KV-cache bytes and FLOPs of a preset, run config or checkpoint",
+        description="Calculators from a config, no weights needed (seed 000 §2.1, seed 002): "
+        "params (the parameter table, MoE total vs active), kv-cache (bytes per token and in "
+        "all; what GQA/MQA and a sliding window change), flops (per token: matmuls and the "
+        "attention part that grows with the context; training = 3 x forward).",
+    )
+    calc = p.add_subparsers(dest="calc_command", required=True, metavar="WHAT")
+    commands = {
+        "params": ("the parameter table by component, per layer and in all", cmd_calc_params),
+        "kv-cache": ("KV-cache bytes per token and for --tokens tokens", cmd_calc_kv_cache),
+        "flops": ("forward and training FLOPs per token at --context", cmd_calc_flops),
+    }
+    for what, (text, func) in commands.items():
+        q = calc.add_parser(what, help=text, description=text)
+        q.add_argument("--preset", help="e.g. llama-7b, gpt3-175b, mixtral-8x7b, deepseek-v3")
+        q.add_argument("--config", help="a TOML run config, e.g. configs/shakespeare-char.toml")
+        q.add_argument("--model", help="checkpoint directory, alias (smollm2), HF folder, .gguf")
+        q.add_argument(
+            "--vocab-size", type=_positive_int, help="--config: the tokenizer's vocabulary size"
+        )
+        if what == "kv-cache":
+            q.add_argument(
+                "--tokens", type=int, help="cached positions (default: the model's context)"
+            )
+            q.add_argument("--dtype", default="fp16", help="fp32, bf16, fp16 (default), fp8, int8")
+            q.add_argument("--batch-size", type=_positive_int, default=1, help="sequences (1)")
+            q.add_argument(
+                "--window",
+                type=_positive_int,
+                default=4096,
+                help="the sliding window of the extra row shown when --tokens exceeds it (4096)",
+            )
+        if what == "flops":
+            q.add_argument(
+                "--context", type=_positive_int, help="context length (default: the model's)"
+            )
+        q.set_defaults(func=func)
+
+
 # --- parser -----------------------------------------------------------------------------------
 
 
@@ -621,6 +812,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=3, help="example pairs --eval prints")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_translate)
+
+    _add_calc_parser(sub)
+
+    p = sub.add_parser(
+        "inspect",
+        help="look inside a model: attention maps (inspect attention)",
+        description="Look inside a model. `inspect attention` shows which tokens a token "
+        "attends to in every layer and plots the attention matrices.",
+    )
+    inspect_sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p = inspect_sub.add_parser(
+        "attention",
+        help="which tokens a token attends to, per layer and head, plus heatmaps",
+        description="Run TEXT through the model with attention capture on (seed 000 §3.3, "
+        "§4.2). For the chosen token print, per layer, the keys it attends to most (mean over "
+        "heads) and the single head that attends most to each; write a PNG with one heatmap "
+        "per layer (mean over heads) and one with every head of --layer (or only --head).",
+    )
+    p.add_argument("text", metavar="TEXT", help="e.g. \"The animal didn't cross the street "
+                   "because it was too tired\"")  # fmt: skip
+    p.add_argument(
+        "--model", required=True, help="alias (minilm, smollm2), Hugging Face folder, .gguf "
+        "or checkpoint directory",
+    )  # fmt: skip
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--token", help="the query token by its text (markers like Ġ ## ▁ ignored; the first "
+        "if it occurs several times)",
+    )  # fmt: skip
+    where.add_argument(
+        "--position", type=int, help="the query token by index (default: the last token)"
+    )
+    p.add_argument(
+        "--kind", choices=("self", "encoder", "decoder", "cross"),
+        help="which attention (default: self; encoder for seq2seq, where --token is matched "
+        "in the source for encoder, in the decoder input for decoder and cross)",
+    )  # fmt: skip
+    p.add_argument(
+        "--target", help="seq2seq: the decoder's text (default: the model's greedy output)"
+    )
+    p.add_argument("--layer", type=int, help="layer for the per-head plot (default: the last)")
+    p.add_argument("--head", type=int, help="plot only this head of --layer")
+    p.add_argument("--top", type=_positive_int, default=3, help="keys printed per layer (3)")
+    p.add_argument(
+        "--out", default="attention.png",
+        help="PNG of the layers (default attention.png); the head plot goes beside it as "
+        "NAME-layerL-heads.png (NAME-layerL-headH.png with --head)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=512,
+        help="cut longer texts to this many tokens (default 512; memory grows as T^2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-view", type=_positive_int, default=48,
+        help="most query/key tokens a heatmap shows, around the query (default 48)",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=cmd_inspect_attention)
     return parser
 
 

@@ -290,6 +290,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_experts=8, n_experts_per_token=2, moe_expert_ffn="swiglu", bias=False,
         norm_bias=False, tie_embeddings=False,
     ),
+    # GPT-3 175B (seed 000 §5.4: "GPT-3 是 96 次"): GPT-2's design at 96 x 12288. GPT-3 alternates
+    # dense and locally banded sparse attention layers; that changes no parameter count.
+    "gpt3-175b": dict(
+        vocab_size=50257, d_model=12288, n_layers=96, n_heads=96, max_seq_len=2048,
+        position="learned", norm="layer", ffn="gelu_tanh", bias=True, tie_embeddings=True,
+    ),
     # BERT (seed 000 §6.3): post-norm encoder, token types, pooler and masked-LM head
     "bert-base": dict(
         family="bert", **_BERT, vocab_size=30522, d_model=768, n_layers=12, n_heads=12,
@@ -299,5 +305,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "minilm-l6": dict(
         family="bert", **_BERT, vocab_size=30522, d_model=384, n_layers=6, n_heads=12,
         d_ff=1536, pooler=True, mlm_head=False,
+    ),
+    # T5 v1.0 base (seed 000 §6.1): pre-norm encoder-decoder, RMS norms, no biases, T5's bucketed
+    # relative position bias, ReLU FFN, one token table shared by encoder, decoder and output
+    "t5-base": dict(
+        family="seq2seq", vocab_size=32128, d_model=768, n_layers=12, n_encoder_layers=12,
+        n_heads=12, head_dim=64, d_ff=3072, max_seq_len=512, position="relative", norm="rms",
+        norm_position="pre", norm_eps=1e-6, norm_bias=False, ffn="relu", bias=False,
+        attention_scale=1.0, share_embeddings=True, tie_embeddings=True,
+        output_scale=768**-0.5, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     ),
 }  # fmt: skip

@@ -1,0 +1,32 @@
+"""Looking inside (seed 000 §3.3, §4.2; seed 002's "它 -> 猫" demo): capture every head's attention
+weights and the residual stream, read which tokens a token attends to, and plot the matrices.
+
+    import glassformer as gf
+    with gf.inspect.capture(model) as cap:
+        model(ids)
+    cap.attention[0]      # (B, H, Tq, Tk) weights of layer 0
+"""
+
+from glassformer.inspect.capture import (
+    Attended,
+    AttentionView,
+    Capture,
+    LayerRecords,
+    attention_view,
+    capture,
+    find_token,
+    token_texts,
+    top_attended,
+)
+
+__all__ = [
+    "Attended",
+    "AttentionView",
+    "Capture",
+    "LayerRecords",
+    "attention_view",
+    "capture",
+    "find_token",
+    "token_texts",
+    "top_attended",
+]
