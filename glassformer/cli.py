@@ -617,7 +617,7 @@ def _add_sampling_flags(
     p.add_argument(
         "--quantize",
         choices=("int8",),
-        help="int8: weight-only int8 in groups of 32 (about 3.5x fewer weight bytes than fp32)",
+        help="int8: weight-only int8, a scale per 64 weights (about 3.7x fewer bytes than fp32)",
     )
     p.add_argument(
         "--plain",

@@ -98,6 +98,16 @@ def test_rounding_error_is_at_most_half_a_scale(group_size):
 def test_bad_group_size_is_a_clear_error():
     with pytest.raises(ValueError, match="group_size=24 does not divide in_features=64"):
         Int8Linear.from_linear(nn.Linear(64, 8), group_size=24)
+    with pytest.raises(ValueError, match="group_size=0 must be a positive integer"):
+        quantize_int8(tiny_gpt(), group_size=0)
+
+
+def test_layers_the_group_does_not_divide_fall_back_to_smaller_groups():
+    model = quantize_int8(tiny_gpt(d_model=96, n_heads=4, d_ff=160), group_size=64)
+    groups = {m.in_features: m.group_size for m in int8_linears(model)}
+    assert groups == {96: 32, 160: 32}  # 64 divides neither width; 32 divides both
+    odd = quantize_int8(tiny_gpt(d_model=40, n_heads=4, d_ff=80), group_size=64)
+    assert {m.in_features: m.group_size for m in int8_linears(odd)} == {40: 40, 80: 80}
 
 
 # --- whole models -----------------------------------------------------------------------------
@@ -162,14 +172,17 @@ def test_tied_embeddings_are_untied_into_a_float_table_and_an_int8_head():
     half_scale = head.scales.repeat_interleave(head.group_size, dim=1) / 2
     assert torch.all((head.dequantize() - table).abs() <= half_scale + 1e-6)
     # Closed form: every float tensor but the block matrices stays, and each int8 matrix takes
-    # O*K bytes plus O*K/32 fp32 scales; the tied table is now stored twice (float + int8).
+    # O*K bytes plus O*K/g fp32 scales (g = 64 columns per scale); the tied table is now
+    # stored twice (float + int8).
     cfg = model.cfg
     C, V, F_ = cfg.d_model, cfg.vocab_size, cfg.d_ff
     q_out = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
     matrices = [(q_out, C), (C, cfg.n_heads * cfg.head_dim), (2 * F_, C), (C, F_)]
-    block_int8 = cfg.n_layers * sum(o * k + 4 * o * k // 32 for o, k in matrices)
+    g = head.group_size
+    assert g == 64
+    block_int8 = cfg.n_layers * sum(o * k + 4 * o * k // g for o, k in matrices)
     block_fp32 = cfg.n_layers * sum(o * k * 4 for o, k in matrices)
-    assert weight_bytes(model) == float_bytes - block_fp32 + block_int8 + V * C + 4 * V * C // 32
+    assert weight_bytes(model) == float_bytes - block_fp32 + block_int8 + V * C + 4 * V * C // g
 
 
 def test_refuses_other_families_and_saving(tmp_path):

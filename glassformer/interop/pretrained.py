@@ -78,9 +78,10 @@ def from_pretrained(
     """(model, tokenizer) for an alias (smollm2, minilm), a Hugging Face folder, a GGUF file or
     a glassformer checkpoint; the model is in eval mode, the tokenizer None if none was saved.
 
-    quantize="int8": every Linear of a GPT-family model becomes int8 weight-only with
-    per-channel scales (glassformer.nn.quant). A Q8_0 GGUF tensor is dequantized exactly
-    (q * d is exact in fp32) and requantized per channel.
+    quantize="int8": every Linear of a GPT-family model becomes int8 weight-only with a scale
+    per output row and group of 64 columns (glassformer.nn.quant). A GGUF file whose matrices
+    are all Q8_0 (blocks of 32 int8 values and one scale) is regrouped by 32, which gives back
+    exactly the file's numbers.
 
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
@@ -88,10 +89,23 @@ def from_pretrained(
         raise ValueError(f"quantize={quantize!r} is not known: pick None or 'int8'")
     model, tokenizer = _load_float(name_or_path, dtype)
     if quantize == "int8":
-        from glassformer.nn.quant import quantize_int8
+        from glassformer.nn.quant import DEFAULT_GROUP_SIZE, quantize_int8
 
-        model = quantize_int8(model)
+        group_size = 32 if _all_matrices_q8_0(resolve(name_or_path)) else DEFAULT_GROUP_SIZE
+        model = quantize_int8(model, group_size)
     return model, tokenizer
+
+
+def _all_matrices_q8_0(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose 2-D tensors are all stored as Q8_0."""
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return False
+    from gguf import GGMLQuantizationType
+
+    from glassformer.interop.gguf import read_gguf
+
+    matrices = [t for t in read_gguf(path).tensors.values() if len(t.shape) == 2]
+    return bool(matrices) and all(t.tensor_type == GGMLQuantizationType.Q8_0 for t in matrices)
 
 
 def _load_float(name_or_path: str | Path, dtype: torch.dtype):

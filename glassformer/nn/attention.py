@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
+from glassformer.nn.norm import upcast
 from glassformer.nn.position import alibi_bias, apply_rope
 
 # --- masks ------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def eager_attention(
     if groups > 1:  # GQA/MQA: each key/value head serves `groups` query heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, Tq, Tk)  score and scale
+    scores = upcast(q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)  score and scale
     if mask.bias is not None:
         scores = scores + mask.bias
     allowed = mask.dense(q.shape[2], k.shape[2], q.device)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
+from glassformer.nn.norm import upcast
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -85,7 +86,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, C) with N = B*T tokens
-        router_probs = self.router(x).float().softmax(dim=-1)  # (N, E)
+        router_probs = upcast(self.router(x)).softmax(dim=-1)  # (N, E)
         top_probs, top_experts = router_probs.topk(self.top_k, dim=-1)  # (N, k)
         top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)  # renormalize over the k
 

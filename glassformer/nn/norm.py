@@ -13,6 +13,12 @@ from torch import Tensor, nn
 from glassformer.config import ModelConfig
 
 
+def upcast(x: Tensor) -> Tensor:
+    """x in at least float32: bf16/fp16 go up for precision-sensitive steps (norms, softmax,
+    rotations), float64 stays float64 (so a float64 reference model is float64 throughout)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
@@ -31,9 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # x / sqrt(mean(x^2) + eps) in float32, then the gain in x's dtype (as Llama does);
-        # F.rms_norm is that formula in one fused op: one call instead of six per token.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        # x / sqrt(mean(x^2) + eps) in (at least) float32, then the gain in x's dtype (as
+        # Llama does); F.rms_norm is that formula in one fused op: one call, not six per token.
+        normed = F.rms_norm(upcast(x), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
+from glassformer.nn.norm import upcast
 
 # --- absolute positions, added to the embeddings --------------------------------------------
 
@@ -161,7 +162,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate each (i, i + D/2) pair of x (B, H, T, D) by its position's angle."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return (upcast(x) * cos + upcast(rotated) * sin).to(x.dtype)
 
 
 # --- ALiBi ----------------------------------------------------------------------------------
