@@ -46,7 +46,7 @@ def test_matvec_equals_linear(storage, rows, out_features, in_features):
         weight, scale = int8_weight(out_features, in_features)
     else:
         weight, scale = torch.randn(out_features, in_features).to(storage), None
-    assert kernels.can_use(x, weight)
+    assert kernels.can_use(x, weight) == (rows <= kernels.MAX_ROWS[storage])
     with torch.no_grad():
         y = kernels.matvec(x, weight, scale)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
@@ -87,7 +87,7 @@ def test_matvec_keeps_leading_dims_and_input_dtype():
 def test_shapes_the_kernel_does_not_take_fall_back_to_linear():
     weight = torch.randn(12, 20)  # in_features 20 is not a multiple of 32
     x = torch.randn(3, 20)
-    many_rows = torch.randn(kernels.MAX_ROWS + 1, 32)
+    many_rows = torch.randn(kernels.MAX_ROWS[torch.float32] + 1, 32)
     wide = torch.randn(5, 32)
     with torch.no_grad():
         assert not kernels.can_use(x, weight) and not kernels.can_use(many_rows, wide)
