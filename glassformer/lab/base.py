@@ -1,0 +1,239 @@
+"""The claims lab's pieces: an Experiment tests one claim quoted from the tutorials, runs in a
+RunContext and returns a Result whose verdict follows from Checks (measured number, stated
+threshold). Experiments live in glassformer/lab/exp_*.py and register themselves; `discover`
+imports them all, so adding one never edits a shared list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VERDICTS = ("holds", "holds partly", "does not hold here")
+MODES = ("tiny", "quick", "full")  # tiny: the tests' smallest run; quick: < 3 min on 2 cores
+
+
+# --- checks and the verdict -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One measured number against the claim's threshold. op: "~" (|measured - target| <=
+    tolerance), ">=" or "<=" (measured against target)."""
+
+    what: str
+    measured: float
+    op: str
+    target: float
+    tolerance: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("~", ">=", "<="):
+            raise ValueError(f"op={self.op!r} is not known: pick '~', '>=' or '<='")
+
+    @property
+    def passed(self) -> bool:
+        if not math.isfinite(self.measured):
+            return False
+        if self.op == "~":
+            return abs(self.measured - self.target) <= self.tolerance
+        if self.op == ">=":
+            return self.measured >= self.target
+        return self.measured <= self.target
+
+    def describe(self) -> str:
+        want = (
+            f"{self.target:g} ± {self.tolerance:g}"
+            if self.op == "~"
+            else f"{self.op} {self.target:g}"
+        )
+        return f"{self.what}: {self.measured:.4g} (want {want})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def approx(what: str, measured: float, target: float, tolerance: float) -> Check:
+    return Check(what, float(measured), "~", float(target), float(tolerance))
+
+
+def at_least(what: str, measured: float, bound: float) -> Check:
+    return Check(what, float(measured), ">=", float(bound))
+
+
+def at_most(what: str, measured: float, bound: float) -> Check:
+    return Check(what, float(measured), "<=", float(bound))
+
+
+def verdict(checks: Sequence[Check]) -> tuple[str, str]:
+    """(verdict, why): every check passes -> "holds", none -> "does not hold here", else
+    "holds partly"; `why` names the failed checks with their numbers."""
+    if not checks:
+        raise ValueError("a verdict needs at least one check")
+    failed = [c for c in checks if not c.passed]
+    n = len(checks)
+    if not failed:
+        return "holds", f"all {n} checks pass, e.g. {checks[0].describe()}."
+    misses = "; ".join(c.describe() for c in failed)
+    if len(failed) == n:
+        return "does not hold here", f"none of the {n} checks pass: {misses}."
+    return "holds partly", f"{n - len(failed)} of {n} checks pass; off: {misses}."
+
+
+# --- a run's context and result ---------------------------------------------------------------
+
+
+@dataclass
+class RunContext:
+    """Where and how big to run. quick: fits in 3 minutes on 2 CPU cores; tiny: the smallest
+    run the tests use (shapes right, numbers not meaningful for big-model claims)."""
+
+    out_dir: Path = Path("docs/lab")
+    quick: bool = False
+    tiny: bool = False
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+
+    @property
+    def mode(self) -> str:
+        return "tiny" if self.tiny else "quick" if self.quick else "full"
+
+    def pick(self, full: Any, quick: Any, tiny: Any) -> Any:
+        """A size for this mode: ctx.pick(full=1000, quick=200, tiny=10)."""
+        return {"full": full, "quick": quick, "tiny": tiny}[self.mode]
+
+    def figure_path(self, stem: str) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return self.out_dir / f"{stem}.png"
+
+
+@dataclass
+class Result:
+    """Rows (the table), the checks the verdict follows from, the verdict and one sentence of
+    why, the figure and extra data for the JSON."""
+
+    rows: list[dict[str, Any]]
+    checks: list[Check]
+    verdict: str
+    why: str
+    figure: Path | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # e.g. rows skipped and why
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
+
+    @classmethod
+    def from_checks(
+        cls,
+        rows: list[dict[str, Any]],
+        checks: list[Check],
+        why: str | None = None,
+        **kwargs: Any,
+    ) -> Result:
+        """The verdict from the checks; `why` (one sentence) replaces the generated one."""
+        decided, generated = verdict(checks)
+        return cls(rows, checks, decided, why or generated, **kwargs)
+
+
+# --- experiments and the registry -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str
+    claim: str  # quoted from the seed, in Chinese
+    source: str  # "seed 000 §4.3" or a seed 002 heading (seed 002 has no numbered sections)
+    fn: Callable[[RunContext], Result]
+    number: int = 0  # the claim's number in issue 7's list: the report's order
+
+    def run(self, ctx: RunContext) -> Result:
+        with cjk_text():
+            result = self.fn(ctx)
+        if not isinstance(result, Result):
+            raise TypeError(f"experiment {self.name} returned {type(result).__name__}, not Result")
+        return result
+
+
+REGISTRY: dict[str, Experiment] = {}
+
+
+def register(
+    name: str, title: str, claim: str, source: str, number: int = 0
+) -> Callable[[Callable[[RunContext], Result]], Callable[[RunContext], Result]]:
+    """Decorator for an experiment's run function: @register("gqa-cache", title=..., ...)."""
+
+    def wrap(fn: Callable[[RunContext], Result]) -> Callable[[RunContext], Result]:
+        if name in REGISTRY and REGISTRY[name].fn.__module__ != fn.__module__:
+            raise ValueError(f"experiment name {name!r} is registered twice: rename one")
+        REGISTRY[name] = Experiment(name, title, claim, source, fn, number)
+        return fn
+
+    return wrap
+
+
+def discover() -> dict[str, Experiment]:
+    """Import every glassformer/lab/exp_*.py (each registers itself); experiments by name, in
+    the order of their claim numbers."""
+    import glassformer.lab as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name.startswith("exp_"):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    ordered = sorted(REGISTRY.values(), key=lambda e: (e.number, e.name))
+    return {e.name: e for e in ordered}
+
+
+def get(name: str) -> Experiment:
+    experiments = discover()
+    if name not in experiments:
+        raise ValueError(
+            f"no experiment named {name!r}: pick one of {', '.join(experiments)} "
+            "(glassformer lab list shows them)"
+        )
+    return experiments[name]
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def cjk_text():
+    """Matplotlib text with a CJK fallback font (inspect.plots' choice) for the duration of one
+    experiment: an rc_context, so no global pyplot state is left behind."""
+    from matplotlib import rc_context
+
+    from glassformer.inspect.plots import cjk_font
+
+    font = cjk_font()
+    families = ["DejaVu Sans", font] if font else ["DejaVu Sans"]
+    with rc_context({"font.family": families, "axes.unicode_minus": False}):
+        yield
+
+
+def new_figure(width: float, height: float, ncols: int = 1):
+    """(Figure, axes) on a headless Agg canvas of its own (no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols)
+    return fig, axes
+
+
+def save_figure(fig, path: Path) -> Path:
+    from glassformer.inspect.plots import save
+
+    return save(fig, path, dpi=80)  # small PNGs: they live in the tree

@@ -1,0 +1,148 @@
+"""Seed 002 "第⑥步 ... 采样": temperature 0 picks the top token every step (deterministic); higher
+temperatures spread the distribution (entropy and distinct continuations grow); top-k and top-p
+cut its tail. Measured on SmolLM2 with glassformer.infer.sampling and the Engine's seeds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glassformer.infer.engine import Engine
+from glassformer.infer.sampling import SamplingParams, sampling_distribution
+from glassformer.lab.base import (
+    Result,
+    RunContext,
+    approx,
+    at_least,
+    at_most,
+    new_figure,
+    register,
+    save_figure,
+)
+
+PROMPT = "Write a one-line ad for these wireless headphones:"
+TEMPERATURES = (0.0, 0.5, 1.0, 1.5)
+TOP_K, TOP_P = 20, 0.9
+# Thresholds: temperature 0 gives exactly one distinct continuation; entropy must rise with
+# temperature (each step >= the last); at the highest temperature more than one continuation.
+
+
+def entropy_bits(probs: torch.Tensor) -> float:
+    p = probs[probs > 0]
+    return max(0.0, float(-(p * p.log2()).sum()))  # max: no "-0" for a one-hot
+
+
+@register(
+    "sampling",
+    title="Temperature 0 is deterministic; higher temperatures spread; top-k/top-p truncate",
+    claim=(
+        "输出层给出的是一串候选词的分数，怎么从里面挑一个，"
+        "就是采样策略——这正是你天天调的 API 参数……"
+        '所以"要稳定输出就 temperature=0"这句经验，在架构上就是"每步都选分数最高的词"。'
+    ),
+    source="seed 002 「第⑥步就是 temperature / top_p 在管的地方」",
+    number=16,
+)
+def run(ctx: RunContext) -> Result:
+    model, tokenizer, name = _model(ctx)
+    prompt = tokenizer.encode(PROMPT) if tokenizer else list(range(1, 9))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), last_token_only=True)[:, -1]  # (1, V)
+    engine = Engine(model)
+    n_samples, n_tokens = ctx.pick(8, 4, 2), ctx.pick(16, 8, 3)
+    rows, checks, entropies, distinct = [], [], [], []
+    for temperature in TEMPERATURES:
+        probs = sampling_distribution(logits, SamplingParams(temperature=temperature))[0]
+        outs = [
+            tuple(engine.generate(prompt, n_tokens, temperature=temperature, seed=s).token_ids)
+            for s in range(n_samples)
+        ]
+        entropies.append(entropy_bits(probs))
+        distinct.append(len(set(outs)))
+        rows.append(
+            {
+                "sampler": f"temperature {temperature:g}",
+                "next-token entropy (bits)": entropies[-1],
+                "top-1 prob": float(probs.max()),
+                "tokens kept": int((probs > 0).sum()),
+                f"distinct of {n_samples} x {n_tokens} tok": distinct[-1],
+                "example": _text(tokenizer, outs[0]),
+            }
+        )
+    for label, params in (
+        (f"top-k {TOP_K} (T=1)", SamplingParams(1.0, top_k=TOP_K)),
+        (f"top-p {TOP_P} (T=1)", SamplingParams(1.0, top_p=TOP_P)),
+    ):
+        probs = sampling_distribution(logits, params)[0]
+        rows.append({"sampler": label, "next-token entropy (bits)": entropy_bits(probs),
+                     "top-1 prob": float(probs.max()),
+                     "tokens kept": int((probs > 0).sum())})  # fmt: skip
+    full = torch.softmax(logits.float(), -1)[0]
+    nucleus = int((sampling_distribution(logits, SamplingParams(1.0, top_p=TOP_P))[0] > 0).sum())
+    top_mass = float(full.sort(descending=True).values[:nucleus].sum())
+    mass_before_last = float(full.sort(descending=True).values[: nucleus - 1].sum())
+
+    checks.append(approx("distinct continuations at temperature 0", distinct[0], 1, 0))
+    for i in range(1, len(TEMPERATURES)):
+        checks.append(at_least(f"entropy rise T={TEMPERATURES[i - 1]:g}->{TEMPERATURES[i]:g}",
+                               entropies[i] - entropies[i - 1], 0))  # fmt: skip
+    checks.append(at_least(f"distinct continuations at T={TEMPERATURES[-1]:g}", distinct[-1], 2))
+    checks.append(at_most(f"tokens kept by top-k {TOP_K}", rows[-2]["tokens kept"], TOP_K))
+    checks.append(at_least(f"mass of the top-p {TOP_P} nucleus", top_mass, TOP_P))
+    checks.append(at_most(f"mass without its least token (smallest set: < {TOP_P})",
+                          mass_before_last, TOP_P - 1e-9))  # fmt: skip
+    notes = [f"model: {name}; prompt: {PROMPT!r}; seeds 0..{n_samples - 1}"]
+    figure = _plot(logits, entropies, distinct, tokenizer, ctx)
+    data = {"entropies": entropies, "distinct": distinct, "vocab_size": int(logits.shape[-1]),
+            "top_p_nucleus": nucleus}  # fmt: skip
+    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+
+
+def _model(ctx: RunContext):
+    if ctx.tiny:
+        from glassformer.config import ModelConfig
+        from glassformer.models import build_model
+
+        torch.manual_seed(ctx.seed)
+        # init_std 1.0: a peaked softmax, not the near-uniform one of a 0.02 init
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=64,
+                          init_std=1.0)  # fmt: skip
+        return build_model(cfg).eval(), None, "tiny random GPT"
+    from glassformer.interop.pretrained import from_pretrained
+
+    model, tokenizer = from_pretrained("smollm2")
+    return model, tokenizer, "SmolLM2-135M"
+
+
+def _text(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids)).replace("\n", " ")[:40] if tokenizer else str(list(ids))
+
+
+def _plot(logits, entropies, distinct, tokenizer, ctx: RunContext):
+    fig, (left, right) = new_figure(8.4, 3.4, ncols=2)
+    left.plot(TEMPERATURES, entropies, "o-", label="next-token entropy (bits)")
+    left.plot(TEMPERATURES, distinct, "s--", label="distinct continuations")
+    left.set_xlabel("temperature")
+    left.set_title("温度越高，分布越平")
+    left.legend(fontsize=7)
+    top = torch.topk(logits[0].float(), 10).indices
+    width = 0.8 / 3
+    for i, (label, params) in enumerate(
+        [("T=0.5", SamplingParams(0.5)), ("T=1", SamplingParams(1.0)),
+         (f"T=1, top-p {TOP_P}", SamplingParams(1.0, top_p=TOP_P))]
+    ):  # fmt: skip
+        probs = sampling_distribution(logits, params)[0][top]
+        right.bar([j + (i - 1) * width for j in range(10)], probs.tolist(), width, label=label)
+    labels = [_token_label(tokenizer, int(t)) for t in top]
+    right.set_xticks(range(10), labels, rotation=60, fontsize=7)
+    right.set_ylabel("probability")
+    right.set_title("top 10 next tokens")
+    right.legend(fontsize=7)
+    return save_figure(fig, ctx.figure_path("sampling"))
+
+
+def _token_label(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return str(token_id)
+    text = tokenizer.decode([token_id])
+    return repr(text)[1:-1] if text.strip() else repr(text)

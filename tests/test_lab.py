@@ -1,0 +1,171 @@
+"""The claims lab (issue 7): discovery, every experiment in its tiny mode, the verdict logic
+against made-up numbers, the JSON, the report and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glassformer.cli import main
+from glassformer.lab.base import (
+    VERDICTS,
+    Check,
+    Result,
+    RunContext,
+    approx,
+    at_least,
+    at_most,
+    discover,
+    get,
+    verdict,
+)
+from glassformer.lab.report import write_report
+from glassformer.lab.runner import run_one
+
+EXPECTED = {
+    "attention-example",
+    "no-position-permutation",
+    "gqa-cache",
+    "parameter-tables",
+    "kv-cache-size",
+    "sampling",
+    "tokens-not-characters",
+}
+# Experiments whose tiny mode loads no real weights: fast enough for the default run.
+FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
+        "sampling"]  # fmt: skip
+SLOW = ["kv-cache-size", "tokens-not-characters"]
+
+
+def test_discovery_finds_every_exp_module() -> None:
+    experiments = discover()
+    assert set(experiments) >= EXPECTED
+    modules = {e.fn.__module__ for e in experiments.values()}
+    assert all(m.startswith("glassformer.lab.exp_") for m in modules)
+    numbers = [e.number for e in experiments.values()]
+    assert numbers == sorted(numbers)
+    for exp in experiments.values():
+        assert exp.claim and exp.source.startswith("seed 00")
+        assert any("\u4e00" <= ch <= "\u9fff" for ch in exp.claim)  # quoted in Chinese
+
+
+def test_unknown_experiment_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="attention-example"):
+        get("no-such-claim")
+
+
+# --- the verdict helper, on made-up numbers ------------------------------------------------
+
+
+def test_check_ops() -> None:
+    assert approx("a", 0.503, 0.5, 0.005).passed
+    assert not approx("a", 0.6, 0.5, 0.05).passed
+    assert at_least("b", 2, 2).passed and not at_least("b", 1.9, 2).passed
+    assert at_most("c", 2, 2).passed and not at_most("c", 2.1, 2).passed
+    assert not at_least("nan", float("nan"), 0).passed
+    with pytest.raises(ValueError, match="op="):
+        Check("x", 1.0, "==", 1.0)
+
+
+def test_verdict_follows_the_checks() -> None:
+    good, bad = approx("good", 1.0, 1.0, 0.1), approx("bad", 2.0, 1.0, 0.1)
+    assert verdict([good, good])[0] == "holds"
+    assert verdict([good, bad])[0] == "holds partly"
+    assert verdict([bad, bad])[0] == "does not hold here"
+    _, why = verdict([good, bad])
+    assert "bad" in why and "good" not in why.split("off:")[1]
+    with pytest.raises(ValueError):
+        verdict([])
+
+
+def test_result_rejects_unknown_verdicts() -> None:
+    with pytest.raises(ValueError, match="verdict"):
+        Result([], [], "maybe", "why")
+
+
+# --- every experiment in its smallest mode -------------------------------------------------
+
+
+def _check_record(rec: dict, out: Path) -> None:
+    assert rec["verdict"] in VERDICTS
+    assert rec["why"] and rec["rows"] and rec["checks"]
+    assert all(isinstance(row, dict) for row in rec["rows"])
+    # the verdict follows from the recorded numbers, not from the experiment's say-so
+    checks = [Check(c["what"], c["measured"], c["op"], c["target"], c["tolerance"])
+              for c in rec["checks"]]  # fmt: skip
+    assert [c.passed for c in checks] == [c["passed"] for c in rec["checks"]]
+    assert verdict(checks)[0] == rec["verdict"]
+    assert (out / rec["figure"]).is_file()
+    on_disk = json.loads((out / f"{rec['name']}.json").read_text())
+    assert on_disk["verdict"] == rec["verdict"] and on_disk["mode"] == "tiny"
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_experiment_tiny(name: str, tmp_path: Path) -> None:
+    rec = run_one(get(name), RunContext(out_dir=tmp_path, tiny=True))
+    _check_record(rec, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_experiment_tiny_slow(name: str, tmp_path: Path) -> None:
+    rec = run_one(get(name), RunContext(out_dir=tmp_path, tiny=True))
+    _check_record(rec, tmp_path)
+
+
+def test_attention_example_numbers(tmp_path: Path) -> None:
+    # Independent of the lab: the seed's printed weights, and softmax([1, .25, .375]) by hand.
+    import math
+
+    rec = run_one(get("attention-example"), RunContext(out_dir=tmp_path, tiny=True))
+    weights = [row["numpy weight"] for row in rec["rows"]]
+    assert weights == pytest.approx([0.503, 0.237, 0.260], abs=6e-4)
+    e = [math.exp(s) for s in (1.0, 0.25, 0.375)]
+    prose = [row["prose softmax"] for row in rec["rows"]]
+    assert prose == pytest.approx([x / sum(e) for x in e], abs=1e-4)
+    assert rec["verdict"] == "holds partly"  # 0.498/0.235/0.267, not the prose's 0.60/0.16/0.24
+
+
+def test_gqa_cache_shrinks_by_the_group_size(tmp_path: Path) -> None:
+    rec = run_one(get("gqa-cache"), RunContext(out_dir=tmp_path, tiny=True))
+    for row in rec["rows"][:4]:
+        assert row["shrink (filled)"] == row["n_heads"] / row["n_kv_heads"]
+
+
+# --- report and CLI ------------------------------------------------------------------------
+
+
+def test_report_has_a_section_per_result(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    for name in ("attention-example", "parameter-tables"):
+        run_one(get(name), RunContext(out_dir=out, tiny=True))
+    path = write_report(out, tmp_path / "claims.md")
+    text = path.read_text()
+    assert "## 1. " in text and "## 9. " in text
+    assert "0.503 0.237 0.260" in text  # the claim, quoted
+    assert "`glassformer lab run attention-example --tiny`" in text
+    assert "![attention-example](lab/attention-example.png)" in text
+    assert "holds partly" in text
+
+
+def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="lab run --all"):
+        write_report(tmp_path, tmp_path / "claims.md")
+
+
+def test_cli_list_run_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["lab", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in EXPECTED)
+    out = tmp_path / "lab"
+    assert main(["lab", "run", "gqa-cache", "--tiny", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "verdict: holds" in printed and "n_kv_heads" in printed
+    assert (out / "gqa-cache.json").is_file() and (out / "gqa-cache.png").is_file()
+    claims = tmp_path / "claims.md"
+    assert main(["lab", "report", "--out", str(out), "--to", str(claims)]) == 0
+    assert "gqa-cache" in claims.read_text()
+    assert main(["lab", "run", "--out", str(out)]) == 2  # neither NAME nor --all
+    assert "NAME or --all" in capsys.readouterr().err
