@@ -63,10 +63,9 @@ def attention(
     return AttentionResult(output, weights, scores)
 
 
-def worked_example() -> AttentionResult:
-    """Seed 002's hand-sized attention: how much "它" (it) attends to "猫" (cat), "累" (tired)
-    and itself, with d=4 vectors the tutorial made up. The tutorial prints
-    weights ≈ [0.503 0.237 0.260] and output ≈ [5.03 2.37 2.6 0.]."""
+def worked_example_vectors() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seed 002's made-up d=4 vectors: the Query of "它" (it), and the Keys and Values of "猫"
+    (cat), "累" (tired) and "它"."""
     q_it = np.array([1.0, 0.5, 0.2, 0.8])  # "它" 的 Query
     K = np.array(
         [
@@ -82,6 +81,14 @@ def worked_example() -> AttentionResult:
             [0.0, 0.0, 10.0, 0.0],  # "它" 的 Value
         ]
     )
+    return q_it, K, V
+
+
+def worked_example() -> AttentionResult:
+    """Seed 002's hand-sized attention: how much "它" (it) attends to "猫" (cat), "累" (tired)
+    and itself, with d=4 vectors the tutorial made up. The tutorial prints
+    weights ≈ [0.503 0.237 0.260] and output ≈ [5.03 2.37 2.6 0.]."""
+    q_it, K, V = worked_example_vectors()
     result = attention(q_it[None], K, V)  # one query: (1, 4) against (3, 4)
     return AttentionResult(result.output[0], result.weights[0], result.scores[0])
 

@@ -32,10 +32,11 @@ EXPECTED = {
     "kv-cache-size",
     "sampling",
     "tokens-not-characters",
+    "scaling",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
-        "sampling"]  # fmt: skip
+        "sampling", "scaling"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters"]
 
 
@@ -169,3 +170,20 @@ def test_cli_list_run_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert "gqa-cache" in claims.read_text()
     assert main(["lab", "run", "--out", str(out)]) == 2  # neither NAME nor --all
     assert "NAME or --all" in capsys.readouterr().err
+
+
+def test_scaling_statistics_follow_the_closed_forms() -> None:
+    """Var[q·k] = d_k for unit-variance components; a scaled row's entropy does not depend on
+    d_k; without scaling rows sharpen as d_k grows; the blunt 猫/累/它 example is one-hot."""
+    from glassformer.lab.exp_scaling import attention_statistics, worked_example_without_scaling
+
+    small = attention_statistics(16, scaled=True, n_rows=2048, seed=0)
+    wide = attention_statistics(256, scaled=True, n_rows=2048, seed=0)
+    raw = attention_statistics(256, scaled=False, n_rows=2048, seed=0)
+    assert small["variance"] / 16 == pytest.approx(1.0, abs=0.1)
+    assert wide["variance"] / 256 == pytest.approx(1.0, abs=0.1)
+    assert small["entropy"] == pytest.approx(wide["entropy"], abs=0.05)
+    assert raw["entropy"] < 0.5 * wide["entropy"] and raw["max_weight"] > 0.8
+    printed, blunt = worked_example_without_scaling()
+    assert [round(w, 3) for w in printed] == [0.503, 0.237, 0.26]
+    assert max(blunt) > 0.999
