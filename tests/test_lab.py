@@ -33,11 +33,12 @@ EXPECTED = {
     "sampling",
     "tokens-not-characters",
     "scaling",
+    "it-animal",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
         "sampling", "scaling"]  # fmt: skip
-SLOW = ["kv-cache-size", "tokens-not-characters"]
+SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal"]
 
 
 def test_discovery_finds_every_exp_module() -> None:
@@ -187,3 +188,22 @@ def test_scaling_statistics_follow_the_closed_forms() -> None:
     printed, blunt = worked_example_without_scaling()
     assert [round(w, 3) for w in printed] == [0.503, 0.237, 0.26]
     assert max(blunt) > 0.999
+
+
+@pytest.mark.slow
+def test_it_animal_weights_are_the_captured_rows() -> None:
+    """noun_weights reads the eager path's weights: every layer's mean-over-heads row of "it"
+    sums to 1 over all keys, so the two nouns' weights are probabilities."""
+    from glassformer.inspect.capture import attention_view
+    from glassformer.interop.pretrained import from_pretrained
+    from glassformer.lab.exp_it_animal import SENTENCES, noun_weights
+
+    model, tokenizer = from_pretrained("minilm")
+    layers = noun_weights(model, tokenizer, SENTENCES["tired"])
+    view = attention_view(model, tokenizer, SENTENCES["tired"], token="it")
+    assert len(layers) == len(view.weights) == 6
+    for layer, weights in zip(layers, view.weights, strict=True):
+        row = weights[:, view.query].mean(dim=0)  # (Tk,)
+        assert float(row.sum()) == pytest.approx(1.0, abs=1e-5)
+        assert 0 <= layer["animal"] <= 1 and 0 <= layer["street"] <= 1
+        assert layer["animal"] <= layer["animal best head"]
