@@ -34,10 +34,11 @@ EXPECTED = {
     "tokens-not-characters",
     "scaling",
     "it-animal",
+    "quadratic",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
-        "sampling", "scaling"]  # fmt: skip
+        "sampling", "scaling", "quadratic"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal"]
 
 
