@@ -35,10 +35,11 @@ EXPECTED = {
     "scaling",
     "it-animal",
     "quadratic",
+    "rnn-parallel",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
-        "sampling", "scaling", "quadratic"]  # fmt: skip
+        "sampling", "scaling", "quadratic", "rnn-parallel"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal"]
 
 

@@ -1,0 +1,110 @@
+"""Seed 000 §1.3 and §2.2: an RNN computes h(t) from h(t-1), T sequential steps per layer, so
+"training is slow, and slower the longer the sequence"; a Transformer reads all T positions in
+one pass.
+
+Measured: one training step (forward + backward) at a fixed number of tokens per step (the batch
+shrinks as T grows, so the arithmetic stays about the same) for the tutorial's tanh RNN cell
+(looped over time in Python), torch's fused LSTM, and a GPT, all from glassformer's models, at
+growing T. What changes with T is how many sequential steps the recurrent models take.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from glassformer.config import ModelConfig
+from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.models import build_model
+
+VOCAB = 96
+# Thresholds: at a constant number of tokens per step, the tutorial's RNN cell gets at least 2x
+# slower from the shortest to the longest T (T sequential steps; linear would be the ratio of
+# the lengths); and the one-pass GPT is faster than the LSTM at the longest T (the claim's
+# "training is slow"). The models are not matched in size: the table lists their parameters.
+MIN_RNN_GROWTH = 2.0
+
+
+def _models(ctx: RunContext) -> dict[str, torch.nn.Module]:
+    width = ctx.pick(256, 192, 64)
+    common = dict(vocab_size=VOCAB, d_model=width, n_layers=2, max_seq_len=1024)
+    torch.manual_seed(ctx.seed)
+    return {
+        "RNN cell (tutorial, Python loop)": build_model(
+            ModelConfig(family="rnn", cell="rnn", **common)
+        ),
+        "LSTM (torch, fused)": build_model(ModelConfig(family="rnn", cell="lstm", **common)),
+        "GPT (one pass)": build_model(
+            ModelConfig(n_heads=4, position="rope", norm="rms", ffn="swiglu", **common)
+        ),
+    }
+
+
+def step_seconds(model: torch.nn.Module, ids: torch.Tensor, runs: int) -> float:
+    """Median seconds of forward + backward over ids (B, T), after one warm-up step."""
+    times = []
+    for i in range(runs + 1):
+        start = time.perf_counter()
+        model.loss(ids, ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@register(
+    "rnn-parallel",
+    title="RNNs step through time; Transformers read the whole sequence at once",
+    claim=(
+        "无法并行	h(t) 依赖 h(t-1)，必须逐步串行计算	训练慢，序列越长越慢，GPU 大量算力闲置\n"
+        '……干脆不要循环，用注意力让每个词直接"看"到句子里所有其他词——一步到位、全程并行。'
+    ),
+    source="seed 000 §1.3, §2.2",
+    number=4,
+)
+def run(ctx: RunContext) -> Result:
+    lengths = ctx.pick([64, 128, 256, 512], [64, 128, 256, 512], [16, 64])
+    tokens = ctx.pick(4096, 2048, 256)
+    runs = ctx.pick(3, 2, 1)
+    models = _models(ctx)
+    seconds: dict[tuple[str, int], float] = {}
+    generator = torch.Generator().manual_seed(ctx.seed)
+    for length in lengths:
+        ids = torch.randint(0, VOCAB, (tokens // length, length), generator=generator)
+        for name, model in models.items():
+            seconds[name, length] = step_seconds(model, ids, runs)
+    rows = []
+    for name in models:
+        row = {"model": name, "params": sum(p.numel() for p in models[name].parameters())}
+        row.update({f"T={t} ms": 1e3 * seconds[name, t] for t in lengths})
+        row["longest / shortest"] = seconds[name, lengths[-1]] / seconds[name, lengths[0]]
+        row["sequential steps per layer"] = "T" if "GPT" not in name else "1"
+        rows.append(row)
+    rnn = "RNN cell (tutorial, Python loop)"
+    growth = seconds[rnn, lengths[-1]] / seconds[rnn, lengths[0]]
+    checks = [at_least(f"tutorial RNN cell: time at T={lengths[-1]} / T={lengths[0]}, "
+                       f"{tokens} tokens per step", growth, MIN_RNN_GROWTH)]  # fmt: skip
+    lstm_name, gpt_name = "LSTM (torch, fused)", "GPT (one pass)"
+    checks.append(at_least(f"LSTM / GPT time at T={lengths[-1]} (is the one-pass model faster?)",
+                           seconds[lstm_name, lengths[-1]] / seconds[gpt_name, lengths[-1]],
+                           1.0))  # fmt: skip
+    lstm, gpt = rows[1]["longest / shortest"], rows[2]["longest / shortest"]
+    notes = [
+        f"at {tokens} tokens per step the fused LSTM's time changes x{lstm:.2f} and the GPT's "
+        f"x{gpt:.2f} from T={lengths[0]} to T={lengths[-1]} (the GPT's attention grows with T)"
+    ]
+    figure = _plot(models, lengths, seconds, ctx)
+    data = {"tokens_per_step": tokens, "seconds": {f"{n}|{t}": s for (n, t), s in seconds.items()}}
+    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+
+
+def _plot(models, lengths, seconds, ctx: RunContext):
+    fig, ax = new_figure(6.0, 3.4)
+    for name in models:
+        ax.plot(lengths, [1e3 * seconds[name, t] for t in lengths], marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="T (tokens per sequence)",
+           ylabel="ms per training step", title="same tokens per step")  # fmt: skip
+    ax.legend(fontsize=7)
+    return save_figure(fig, ctx.figure_path("rnn-parallel"))
