@@ -134,7 +134,6 @@ def test_int8_with_bf16_is_one_clear_line(trained, capsys):
 def test_compiled_generation_prints_what_the_engine_does(trained, capsys):
     """--compile runs a torch.compile'd decode step (infer/compiled.py); greedy, its text equals
     the streamed Engine's, and --plain with it is refused."""
-    pytest.importorskip("torch._inductor")
     args = ["generate", "--model", str(trained), "To be", "--max-new-tokens", "12",
             "--temperature", "0"]  # fmt: skip
     assert main(args) == 0

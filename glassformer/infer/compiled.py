@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from glassformer.infer.engine import GenerationResult, GenerationStats
+from glassformer.infer.engine import GenerationResult, GenerationStats, prompt_tensor
 from glassformer.infer.sampling import SamplingParams, sample
 from glassformer.nn.attention import AttentionMask
 from glassformer.nn.position import alibi_bias
@@ -202,13 +202,7 @@ class CompiledDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device)
-        prompt = prompt.reshape(1, -1)  # (1, T)
-        if not 0 < prompt.shape[1] <= self.cfg.max_seq_len:
-            raise ValueError(
-                f"the prompt has {prompt.shape[1]} tokens: give 1 to max_seq_len="
-                f"{self.cfg.max_seq_len}"
-            )
+        prompt = prompt_tensor(prompt_ids, self.cfg.max_seq_len, self.model.device)  # (1, T)
         if eos_token_id is None:
             eos_token_id = self.cfg.eos_token_id
         generator = None

@@ -55,6 +55,28 @@ class TokenStream:
         return next(self._tokens)
 
 
+def prompt_tensor(
+    prompt_ids: Sequence[int] | Tensor, max_seq_len: int, device: torch.device | None = None
+) -> Tensor:
+    """One prompt as a (1, T) long tensor, with one-line errors for a batch, an empty prompt or
+    one longer than the context window. Shared by every generation loop."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(
+            f"prompt_ids must be one sequence of token ids, got shape {tuple(ids.shape)}"
+        )
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token id")
+    if ids.numel() > max_seq_len:
+        raise ValueError(
+            f"the prompt has {ids.numel()} tokens but the context window is "
+            f"max_seq_len={max_seq_len}: shorten the prompt"
+        )
+    return ids[None]  # (1, T)
+
+
 class Engine:
     """Generates from any model that offers `new_cache(batch_size, max_seq_len)` and
     `model(ids, cache=cache, last_token_only=True) -> logits`."""
@@ -66,21 +88,7 @@ class Engine:
         self._batch_cache = None  # generate_batch's cache for batches of more than one row
 
     def _prompt_tensor(self, prompt_ids: Sequence[int] | Tensor) -> Tensor:
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device)
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1:
-            raise ValueError(
-                f"prompt_ids must be one sequence of token ids, got shape {tuple(ids.shape)}"
-            )
-        if ids.numel() == 0:
-            raise ValueError("the prompt is empty: give at least one token id")
-        if ids.numel() > self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {ids.numel()} tokens but the context window is "
-                f"max_seq_len={self.max_seq_len}: shorten the prompt"
-            )
-        return ids[None]  # (1, T)
+        return prompt_tensor(prompt_ids, self.max_seq_len, self.model.device)
 
     def _fresh_cache(self, capacity: int):
         cache = self._cache

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from glassformer.infer.engine import prompt_tensor
 from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
 
 
@@ -65,22 +66,6 @@ def check_draft(target: nn.Module, draft: nn.Module) -> None:
             f"vocab_size={target_vocab}: speculative decoding needs both models to share one "
             "tokenizer; pick a draft trained with the target's tokenizer"
         )
-
-
-def _prompt_list(prompt_ids: Sequence[int] | Tensor, max_seq_len: int) -> list[int]:
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-    if ids.dim() == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(
-            f"prompt_ids must be one non-empty sequence of token ids, got shape {tuple(ids.shape)}"
-        )
-    if ids.numel() > max_seq_len:
-        raise ValueError(
-            f"the prompt has {ids.numel()} tokens but the target's context window is "
-            f"max_seq_len={max_seq_len}: shorten the prompt"
-        )
-    return ids.tolist()
 
 
 def rollback(cache, length: int) -> None:
@@ -193,7 +178,7 @@ def speculative_generate(
     check_draft(target, draft)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     target_max, draft_max = target.cfg.max_seq_len, draft.cfg.max_seq_len
-    context = _prompt_list(prompt_ids, target_max)
+    context = prompt_tensor(prompt_ids, target_max)[0].tolist()
     if eos_token_id is None:
         eos_token_id = target.cfg.eos_token_id
     generator = None
