@@ -58,6 +58,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # {"type": "yarn", "factor": 4.0, ...}
     norm: str = "layer"
     norm_position: str = "pre"
+    residual: bool = True  # False drops the "x +" of §5.2 (an ablation: deep stacks fail)
     norm_eps: float = 1e-5
     norm_bias: bool = True
     ffn: str = "gelu"

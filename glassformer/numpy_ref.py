@@ -418,10 +418,11 @@ def forward(
         # §5.2 residual around each sublayer; §5.3 pre-norm x + f(norm(x)) or post-norm
         # norm(x + f(x)) (the 2017 paper)
         for sublayer, norm_name in ((attend, "attn_norm."), (ffn, "ffn_norm.")):
+            keep = x if cfg.residual else 0.0  # residual=False: the §5.2 ablation, no "x +"
             if cfg.norm_position == "pre":
-                x = x + sublayer(norm(x, w, p + norm_name, cfg))
+                x = keep + sublayer(norm(x, w, p + norm_name, cfg))
             else:
-                x = norm(x + sublayer(x), w, p + norm_name, cfg)
+                x = norm(keep + sublayer(x), w, p + norm_name, cfg)
 
     if cfg.norm_position == "pre":  # a pre-norm stack leaves the residual stream unnormalized
         x = norm(x, w, "final_norm.", cfg)

@@ -146,6 +146,8 @@ def test_hf_llama_round_trip_keeps_logits_and_files(tmp_path: Path) -> None:
         (dict(position="alibi"), None, "position='alibi'"),
         (dict(position="sinusoidal"), None, "position='sinusoidal'"),
         (dict(norm_position="post"), None, "norm_position='post'"),
+        (dict(residual=False), None, "residual=False"),
+        (dict(position="rope", norm="rms", ffn="swiglu", residual=False), None, "residual=False"),
         (dict(position="learned", norm="rms"), None, "position='learned'"),
         (dict(position="rope", norm="rms", ffn="relu"), None, "ffn='relu'"),
         (dict(position="rope", norm="layer", ffn="swiglu"), None, "norm='layer'"),

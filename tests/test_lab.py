@@ -36,11 +36,21 @@ EXPECTED = {
     "it-animal",
     "quadratic",
     "rnn-parallel",
+    "long-range",
+    "moe",
+    "residuals",
+    "length-extrapolation",
+    "head-pruning",
+    "induction-heads",
+    "chunking",
+    "lost-in-the-middle",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
-        "sampling", "scaling", "quadratic", "rnn-parallel"]  # fmt: skip
-SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal"]
+        "sampling", "scaling", "quadratic", "rnn-parallel", "long-range", "moe", "residuals",
+        "length-extrapolation", "head-pruning"]  # fmt: skip
+SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
+        "lost-in-the-middle"]  # fmt: skip
 
 
 def test_discovery_finds_every_exp_module() -> None:

@@ -18,6 +18,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, cross_attention: bool = False):
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
+        self.residual = cfg.residual
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_idx)
         if cross_attention:
@@ -30,9 +31,12 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def _residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
+        # residual=False is the ablation of §5.2: f(norm(x)) or norm(f(x)), no "x +"
         if self.pre_norm:
-            return x + self.dropout(sublayer(norm(x)))
-        return norm(x + self.dropout(sublayer(x)))
+            out = self.dropout(sublayer(norm(x)))
+            return x + out if self.residual else out
+        out = self.dropout(sublayer(x))
+        return norm(x + out if self.residual else out)
 
     def forward(
         self,

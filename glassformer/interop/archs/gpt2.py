@@ -92,6 +92,7 @@ def export_config(cfg: ModelConfig) -> ModelConfig:
         "position": ("learned", cfg.position),
         "norm": ("layer", cfg.norm),
         "norm_position": ("pre", cfg.norm_position),
+        "residual": (True, cfg.residual),
         "n_kv_heads": (cfg.n_heads, cfg.n_kv_heads),
         "head_dim": (cfg.d_model // cfg.n_heads, cfg.head_dim),
         "sliding_window": (None, cfg.sliding_window),

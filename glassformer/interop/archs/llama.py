@@ -221,6 +221,7 @@ def export_config(cfg: ModelConfig, model_type: str) -> ModelConfig:
         "position": ("rope", cfg.position),
         "norm": ("rms", cfg.norm),
         "norm_position": ("pre", cfg.norm_position),
+        "residual": (True, cfg.residual),
     }
     if model_type == "mixtral":
         wants["ffn"] = ("moe", cfg.ffn)
