@@ -117,6 +117,7 @@ def score_continuation(model: nn.Module, cache, query_ids: list[int], answer_ids
     return logprob, greedy
 
 
+@torch.no_grad()
 def run_trial(model, tokenizer, facts: list[Fact], fillers: list[str]) -> list[tuple[float, bool]]:
     """One prompt with every fact in it, a question about each: per fact (log-prob, greedy hit)."""
     context, _ = build_context(facts, fillers)

@@ -12,6 +12,19 @@ import torch
 from torch import Tensor
 
 
+def _with_grad(cached_k: Tensor, k: Tensor, cached_v: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys/values for a forward that needs gradients: the cached positions as constants, then
+    this call's k, v with their graph.
+
+    The buffers only ever hold detached values. Writing a tensor that requires grad into a
+    buffer in place would put the buffer into a graph that saves views of the buffer itself: a
+    reference cycle through autograd that Python's gc cannot free, so every cached forward in
+    grad mode would leak its activations. Gradients therefore flow through this call's keys
+    and values only, never back into earlier calls.
+    """
+    return torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+
+
 class KVCache:
     """Keys and values of every layer for up to `max_seq_len` positions.
 
@@ -63,8 +76,10 @@ class KVCache:
                 f"KV cache is full: {start} cached + {k.shape[2]} new positions > capacity "
                 f"{self.max_seq_len}; create the cache with a larger max_seq_len"
             )
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        self.k[layer, :, :, start:end] = k.detach()  # values, not graphs: see _with_grad
+        self.v[layer, :, :, start:end] = v.detach()
+        if k.requires_grad or v.requires_grad:
+            return _with_grad(self.k[layer, :, :, :start], k, self.v[layer, :, :, :start], v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n_positions: int) -> None:
@@ -185,9 +200,15 @@ class SlidingWindowCache:
             # Decode: overwrite the slot of position start - W (now outside the window). In
             # place, no allocation; every filled slot is within the window of the new query.
             slot = start % W
-            self.k[layer, :, :, slot : slot + 1] = k
-            self.v[layer, :, :, slot : slot + 1] = v
+            self.k[layer, :, :, slot : slot + 1] = k.detach()  # values, not graphs: _with_grad
+            self.v[layer, :, :, slot : slot + 1] = v.detach()
             n_filled = min(start + 1, W)
+            if k.requires_grad or v.requires_grad:
+                keys, values = self.k[layer, :, :, :n_filled], self.v[layer, :, :, :n_filled]
+                after = slice(slot + 1, n_filled)  # the new position keeps its slot's place
+                keys = torch.cat([keys[:, :, :slot], k, keys[:, :, after]], dim=2)
+                values = torch.cat([values[:, :, :slot], v, values[:, :, after]], dim=2)
+                return keys, values
             return self.k[layer, :, :, :n_filled], self.v[layer, :, :, :n_filled]
         # A chunk of several queries: the earliest still need keys that the chunk's own writes
         # overwrite, so copy the ring out (in position order) before writing. The model's mask
@@ -196,8 +217,8 @@ class SlidingWindowCache:
         values = torch.cat([self._in_position_order(self.v[layer]), v], dim=2)
         kept = min(T, W)  # only the last W positions can be needed later
         slots = torch.arange(start + T - kept, start + T, device=k.device) % W
-        self.k[layer].index_copy_(2, slots, k[:, :, T - kept :])
-        self.v[layer].index_copy_(2, slots, v[:, :, T - kept :])
+        self.k[layer].index_copy_(2, slots, k[:, :, T - kept :].detach())
+        self.v[layer].index_copy_(2, slots, v[:, :, T - kept :].detach())
         return keys, values
 
     def _in_position_order(self, ring: Tensor) -> Tensor:
