@@ -219,3 +219,11 @@ def test_it_animal_weights_are_the_captured_rows() -> None:
         assert float(row.sum()) == pytest.approx(1.0, abs=1e-5)
         assert 0 <= layer["animal"] <= 1 and 0 <= layer["street"] <= 1
         assert layer["animal"] <= layer["animal best head"]
+
+
+def test_trailing_mean_by_hand() -> None:
+    from glassformer.lab.base import trailing_mean
+
+    assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert trailing_mean([2.0, float("nan"), 4.0], 3) == [2.0, 1.0, 2.0]  # nan counts as 0
+    assert trailing_mean([1.0, 2.0], 1) == [1.0, 2.0]

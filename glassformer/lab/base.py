@@ -233,6 +233,19 @@ def new_figure(width: float, height: float, ncols: int = 1):
     return fig, axes
 
 
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """Each value's mean with the window - 1 before it (fewer at the start), for loss curves;
+    non-finite values (a run that diverged) count as 0 rather than poisoning the rest."""
+    out, total = [], 0.0
+    finite = [v if math.isfinite(v) else 0.0 for v in values]
+    for i, v in enumerate(finite):
+        total += v
+        if i >= window:
+            total -= finite[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def save_figure(fig, path: Path) -> Path:
     from glassformer.inspect.plots import save
 

@@ -29,6 +29,7 @@ from glassformer.lab.base import (
     new_figure,
     register,
     save_figure,
+    trailing_mean,
 )
 from glassformer.lab.fit import Schedule, eval_loss, fit, shakespeare_chars, window_batches
 from glassformer.models import build_model
@@ -194,21 +195,11 @@ def run(ctx: RunContext) -> Result:
     return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def _plot(runs: dict, ctx: RunContext):
     fig, (left, right) = new_figure(10.0, 3.6, ncols=2)
     window = max(1, len(runs["dense"]["losses"]) // 25)
     for name, r in runs.items():
-        left.plot(_smooth(r["losses"], window), label=f"{name} (val {r['val']:.3f})")
+        left.plot(trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.3f})")
     left.set(xlabel="step", ylabel=f"train loss (nats, mean of {window} steps)",
              title="dense vs MoE, same active FFN weights")  # fmt: skip
     left.legend(fontsize=8)

@@ -11,12 +11,18 @@ batch (Xiong et al. 2020: Post-LN's gradients differ from layer to layer, Pre-LN
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.lab.base import (
+    Result,
+    RunContext,
+    at_least,
+    new_figure,
+    register,
+    save_figure,
+    trailing_mean,
+)
 from glassformer.lab.fit import Schedule, eval_loss, fit, shakespeare_chars, window_batches
 from glassformer.models import build_model
 
@@ -169,22 +175,12 @@ def run(ctx: RunContext) -> Result:
     return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v if math.isfinite(v) else 0.0
-        if i >= window:
-            total -= values[i - window] if math.isfinite(values[i - window]) else 0.0
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def _plot(runs: dict, unigram: float, ctx: RunContext):
     fig, (left, right) = new_figure(11.0, 3.8, ncols=2)
     window = max(1, len(next(iter(runs.values()))["losses"]) // 25)
     colors = {name: f"C{i}" for i, name in enumerate(runs)}  # the same colour in both panels
     for name, r in runs.items():
-        left.plot(_smooth(r["losses"], window), label=f"{name} (val {r['val']:.2f})",
+        left.plot(trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.2f})",
                   color=colors[name])  # fmt: skip
     # warmup changes no initial weight: one line per architecture
     for name, label in (("Pre-LN, no warmup", "Pre-LN"), ("Post-LN, no warmup", "Post-LN"),
