@@ -121,28 +121,22 @@ def model_mask(
     """The AttentionMask a model passes to all its layers for one forward pass.
 
     Plain cases stay cheap: nothing to mask (bidirectional, or one decode step), or the square
-    causal triangle that SDPA applies by itself. ALiBi adds its distance bias on top.
+    causal triangle that SDPA applies by itself. Everything else (ALiBi's distance bias too) is
+    positions_mask at positions 0..n_keys-1.
     """
-    bias = None
-    if alibi_slopes is not None:
-        q_index = torch.arange(n_keys - n_queries, n_keys, device=device)[None]  # (1, Tq)
-        k_index = torch.arange(n_keys, device=device)[None]  # (1, Tk)
-        bias = alibi_bias(alibi_slopes, q_index, k_index)  # (1, H, Tq, Tk)
     plain = padding_mask is None and document_ids is None and sliding_window is None
-    if plain and (not causal or n_queries == 1):
-        return AttentionMask(bias=bias)  # every key is visible
-    if plain and n_queries == n_keys:
-        return AttentionMask(bias=bias, is_causal=True)  # SDPA's own lower triangle
-    allowed = build_allowed(
-        n_queries,
-        n_keys,
+    if plain and alibi_slopes is None and (not causal or n_queries == 1 or n_queries == n_keys):
+        # every key visible, or SDPA's own lower triangle: no tensor to build
+        return AttentionMask(is_causal=causal and 1 < n_queries == n_keys)
+    return positions_mask(
+        torch.arange(n_keys - n_queries, n_keys, device=device),  # queries sit bottom-right
+        torch.arange(n_keys, device=device),
         causal=causal,
         sliding_window=sliding_window,
-        key_padding=padding_mask,
+        padding_mask=padding_mask,
         document_ids=document_ids,
-        device=device,
+        alibi_slopes=alibi_slopes,
     )
-    return AttentionMask(allowed=allowed, bias=bias)
 
 
 def positions_mask(

@@ -25,7 +25,39 @@ def _with_grad(cached_k: Tensor, k: Tensor, cached_v: Tensor, v: Tensor) -> tupl
     return torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
 
 
-class KVCache:
+class _SlotCache:
+    """What both preallocated caches share: per-layer key/value buffers (L, B, Hkv, slots, D)
+    and `length`, the positions fed so far (the model advances it after a forward pass, so
+    every layer writes the same slots)."""
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, slots, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def advance(self, n_positions: int) -> None:
+        self.length += n_positions
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for every slot, filled or not."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes."""
+        return self.nbytes // self.k.shape[3] // self.k.shape[1]
+
+    @property
+    def filled_bytes(self) -> int:
+        """Bytes of keys/values held: at most one position per slot."""
+        return self.bytes_per_token * min(self.length, self.k.shape[3]) * self.k.shape[1]
+
+
+class KVCache(_SlotCache):
     """Keys and values of every layer for up to `max_seq_len` positions.
 
     `length` is how many positions are filled; the model advances it after a forward pass,
@@ -43,10 +75,8 @@ class KVCache:
         device: torch.device | str | None = None,
     ) -> None:
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate(shape, dtype, device)  # (L, B, Hkv, Tmax, D)
         self.max_seq_len = max_seq_len
-        self.length = 0
 
     @classmethod
     def for_config(
@@ -82,12 +112,6 @@ class KVCache:
             return _with_grad(self.k[layer, :, :, :start], k, self.v[layer, :, :, :start], v)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def advance(self, n_positions: int) -> None:
-        self.length += n_positions
-
-    def reset(self) -> None:
-        self.length = 0
-
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (speculative decoding's rollback of rejected
         tokens). Nothing is erased: the next update writes at `length` and reads only [:end]."""
@@ -98,22 +122,8 @@ class KVCache:
             )
         self.length = length
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for the whole capacity."""
-        return self.k.nbytes + self.v.nbytes
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes."""
-        return self.nbytes // self.max_seq_len // self.k.shape[1]
-
-    @property
-    def filled_bytes(self) -> int:
-        return self.bytes_per_token * self.length * self.k.shape[1]
-
-
-class SlidingWindowCache:
+class SlidingWindowCache(_SlotCache):
     """Mistral's rolling buffer: a KV cache for sliding-window models whose memory is bounded by
     the window W instead of the sequence length.
 
@@ -143,11 +153,9 @@ class SlidingWindowCache:
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1: the most positions fed")
         shape = (n_layers, batch_size, n_kv_heads, window, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, W, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._allocate(shape, dtype, device)  # (L, B, Hkv, W, D); length may exceed W
         self.window = window
         self.max_seq_len = max_seq_len
-        self.length = 0  # positions fed so far (may exceed the window)
 
     @classmethod
     def for_config(
@@ -227,27 +235,6 @@ class SlidingWindowCache:
             return ring[:, :, : self.length]
         oldest = self.length % self.window  # the slot written longest ago
         return torch.cat([ring[:, :, oldest:], ring[:, :, :oldest]], dim=2)
-
-    def advance(self, n_positions: int) -> None:
-        self.length += n_positions
-
-    def reset(self) -> None:
-        self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated: W positions, whatever the sequence length."""
-        return self.k.nbytes + self.v.nbytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes."""
-        return self.nbytes // self.window // self.k.shape[1]
-
-    @property
-    def filled_bytes(self) -> int:
-        """Bytes of keys/values held: at most W positions."""
-        return self.bytes_per_token * min(self.length, self.window) * self.k.shape[1]
 
 
 class CrossAttentionCache:
