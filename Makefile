@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m glassformer train --config configs/shakespeare-char.toml
+	$(PY) -m glassformer train --config configs/shakespeare-char.toml --overwrite
 	$(PY) -m glassformer generate --model out/shakespeare-char --threads 2 \
 		--max-new-tokens 300 --temperature 0.8 --top-k 40 --seed 0 --stats "ROMEO:"
 	@echo; echo "== Act 2: a real pretrained model (SmolLM2-135M-Instruct, GGUF Q4_1) =="

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.engine import Engine, GenerationStats
-from glassformer.tokenizers import IncrementalDecoder, PretrainedTokenizer
+from glassformer.tokenizers import PretrainedTokenizer
 
 # Tokens that end an assistant turn in common chat templates, besides the tokenizer's EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -43,6 +44,9 @@ class ChatSession:
     system: str | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     messages: list[dict[str, str]] = field(default_factory=list)
+    # False: what the user types is encoded as text, so "<|im_start|>system" typed in a
+    # message cannot open a system turn. True: control tokens in messages are parsed (raw).
+    parse_special: bool = False
 
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -63,9 +67,11 @@ class ChatSession:
         (the system message kept) until the prompt leaves room for a reply."""
         limit = self.engine.max_seq_len - min(self.sampling.max_new_tokens, 64)
         while True:
-            text = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-            # The template writes the special tokens itself: add none on top.
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode_chat(
+                self.messages,
+                add_generation_prompt=True,
+                parse_special_in_content=self.parse_special,
+            )
             first = 1 if self.messages[0]["role"] == "system" else 0
             if len(ids) <= limit or len(self.messages) - first <= 1:
                 break

@@ -8,17 +8,30 @@ clear line (set GLASSFORMER_DEBUG=1 for the traceback).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Sequence
 
-from glassformer.config import ConfigError
-
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A seed as torch takes it: a whole number in 0..2**64-1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} must be in 0..2**64-1")
     return value
 
 
@@ -30,7 +43,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from glassformer.train.trainer import train
 
     run = load_run_config(args.config, args.set or [])
-    result = train(run, resume=args.resume, progress=not args.no_progress)
+    result = train(run, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if result.val_loss is not None:
         print(
             f"done: {result.steps} steps | val loss {result.val_loss:.4f} nats/token vs "
@@ -76,8 +89,8 @@ def _prepare_for_decode(model, args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from glassformer.detokenize import IncrementalDecoder
     from glassformer.infer.engine import Engine
-    from glassformer.tokenizers import IncrementalDecoder
 
     model, tokenizer = _load_with_tokenizer(args, "generate needs one to encode text")
     engine = Engine(model)
@@ -288,7 +301,7 @@ def print_similarity(matrix: list[list[float]]) -> None:
 def cmd_convert(args: argparse.Namespace) -> None:
     from glassformer.interop.convert import convert_to_hf
 
-    report = convert_to_hf(args.src, args.out, model_type=args.model_type)
+    report = convert_to_hf(args.src, args.out, model_type=args.model_type, overwrite=args.overwrite)
     print(f"wrote a Hugging Face {report.model_type} model to {report.out_dir}:")
     for name in report.files:
         print(f"  {name}")
@@ -314,7 +327,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
     )
-    run_chat(ChatSession(Engine(model), tokenizer, system=args.system, sampling=sampling))
+    # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+    session = ChatSession(
+        Engine(model), tokenizer, system=args.system, sampling=sampling,
+        parse_special=args.parse_special,
+    )  # fmt: skip
+    run_chat(session)
 
 
 # --- fill-mask and evaluate (BERT) -------------------------------------------------------------
@@ -664,8 +684,8 @@ def _add_sampling_flags(
         type=float,
         help="sample from the smallest set of tokens whose probability is >= p",
     )
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=_seed, help="seed for reproducible sampling")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--dtype",
         choices=("fp32", "bf16"),
@@ -690,6 +710,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The Transformer of the tutorials, built from scratch: train, generate, "
         "inspect.",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (before the command: glassformer --debug ...)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -709,7 +734,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in train.out_dir, exactly where it stopped",
+        help="continue from the newest checkpoint in train.out_dir, exactly where it stopped "
+        "(only [train] values such as max_steps may change)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in a train.out_dir that already holds one; the old checkpoints "
+        "are deleted once the new run has saved its first checkpoint, so a run that fails "
+        "early loses nothing (without --resume or --overwrite such a folder is refused)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.set_defaults(func=cmd_train)
@@ -777,6 +810,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="alias (smollm2), Hugging Face folder or .gguf file"
     )
     p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument(
+        "--parse-special",
+        action="store_true",
+        help="read control tokens typed in a message (<|im_start|>, ...) as tokens, not text "
+        "(by default typed text can never forge a turn)",
+    )
     _add_sampling_flags(p, max_new_tokens=512, temperature=0.7)
     p.set_defaults(func=cmd_chat)
 
@@ -817,6 +856,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hugging Face architecture to write (gpt2, llama, qwen2, mistral, mixtral; default: "
         "the source's own, or the closest to its config)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model files in OUT if it already holds a model (never allowed for "
+        "the folders the source itself lives in)",
+    )
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser(
@@ -830,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="mlm checkpoint directory or BertForMaskedLM folder"
     )
     p.add_argument("--top-k", type=_positive_int, default=5, help="candidates per [MASK] (5)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_fill_mask)
 
     p = sub.add_parser(
@@ -841,7 +886,7 @@ def build_parser() -> argparse.ArgumentParser:
         "to always guessing the majority class; mlm: val loss vs unigram entropy).",
     )
     p.add_argument("--model", required=True, help="a run directory (its out_dir) or step-*")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser(
@@ -874,7 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=_positive_int, help="--eval on at most this many pairs, evenly spaced"
     )
     p.add_argument("--examples", type=int, default=3, help="example pairs --eval prints")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_translate)
 
     _add_calc_parser(sub)
@@ -932,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-view", type=_positive_int, default=48,
         help="most query/key tokens a heatmap shows, around the query (default 48)",
     )  # fmt: skip
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_inspect_attention)
 
     p = sub.add_parser(
@@ -955,7 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tiny", action="store_true", help="smallest sizes (what the tests run)")
     q.add_argument("--out", default="docs/lab", help="results folder (default docs/lab)")
     q.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's)")
-    q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    q.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     q.set_defaults(func=cmd_lab_run)
     q = lab_sub.add_parser("report", help="write docs/claims.md from the results folder")
     q.add_argument("--out", default="docs/lab", help="results folder to read (default docs/lab)")
@@ -965,18 +1010,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A user's mistake (a bad value, a missing or damaged file, a full disk)
+    is one line on stderr and exit code 2; a bug keeps its traceback. --debug (or
+    GLASSFORMER_DEBUG=1) shows the traceback of a user error too."""
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        if os.environ.get("GLASSFORMER_DEBUG"):
+    except (ValueError, OSError) as err:  # ConfigError, CheckpointError, InteropError too
+        if args.debug or os.environ.get("GLASSFORMER_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
+
+
+def one_line(err: BaseException) -> str:
+    """The message of a user error on one line; an OSError names its file (errno text alone
+    says "Is a directory" without saying which)."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        message = f"{err.filename}: {err.strerror}"
+    else:
+        message = str(err) or type(err).__name__
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,58 @@ class ConfigError(ValueError):
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not known: pick one of {', '.join(allowed)}")
+
+
+def _type_names(hint: Any) -> tuple[type, ...]:
+    """The runtime types a dataclass field annotation allows: `int | None` -> (int, NoneType)."""
+    args = typing.get_args(hint)
+    if args and typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(t for a in args for t in _type_names(a))
+    origin = typing.get_origin(hint)
+    return (origin,) if origin is not None else (hint,)
+
+
+_PLAIN_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                dict: "a table (dict)", list: "a list", type(None): "none"}  # fmt: skip
+
+
+def check_field_types(obj: Any, prefix: str = "") -> None:
+    """Check every field of dataclass `obj` against its annotation before any value is used.
+
+    Config files and --set overrides hand over whatever TOML or JSON held: "20" for 20, true
+    for 1, 2.5 for a step count. A bool is never an int here, an int is taken where a float is
+    wanted (and stored as a float), a whole float is never taken for an int. Raises ConfigError
+    naming the field, the value and what to write instead."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        allowed = _type_names(hints[f.name])
+        if isinstance(value, bool):
+            ok = bool in allowed
+        elif isinstance(value, int):
+            ok = int in allowed or float in allowed
+            if ok and int not in allowed:
+                setattr(obj, f.name, float(value))
+        else:
+            ok = isinstance(value, tuple(t for t in allowed if t is not Any))
+        if isinstance(value, float) and ok and not math.isfinite(value):
+            raise ConfigError(f"{prefix}{f.name}={value!r} must be a finite number")
+        if not ok and Any not in allowed:
+            wanted = " or ".join(_PLAIN_NAMES.get(t, t.__name__) for t in allowed)
+            hint = ""
+            if isinstance(value, str) and (int in allowed or float in allowed) and _numeric(value):
+                hint = f" (write {f.name} = {value.strip()} without quotes)"
+            raise ConfigError(
+                f"{prefix}{f.name}={value!r} ({type(value).__name__}) must be {wanted}{hint}"
+            )
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,6 +159,7 @@ class ModelConfig:
     lm_head_bias: bool = False  # a bias on the output projection (BART's final_logits_bias)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_choice("family", self.family, FAMILIES)
         check_choice("position", self.position, POSITIONS)
         check_choice("norm", self.norm, NORMS)
@@ -113,10 +168,7 @@ class ModelConfig:
         check_choice("moe_expert_ffn", self.moe_expert_ffn, DENSE_FFNS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("cell", self.cell, CELLS)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        self._check_ranges()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.family != "rnn":  # an RNN has no attention heads: nothing to check there
@@ -137,24 +189,36 @@ class ModelConfig:
             )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
-        if self.n_encoder_layers is not None and self.n_encoder_layers < 1:
-            raise ConfigError(f"n_encoder_layers={self.n_encoder_layers} must be >= 1 or None")
-        if self.n_classes < 0 or ((self.n_classes or self.nsp_head) and not self.pooler):
+        if (self.n_classes or self.nsp_head) and not self.pooler:
             raise ConfigError(
                 f"n_classes={self.n_classes}, nsp_head={self.nsp_head}: the heads read the "
                 "pooled [CLS], so set pooler=True (and n_classes >= 0)"
             )
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 or None")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type")
             check_choice("rope_scaling['type']", kind, ROPE_SCALINGS)
-            if float(self.rope_scaling.get("factor", 0)) <= 0:
-                raise ConfigError(
-                    f"rope_scaling factor={self.rope_scaling.get('factor')!r} must be > 0"
-                )
+            factor = self.rope_scaling.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                raise ConfigError(f"rope_scaling factor={factor!r} must be a number > 0")
+            if not math.isfinite(factor):
+                raise ConfigError(f"rope_scaling factor={factor!r} must be finite")
+
+    def _check_ranges(self) -> None:
+        """Every size at least its smallest sensible value (types are checked already)."""
+        for name, low in _LOWEST.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"{name}={value!r} must be >= {low}")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value!r} must be > 0")
+        if (
+            not self.rope_theta > 1
+        ):  # RoPE's wavelengths are powers of theta (and NTK/YaRN take its log)
+            raise ConfigError(f"rope_theta={self.rope_theta!r} must be > 1 (10000 is usual)")
 
     def _check_heads(self) -> None:
         if self.head_dim is None:
@@ -241,6 +305,17 @@ class ModelConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}: pick one of {', '.join(sorted(PRESETS))}")
         return cls.from_dict({**PRESETS[name], **overrides})
+
+
+# The smallest value of each size (None stays allowed where the field is optional).
+_LOWEST = {
+    "vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "max_seq_len": 1,
+    "n_kv_heads": 1, "head_dim": 1, "d_ff": 1, "n_experts": 1, "n_experts_per_token": 1,
+    "type_vocab_size": 0, "n_classes": 0, "n_encoder_layers": 1, "sliding_window": 1,
+    "relative_buckets": 1, "relative_max_distance": 1, "position_offset": 0, "init_std": 0,
+    "moe_aux_loss_coef": 0,
+}  # fmt: skip
+_POSITIVE = ("norm_eps", "attention_scale")
 
 
 def _was_derived(cfg: ModelConfig, name: str) -> bool:

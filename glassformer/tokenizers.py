@@ -1,8 +1,8 @@
-"""Tokenizers: characters, byte-level BPE, and a streaming UTF-8-safe detokenizer.
+"""Tokenizers: characters, byte-level BPE, and the tokenizers of pretrained models.
 
 Seed 002 "token ≠ 字" (pipeline step ①): a model sees token ids, not characters. A byte-level
-BPE may split one Chinese character or emoji across several tokens, so streaming text out of a
-generator needs `IncrementalDecoder`, which holds back half-finished characters.
+BPE may split one Chinese character or emoji across several tokens (streaming them back out as
+text is glassformer.detokenize's job).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from glassformer import templates
 
 TOKENIZER_FILE = "tokenizer.json"
 ENDOFTEXT = "<|endoftext|>"
@@ -50,6 +52,44 @@ def _as_int_list(ids: Any) -> list[int]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     return [int(i) for i in ids]
+
+
+def _hf_encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """hf.encode(text).ids, with a one-line error for text that is not valid Unicode (a lone
+    surrogate, which is what undecodable bytes become in argv or with errors='surrogateescape')."""
+    try:
+        return hf.encode(text, add_special_tokens=add_special_tokens).ids
+    except TypeError:
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}") from None
+        position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+        raise ValueError(
+            f"text has a lone surrogate {text[position]!r} at index {position}, which is "
+            f"not encodable as UTF-8; fix the text's decoding (e.g. errors='replace')"
+        ) from None
+
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte value -> the printable character standing for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in printable}
+    unprintable = [b for b in range(_N_BYTES) if b not in chars]
+    chars.update({b: chr(_N_BYTES + n) for n, b in enumerate(unprintable)})
+    return chars
+
+
+def read_tokenizer_json(path: Path, fix: str) -> HFTokenizer:
+    """A Hugging Face tokenizer.json, or one ValueError line naming the file."""
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as error:
+        if type(error) is not Exception:
+            raise  # the Rust side reports bad files as a bare Exception; anything else is a bug
+        message = " ".join(str(error).split())
+        raise ValueError(
+            f"{path} is not a Hugging Face tokenizer.json ({message}): {fix}"
+        ) from None
 
 
 def _check_ids(ids: list[int], vocab_size: int) -> None:
@@ -186,13 +226,9 @@ class BPETokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}: expected a tokenizer.json")
-        try:
-            hf = HFTokenizer.from_file(str(path))
-        except Exception as error:  # the Rust side raises a bare Exception for bad files
-            raise ValueError(
-                f"{path} is not a Hugging Face tokenizer.json ({error}); "
-                f"re-save it with BPETokenizer.save or point at the right file"
-            ) from error
+        hf = read_tokenizer_json(
+            path, "re-save it with BPETokenizer.save or point at the right file"
+        )
         return cls(hf, eos_token=eos_token)
 
     @property
@@ -215,17 +251,8 @@ class BPETokenizer:
         return self.hf.id_to_token(int(token_id))
 
     def encode(self, text: str) -> list[int]:
-        try:
-            # add_special_tokens=False: no post-processor tokens, so decode(encode(s)) == s.
-            return self.hf.encode(text, add_special_tokens=False).ids
-        except TypeError:
-            if not isinstance(text, str):
-                raise TypeError(f"encode takes a str, got {type(text).__name__}") from None
-            position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
-            raise ValueError(
-                f"text has a lone surrogate {text[position]!r} at index {position}, which is "
-                f"not encodable as UTF-8; fix the text's decoding (e.g. errors='replace')"
-            ) from None
+        # add_special_tokens=False: no post-processor tokens, so decode(encode(s)) == s.
+        return _hf_encode(self.hf, text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = _as_int_list(ids)
@@ -263,6 +290,18 @@ class PretrainedTokenizer:
         self.hf = hf_tokenizer
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.chat_template = chat_template
+        self._plain_hf: HFTokenizer | None = None  # a copy that reads special tokens as text
+        self.uncovered_bytes = self._uncovered_bytes()
+
+    def _uncovered_bytes(self) -> bytes:
+        """Byte values a byte-level BPE without fallback cannot encode: the Rust side drops
+        them without a word (SmolLM2 lacks 21, e.g. 0x04 and the lead byte 0xF1)."""
+        model = self.hf.model
+        byte_level = type(self.hf.decoder).__name__ == "ByteLevel"
+        if not byte_level or type(model).__name__ != "BPE" or model.byte_fallback:
+            return b""
+        vocab = self.hf.get_vocab()
+        return bytes(b for b, char in byte_level_chars().items() if char not in vocab)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> PretrainedTokenizer:
@@ -273,28 +312,28 @@ class PretrainedTokenizer:
                 f"no {TOKENIZER_FILE} in {folder}: glassformer reads the fast-tokenizer file; "
                 "re-save the tokenizer with transformers (tokenizer.save_pretrained) to get one"
             )
-        try:
-            hf = HFTokenizer.from_file(str(file))
-        except Exception as error:  # the Rust side raises a bare Exception for bad files
-            raise ValueError(f"{file} is not a Hugging Face tokenizer.json ({error})") from None
+        hf = read_tokenizer_json(file, "re-save it with transformers' tokenizer.save_pretrained")
         # Some files (all-MiniLM-L6-v2's) switch on fixed padding/truncation to 128 tokens;
         # transformers ignores those unless asked, and so does encode(): padding is the
         # batcher's job, and silent truncation would change the model's input.
         hf.no_padding()
         hf.no_truncation()
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = _read_tokenizer_config(config_file) if config_file.is_file() else {}
 
         def token(key: str) -> str | None:
             value = config.get(key)
-            return value.get("content") if isinstance(value, dict) else value
+            value = value.get("content") if isinstance(value, dict) else value
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{config_file}: {key}={value!r} must be a token string")
+            return value
 
         return cls(
             hf,
             bos_token=token("bos_token"),
             eos_token=token("eos_token"),
             pad_token=token("pad_token"),
-            chat_template=config.get("chat_template"),
+            chat_template=templates.read_chat_template(config.get("chat_template"), config_file),
         )
 
     @property
@@ -316,15 +355,34 @@ class PretrainedTokenizer:
     def pad_token_id(self) -> int | None:
         return self.token_to_id(self.pad_token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of `text`. parse_special=False reads control-token spellings in the text
+        (<|im_start|>) as plain characters: what a user typed can then never become a token
+        that the model takes for structure."""
+        if self.uncovered_bytes:
+            self._check_covered(text)
+        if parse_special:
+            return _hf_encode(self.hf, text, add_special_tokens)
+        if self._plain_hf is None:
+            self._plain_hf = HFTokenizer.from_str(self.hf.to_str())
+            self._plain_hf.encode_special_tokens = True
+        return _hf_encode(self._plain_hf, text, add_special_tokens)
 
-    def encode_with_types(
-        self, text: str, pair: str | None = None, add_special_tokens: bool = True
-    ) -> tuple[list[int], list[int]]:
-        """Token ids and token type ids (BERT's segment A = 0, B = 1)."""
-        enc = self.hf.encode(text, pair, add_special_tokens=add_special_tokens)
-        return enc.ids, enc.type_ids
+    def _check_covered(self, text: str) -> None:
+        data = text.encode("utf-8", errors="surrogatepass")
+        if data.translate(None, self.uncovered_bytes) != data:
+            index, char = next(
+                (i, c)
+                for i, c in enumerate(text)
+                if set(c.encode("utf-8", errors="surrogatepass")) & set(self.uncovered_bytes)
+            )
+            raise ValueError(
+                f"text has {char!r} (U+{ord(char):04X}) at index {index}, whose UTF-8 bytes "
+                "this vocabulary cannot encode (it would be dropped without a trace): remove "
+                "or replace that character"
+            )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = _as_int_list(ids)
@@ -332,25 +390,22 @@ class PretrainedTokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """Render a conversation with the model's own Jinja chat template (sandboxed)."""
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template: use plain generation instead")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """The conversation as text, rendered by the model's own Jinja chat template (sandboxed,
+        bounded in time and size). To encode a conversation use encode_chat instead."""
+        return templates.render_chat(self, messages, add_generation_prompt)
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        parse_special_in_content: bool = False,
+    ) -> list[int]:
+        """The conversation's token ids: the template's text with its control tokens, the
+        messages' text as plain text (unless parse_special_in_content; templates.encode_chat)."""
+        return templates.encode_chat(
+            self, messages, add_generation_prompt, parse_special_in_content
         )
 
     def save(self, directory: str | Path) -> Path:
@@ -370,6 +425,19 @@ class PretrainedTokenizer:
 
     def __repr__(self) -> str:
         return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r})"
+
+
+def _read_tokenizer_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): fix or delete the file") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of tokenizer settings: "
+            "fix or delete the file"
+        )
+    return config
 
 
 def require_token_ids(tokenizer: Any, tokens: Sequence[str], purpose: str) -> list[int]:
@@ -410,44 +478,3 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     if not isinstance(payload.get("chars"), list):
         raise ValueError(f"{file}: a char tokenizer needs a 'chars' list; re-save it")
     return CharTokenizer(payload["chars"])
-
-
-class IncrementalDecoder:
-    """Turn a stream of token ids into text pieces without ever emitting half a character.
-
-    Like vLLM's detokenizer, it decodes only a short window: the tokens of the last emitted
-    piece (context, so decoders that look at neighbours still agree with a full decode) plus
-    the tokens not yet emitted. Lossy UTF-8 decoding is prefix-stable: appending bytes can
-    only change the *last* character, which is a U+FFFD while that character is incomplete.
-    So everything before a trailing U+FFFD is final, and `"".join(pushes) + flush()` equals
-    `tokenizer.decode(all_ids)`. The window only grows while tokens straddle characters, and
-    BPE never merges across a pre-tokenizer split (space, punctuation), so the work per push
-    is bounded by the text's longest word, not by the length of the stream.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._window: list[int] = []  # context tokens, then tokens not yet fully emitted
-        self._n_context = 0  # how many leading tokens of _window are context
-        self._emitted = 0  # characters of decode(_window) already returned
-
-    def push(self, token_id: int) -> str:
-        window = [*self._window, int(token_id)]
-        text = self.tokenizer.decode(window)  # raises on a bad id before any state changes
-        self._window = window
-        complete = not text.endswith(REPLACEMENT_CHAR)
-        stable = text if complete else text[:-1]
-        piece = stable[self._emitted :]
-        self._emitted = max(self._emitted, len(stable))
-        if complete:
-            # A character boundary: keep only the tokens since the previous boundary as context.
-            self._window = self._window[self._n_context :]
-            self._n_context = len(self._window)
-            self._emitted = len(self.tokenizer.decode(self._window))
-        return piece
-
-    def flush(self) -> str:
-        """Return whatever is held back (e.g. a truncated character as U+FFFD) and reset."""
-        piece = self.tokenizer.decode(self._window)[self._emitted :]
-        self._window, self._n_context, self._emitted = [], 0, 0
-        return piece

@@ -20,14 +20,16 @@ from glassformer.train.checkpoint import (
     list_checkpoints,
     load,
     load_model_weights,
-    load_optimizer_state,
-    optimizer_state_to_tensors,
     read_config,
     read_train_state,
     resolve_checkpoint,
+    save_checkpoint,
+)
+from glassformer.train.train_state import (
+    load_optimizer_state,
+    optimizer_state_to_tensors,
     restore_rng_state,
     rng_state_tensors,
-    save_checkpoint,
 )
 
 torch.set_num_threads(1)

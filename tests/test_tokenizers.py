@@ -10,10 +10,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from glassformer.detokenize import IncrementalDecoder
 from glassformer.tokenizers import (
     BPETokenizer,
     CharTokenizer,
-    IncrementalDecoder,
     Tokenizer,
     load_tokenizer,
 )

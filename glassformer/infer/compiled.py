@@ -25,7 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.infer.engine import GenerationResult, GenerationStats, prompt_tensor
-from glassformer.infer.sampling import SamplingParams, sample
+from glassformer.infer.sampling import (
+    SamplingParams,
+    check_max_new_tokens,
+    make_generator,
+    resolve_eos,
+    sample,
+)
 from glassformer.nn.attention import AttentionMask
 from glassformer.nn.position import alibi_bias
 
@@ -199,15 +205,11 @@ class CompiledDecoder:
     ) -> GenerationResult:
         """Engine.generate's contract (temperature 0 is greedy); a full context stops with
         "context_full" (no "shift")."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt = prompt_tensor(prompt_ids, self.cfg.max_seq_len, self.model.device)  # (1, T)
-        if eos_token_id is None:
-            eos_token_id = self.cfg.eos_token_id
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=prompt.device).manual_seed(seed)
+        eos_token_id = resolve_eos(eos_token_id, self.cfg)
+        generator = make_generator(seed, prompt.device)
         stats = GenerationStats(prompt_tokens=prompt.shape[1], stop_reason="max_new_tokens")
         cache = self._cache(prompt.shape[1] + max_new_tokens)
         stats.kv_cache_capacity_bytes = cache.nbytes

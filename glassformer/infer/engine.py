@@ -10,11 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 from torch import Tensor, nn
 
-from glassformer.infer.sampling import SamplingParams, sample
+from glassformer.infer.sampling import (
+    SamplingParams,
+    check_max_new_tokens,
+    make_generator,
+    resolve_eos,
+    sample,
+)
 from glassformer.models.gpt import check_token_ids
 
 
@@ -55,11 +62,28 @@ class TokenStream:
         return next(self._tokens)
 
 
+def check_integer_ids(ids: Sequence[int] | Tensor) -> None:
+    """Token ids are whole numbers: 1.5 or True would otherwise be cast to 1 without a word."""
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be an integer tensor, got dtype {ids.dtype}")
+        return
+    for position, token_id in enumerate(ids):
+        if isinstance(token_id, Sequence):
+            check_integer_ids(token_id)
+        elif isinstance(token_id, bool) or not isinstance(token_id, (int, Integral)):
+            raise ValueError(
+                f"token id {token_id!r} at position {position} is not a whole number: token ids "
+                "are integers from the tokenizer"
+            )
+
+
 def prompt_tensor(
     prompt_ids: Sequence[int] | Tensor, max_seq_len: int, device: torch.device | None = None
 ) -> Tensor:
     """One prompt as a (1, T) long tensor, with one-line errors for a batch, an empty prompt or
     one longer than the context window. Shared by every generation loop."""
+    check_integer_ids(prompt_ids)
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
@@ -112,19 +136,15 @@ class Engine:
 
         on_full_context: what to do when prompt + generated tokens fill max_seq_len: "stop",
         or "shift" (keep the window's second half as context and go on)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_max_new_tokens(max_new_tokens)
         if on_full_context not in ("stop", "shift"):
             raise ValueError(
                 f"on_full_context={on_full_context!r} is not known: pick 'stop' or 'shift'"
             )
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt = self._prompt_tensor(prompt_ids)
-        if eos_token_id is None:
-            eos_token_id = self.model.cfg.eos_token_id
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=prompt.device).manual_seed(seed)
+        eos_token_id = resolve_eos(eos_token_id, self.model.cfg)
+        generator = make_generator(seed, prompt.device)
         stats = GenerationStats(prompt_tokens=prompt.shape[1])
         tokens = self._generate(
             prompt, max_new_tokens, params, generator, eos_token_id, on_full_context, stats
@@ -243,20 +263,16 @@ class Engine:
         family "rnn": a recurrent state accepts only right padding, so each prompt runs alone
         through `generate` (each with the same seed) and every figure is that prompt's own.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        check_max_new_tokens(max_new_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         rows = self._batch_rows(prompts)
-        if eos_token_id is None:
-            eos_token_id = self.model.cfg.eos_token_id
+        eos_token_id = resolve_eos(eos_token_id, self.model.cfg)
         if self.model.cfg.family == "rnn":
             return [
                 self.generate(row, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
                 for row in rows
             ]
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        generator = make_generator(seed, self.model.device)
         return self._generate_batch(rows, max_new_tokens, params, generator, eos_token_id)
 
     def _batch_rows(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:

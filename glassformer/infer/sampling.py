@@ -30,7 +30,7 @@ def _check_temperature(temperature: float) -> None:
 def _check_top_k(top_k: int | None) -> None:
     if top_k is None:
         return
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if not _whole(top_k) or top_k < 1:
         raise ValueError(
             f"top_k={top_k!r} is not allowed: use an integer >= 1 (1 = greedy), or None to keep"
             " the whole vocabulary"
@@ -45,6 +45,47 @@ def _check_top_p(top_p: float | None) -> None:
             f"top_p={top_p!r} is not allowed: use a number in (0, 1] such as 0.9"
             " (1 = no cut), or None"
         )
+
+
+def _whole(value: object) -> bool:
+    """An int that is not a bool (True is an int in Python; as a count it is a mistake)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    if not _whole(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens!r} is not allowed: use a whole number >= 1"
+        )
+
+
+GREEDY_BELOW = 1e-5  # temperatures this small sample as greedy (see SamplingParams.is_greedy)
+MAX_SEED = 2**64 - 1  # torch.Generator takes a 64-bit unsigned seed
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded with `seed` (None: the global RNG, so no generator)."""
+    if seed is None:
+        return None
+    if not _whole(seed) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r} is not allowed: use a whole number in 0..2**64-1")
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def resolve_eos(eos_token_id: int | None, cfg) -> int | None:
+    """The end-of-sequence id to stop at (default: the model config's), checked against the
+    vocabulary: an id the model can never produce would silently never stop anything."""
+    if eos_token_id is None:
+        # A config's own id outside its vocabulary (tiny test models keep GPT-2's 50256) can
+        # never be sampled, so it stops nothing: the same as no end token.
+        eos = cfg.eos_token_id
+        return eos if eos is not None and 0 <= eos < cfg.vocab_size else None
+    if not _whole(eos_token_id) or not 0 <= eos_token_id < cfg.vocab_size:
+        raise ValueError(
+            f"eos_token_id={eos_token_id!r} is outside the vocabulary: use an id in "
+            f"0..{cfg.vocab_size - 1}, or None for no end token"
+        )
+    return eos_token_id
 
 
 @dataclass(frozen=True)
@@ -62,7 +103,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_BELOW every logit gap over 0.001 is scaled past exp()'s float32 range,
+        # and a subnormal temperature is 0 in float32 (0/0 = NaN): both are argmax.
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:

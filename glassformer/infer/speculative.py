@@ -19,7 +19,14 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.infer.engine import prompt_tensor
-from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
+from glassformer.infer.sampling import (
+    SamplingParams,
+    check_max_new_tokens,
+    make_generator,
+    resolve_eos,
+    sample,
+    sampling_distribution,
+)
 
 
 @dataclass
@@ -173,17 +180,13 @@ def speculative_generate(
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be an integer >= 1: the draft tokens proposed per round")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    check_max_new_tokens(max_new_tokens)
     check_draft(target, draft)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     target_max, draft_max = target.cfg.max_seq_len, draft.cfg.max_seq_len
     context = prompt_tensor(prompt_ids, target_max)[0].tolist()
-    if eos_token_id is None:
-        eos_token_id = target.cfg.eos_token_id
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=target.device).manual_seed(seed)
+    eos_token_id = resolve_eos(eos_token_id, target.cfg)
+    generator = make_generator(seed, target.device)
     target.eval()
     draft.eval()
     n_prompt = len(context)

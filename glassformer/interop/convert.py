@@ -16,7 +16,10 @@ from tokenizers import decoders, models
 from glassformer.interop.hf import InteropError, default_model_type, save_hf_model
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, PretrainedTokenizer
+from glassformer.train.checkpoint import LATEST_FILE, resolve_checkpoint
 
+# Files whose presence means a folder already holds a model (Hugging Face or glassformer).
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", LATEST_FILE)
 # Files of a Hugging Face folder that describe tokenization and generation, copied verbatim.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -103,17 +106,54 @@ def _save_tokenizer(tokenizer: Any, src: Path, out: Path, report: ConversionRepo
     report.files += ["tokenizer.json", "tokenizer_config.json"]
 
 
-def convert_to_hf(
-    src: str | Path, out_dir: str | Path, model_type: str | None = None
-) -> ConversionReport:
-    """Write `src` as a Hugging Face folder. model_type: the architecture to write (default: the
-    source's own for a Hugging Face folder, else the closest one to its config)."""
-    path = resolve(src)
-    out = Path(out_dir)
+def _source_folders(path: Path) -> list[Path]:
+    """The folders a source checkpoint lives in: the source folder itself and, for a glassformer
+    checkpoint, the step folder it resolves to and the run folder around that step."""
+    if not path.is_dir():
+        return []  # a .gguf file: the conversion writes no file of that name
+    folders = [path]
+    if _hf_model_type(path) is None:
+        step = resolve_checkpoint(path)
+        folders.append(step)
+        run = step.parent
+        if (run / LATEST_FILE).is_file() or any(run.glob("step-*")):
+            folders.append(run)
+    return [folder.resolve() for folder in folders]
+
+
+def check_out_dir(src: Path, out: Path, overwrite: bool = False) -> None:
+    """Refuse a destination that would lose something: any folder (or subfolder) the source
+    checkpoint lives in, and, without overwrite, a folder that already holds a model."""
     if out.exists() and not out.is_dir():
         raise InteropError(f"{out} is a file: give a folder to write the Hugging Face model into")
-    if out.resolve() == path.resolve():
-        raise InteropError(f"{out} is the source itself: write the conversion to another folder")
+    target = out.resolve()
+    for folder in _source_folders(src):
+        if target == folder or folder in target.parents:
+            where = "is" if target == folder else "is inside"
+            raise InteropError(
+                f"{out} {where} {folder}, where the source checkpoint lives: writing there would "
+                f"replace or shadow its files; write the conversion to a new folder outside it, "
+                f"e.g. {folder.parent / (folder.name + '-hf')}"
+            )
+    if out.is_dir() and not overwrite:
+        held = [name for name in MODEL_FILES if (out / name).exists()]
+        held += sorted(child.name for child in out.glob("step-*"))
+        if held:
+            raise InteropError(
+                f"{out} already holds a model ({', '.join(held)}): pass --overwrite to replace "
+                "it, or write to a new folder"
+            )
+
+
+def convert_to_hf(
+    src: str | Path, out_dir: str | Path, model_type: str | None = None, overwrite: bool = False
+) -> ConversionReport:
+    """Write `src` as a Hugging Face folder. model_type: the architecture to write (default: the
+    source's own for a Hugging Face folder, else the closest one to its config). The folder
+    must not be one the source lives in; one that holds a model already needs overwrite."""
+    path = resolve(src)
+    out = Path(out_dir)
+    check_out_dir(path, out, overwrite)
     model, tokenizer = from_pretrained(path)
     notes = []
     if model_type is None:

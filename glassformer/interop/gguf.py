@@ -8,18 +8,33 @@ weight stored as a small integer times a per-block scale; dequantizing gives the
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from glassformer.config import ConfigError, ModelConfig
-from glassformer.interop.hf import InteropError, WeightRule, load_state, rename
+from glassformer.interop.gguf_file import (
+    GGUFFile,
+    LazyTensor,
+    LazyTensors,
+    dequantizing,
+    read_gguf,
+)
+from glassformer.interop.hf import (
+    InteropError,
+    WeightRule,
+    check_tensor_names,
+    load_state,
+    rename,
+)
+from glassformer.interop.integrity import (
+    clip,
+    count_values,
+    memory_problem,
+    oversized_claim,
+)
 from glassformer.models.gpt import GPT
 from glassformer.tokenizers import PretrainedTokenizer
 
@@ -30,123 +45,6 @@ SUPPORTED_ARCHITECTURES = {"llama": True, "qwen2": False}  # architecture -> q/k
 
 # llama.cpp's names for the token types of tokenizer.ggml.token_type
 _CONTROL, _USER_DEFINED = 3, 4
-
-
-# --- reading the file -------------------------------------------------------------------------
-
-
-@dataclass
-class GGUFFile:
-    path: Path
-    metadata: dict[str, Any]
-    tensors: dict[str, Any]  # name -> gguf.ReaderTensor (memory-mapped, not yet dequantized)
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", "<missing general.architecture>"))
-
-    def arch_key(self, key: str, default: Any = None) -> Any:
-        """`{architecture}.{key}`, e.g. llama.block_count."""
-        return self.metadata.get(f"{self.architecture}.{key}", default)
-
-    def require(self, key: str) -> Any:
-        value = self.arch_key(key)
-        if value is None:
-            raise InteropError(
-                f"{self.path} lacks the metadata key {self.architecture}.{key}, which a "
-                f"{self.architecture} model needs: the file is incomplete or not a model"
-            )
-        return value
-
-
-def _reader_class():
-    from gguf import GGUFReader
-
-    class PlainArrayReader(GGUFReader):
-        """GGUFReader over a plain ndarray view of its memory map. The reader slices the map
-        once per metadata value (about 100k times for a 49k-token vocabulary), and a slice of
-        an np.memmap costs several times one of an ndarray: 2.5 s -> 0.8 s for SmolLM2."""
-
-        @property
-        def data(self) -> np.ndarray:
-            return self._plain_data
-
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._plain_data = value.view(np.ndarray)  # same memory, no copy
-
-    return PlainArrayReader
-
-
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Open a GGUF file: metadata as Python values, tensors memory-mapped."""
-    path = Path(path)
-    if not path.is_file():
-        raise InteropError(f"no GGUF file at {path}")
-    try:
-        reader = _reader_class()(str(path))
-    except Exception as err:  # the reader raises ValueError, OSError, IndexError, ...
-        raise InteropError(
-            f"{path} is not a readable GGUF file ({err}): give a llama.cpp .gguf model file"
-        ) from None
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
-    return GGUFFile(path, metadata, tensors)
-
-
-def dequantize(tensor: Any) -> Tensor:
-    """One GGUF tensor as float32 in PyTorch's dimension order.
-
-    GGUF lists dimensions fastest-first (ne[0] = the input features of a matrix), the reverse
-    of PyTorch, so a Linear weight stored as [in, out] comes back as (out, in)."""
-    from gguf.quants import dequantize as gguf_dequantize
-
-    try:
-        values = gguf_dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise InteropError(
-            f"tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf package "
-            "cannot dequantize: re-quantize the file to a common type (Q8_0, Q4_K_M, F16)"
-        ) from None
-    values = np.asarray(values, dtype=np.float32).reshape(LazyTensor(tensor).shape)
-    if not values.flags.writeable:  # F32 data is a view of the read-only memory map
-        values = values.copy()
-    return torch.from_numpy(values)
-
-
-@dataclass(frozen=True)
-class LazyTensor:
-    """A GGUF tensor whose shape is known from the header and whose values are dequantized
-    only when a rule loads it, so a whole fp32 copy of the file never sits next to the model."""
-
-    raw: Any  # gguf.ReaderTensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(int(d) for d in reversed(self.raw.shape.tolist()))
-
-    def load(self) -> Tensor:
-        return dequantize(self.raw)
-
-
-class _LazyTensors(Mapping):
-    def __init__(self, tensors: dict[str, Any]) -> None:
-        self._tensors = tensors
-
-    def __getitem__(self, name: str) -> LazyTensor:
-        return LazyTensor(self._tensors[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-
-def _dequantizing(rule: WeightRule) -> WeightRule:
-    """The same rule, fed dequantized tensors instead of LazyTensors."""
-    load = rule.load
-    return dataclasses.replace(rule, load=lambda lazy: load([t.load() for t in lazy]))
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -169,10 +67,10 @@ def _rope_scaling(file: GGUFFile) -> dict[str, Any] | None:
             f"{file.path}: rope scaling type {kind!r} is not supported: supported are none, "
             "linear, yarn"
         )
-    scaling: dict[str, Any] = {"type": kind, "factor": float(file.require("rope.scaling.factor"))}
-    original = file.arch_key("rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"type": kind, "factor": file.number("rope.scaling.factor")}
+    original = file.count("rope.scaling.original_context_length", default=None)
     if kind == "yarn" and original is not None:
-        scaling["original_max_seq_len"] = int(original)
+        scaling["original_max_seq_len"] = original
     return scaling
 
 
@@ -180,11 +78,11 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
     """A ModelConfig from the metadata (and which tensors exist: biases, a separate lm_head)."""
     check_architecture(file)
     names = set(file.tensors)
-    tokens = file.metadata.get("tokenizer.ggml.tokens")
-    d_model = int(file.require("embedding_length"))
-    n_heads = int(file.require("attention.head_count"))
-    head_dim = int(file.arch_key("attention.key_length") or d_model // n_heads)
-    rotary_dims = int(file.arch_key("rope.dimension_count") or head_dim)
+    tokens = file.strings("tokenizer.ggml.tokens")
+    d_model = file.count("embedding_length")
+    n_heads = file.count("attention.head_count")
+    head_dim = file.count("attention.key_length", default=d_model // n_heads)
+    rotary_dims = file.count("rope.dimension_count", default=head_dim)
     if rotary_dims != head_dim:
         raise InteropError(
             f"{file.path}: RoPE rotates {rotary_dims} of {head_dim} head dims; glassformer "
@@ -195,23 +93,23 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
             f"{file.path}: Mixture-of-Experts GGUF files ({file.arch_key('expert_count')} "
             "experts) are not supported yet; convert the Hugging Face folder instead"
         )
-    vocab_size = len(tokens) if tokens else int(file.require("vocab_size"))
+    vocab_size = len(tokens) if tokens else file.count("vocab_size")
     try:
         return ModelConfig(
             family="gpt",
             vocab_size=vocab_size,
             d_model=d_model,
-            n_layers=int(file.require("block_count")),
+            n_layers=file.count("block_count"),
             n_heads=n_heads,
-            n_kv_heads=int(file.arch_key("attention.head_count_kv") or n_heads),
+            n_kv_heads=file.count("attention.head_count_kv", default=n_heads),
             head_dim=head_dim,
-            d_ff=int(file.require("feed_forward_length")),
-            max_seq_len=int(file.arch_key("context_length") or 2048),
+            d_ff=file.count("feed_forward_length"),
+            max_seq_len=file.count("context_length", default=2048),
             position="rope",
-            rope_theta=float(file.arch_key("rope.freq_base") or 10000.0),
+            rope_theta=file.number("rope.freq_base", default=10000.0, above=1.0),
             rope_scaling=_rope_scaling(file),
             norm="rms",
-            norm_eps=float(file.require("attention.layer_norm_rms_epsilon")),
+            norm_eps=file.number("attention.layer_norm_rms_epsilon"),
             norm_bias=False,
             ffn="swiglu",
             bias=False,
@@ -301,7 +199,7 @@ def _ignorable(name: str) -> bool:
 def _check_rope_freqs(file: GGUFFile) -> None:
     """Llama 3.1 files store their RoPE scaling as per-frequency factors in rope_freqs."""
     tensor = file.tensors.get("rope_freqs.weight")
-    if tensor is not None and not torch.all(dequantize(tensor) == 1.0):
+    if tensor is not None and not torch.all(LazyTensor(tensor, str(file.path)).load() == 1.0):
         raise InteropError(
             f"{file.path} scales RoPE by per-frequency factors (rope_freqs.weight, as Llama 3.1 "
             "files do), which glassformer cannot express in its config; load the Hugging Face "
@@ -337,7 +235,7 @@ def _pre_tokenizer(kind: str | None, path: Path):
 
     if kind is None:
         kind = "gpt2"  # files older than the tokenizer.ggml.pre key were GPT-2 style
-    if kind not in PRE_TOKENIZERS:
+    if not isinstance(kind, str) or kind not in PRE_TOKENIZERS:
         raise InteropError(
             f"{path}: tokenizer.ggml.pre={kind!r} is not supported: supported are "
             f"{', '.join(PRE_TOKENIZERS)}"
@@ -372,13 +270,14 @@ def tokenizer_from_gguf(file: GGUFFile) -> PretrainedTokenizer:
             f"{file.path}: tokenizer.ggml.model={kind!r} is not supported: supported is 'gpt2' "
             "(byte-level BPE, as in SmolLM2, Llama 3, Qwen2)"
         )
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise InteropError(
-            f"{file.path}: {len(tokens)} tokens but {len(types)} token types; the file is corrupt"
-        )
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tokens = file.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise InteropError(f"{file.path} has no tokenizer.ggml.tokens: the file is incomplete")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        kinds = f"{len(types)} token types" if isinstance(types, list) else f"types {clip(types)}"
+        raise InteropError(f"{file.path}: {len(tokens)} tokens but {kinds}; the file is corrupt")
+    merges = [tuple(m.split(" ", 1)) for m in file.strings("tokenizer.ggml.merges") or []]
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise InteropError(f"{file.path}: the token list repeats tokens; the file is corrupt")
@@ -396,7 +295,8 @@ def tokenizer_from_gguf(file: GGUFFile) -> PretrainedTokenizer:
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+        known = isinstance(token_id, int) and 0 <= token_id < len(tokens)
+        return tokens[token_id] if known else None
 
     bos, eos = token("bos"), token("eos")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
@@ -414,8 +314,18 @@ def tokenizer_from_gguf(file: GGUFFile) -> PretrainedTokenizer:
         bos_token=bos,
         eos_token=eos,
         pad_token=token("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=_chat_template(file),
     )
+
+
+def _chat_template(file: GGUFFile) -> str | None:
+    template = file.metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise InteropError(
+            f"{file.path}: tokenizer.chat_template={clip(template)} must be a string (a Jinja "
+            "template): the file is damaged"
+        )
+    return template
 
 
 # --- public entry point -----------------------------------------------------------------------
@@ -426,11 +336,27 @@ def load_gguf(path: str | Path) -> tuple[GPT, PretrainedTokenizer]:
     tokenizer. Strict: every tensor of the file is used and every parameter filled."""
     file = read_gguf(path)
     cfg = config_from_gguf(file)
+    weights = {n: t for n, t in file.tensors.items() if n != "rope_freqs.weight"}
+    tensors = LazyTensors(weights, str(file.path))
+    table = _checked_rules(file, cfg, tensors)
     tokenizer = tokenizer_from_gguf(file)
     _check_rope_freqs(file)
-    tensors = {n: t for n, t in file.tensors.items() if n != "rope_freqs.weight"}
     model = GPT(cfg)
-    table = rules(cfg, permuted=SUPPORTED_ARCHITECTURES[file.architecture])
-    table = [_dequantizing(rule) for rule in table]
-    load_state(model, table, _LazyTensors(tensors), _ignorable, str(file.path))
+    table = [dequantizing(rule) for rule in table]
+    load_state(model, table, tensors, _ignorable, str(file.path))
     return model.eval(), tokenizer
+
+
+def _checked_rules(file: GGUFFile, cfg: ModelConfig, tensors: LazyTensors) -> list[WeightRule]:
+    """The name table, once the metadata's claims hold against the tensor headers, before a
+    parameter is allocated: the size, every tensor the table reads, the memory it takes."""
+    held = count_values(t.shape for t in tensors.values())
+    problem = oversized_claim(cfg, held, f"the metadata of {file.path}", "its tensors")
+    if problem:
+        raise InteropError(problem)
+    table = rules(cfg, permuted=SUPPORTED_ARCHITECTURES[file.architecture])
+    check_tensor_names(table, tensors, _ignorable, str(file.path))
+    problem = memory_problem(cfg, f"loading {file.path}")
+    if problem:
+        raise InteropError(problem)
+    return table

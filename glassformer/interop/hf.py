@@ -15,16 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from glassformer.config import ModelConfig
-
-
-class InteropError(ValueError):
-    """A checkpoint cannot be loaded or written; the message says which file/tensor and why."""
-
+from glassformer.config import ConfigError, ModelConfig
+from glassformer.interop.hf_files import (
+    check_config_values,
+    read_json,
+    read_shapes,
+    read_tensors,
+    safetensors_files,
+)
+from glassformer.interop.integrity import (
+    InteropError,
+    count_values,
+    memory_problem,
+    oversized_claim,
+)
 
 # --- the name table ---------------------------------------------------------------------------
 
@@ -103,60 +110,12 @@ def register(arch: Architecture) -> Architecture:
 def architecture_for(model_type: str) -> Architecture:
     from glassformer.interop import archs  # noqa: F401  (registers the architectures)
 
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise InteropError(
             f"model_type={model_type!r} is not supported: supported are "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     return ARCHITECTURES[model_type]
-
-
-# --- reading folders --------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InteropError(f"{path} is missing: a Hugging Face model folder needs it") from None
-    except json.JSONDecodeError as err:
-        raise InteropError(f"{path} is not valid JSON: {err}") from None
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a folder: one model.safetensors, or the shards of an index."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise InteropError(f"{index} names shard(s) that are missing: {missing}")
-        return [folder / s for s in shards]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(
-        p.name for p in folder.glob("*.pt*")
-    )
-    if pickled:
-        raise InteropError(
-            f"{folder} has only pickled weights ({', '.join(pickled)}); glassformer never "
-            "unpickles files. Convert them to safetensors first, e.g. in a trusted environment: "
-            "AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)"
-        )
-    raise InteropError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
-
-
-def read_tensors(files: list[Path]) -> dict[str, Tensor]:
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensors[name] = f.get_tensor(name)
-        except Exception as err:  # safetensors raises several types for corrupt files
-            raise InteropError(f"cannot read {path}: {err}") from None
-    return tensors
 
 
 # --- applying the table -----------------------------------------------------------------------
@@ -168,21 +127,27 @@ def _few(names: list[str] | set[str], shown: int = 6) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def load_state(
-    model: nn.Module, rules: list[WeightRule], tensors: dict[str, Tensor], ignorable, source: str
-) -> None:
-    """Fill every parameter of `model` from `tensors` by the rules; strict both ways."""
-    params = dict(model.named_parameters())
-    missing = [s for r in rules for s in r.sources if s not in tensors]
+def check_tensor_names(rules: list[WeightRule], names, ignorable, source: str) -> None:
+    """Every tensor the rules read is in the file and every tensor of the file is read (or
+    ignorable). Runs before the model is built, so a file that lacks blocks costs nothing."""
+    missing = [s for r in rules for s in r.sources if s not in names]
     if missing:
         raise InteropError(f"{source} lacks tensor(s) the model needs: {_few(missing)}")
     consumed = {s for r in rules for s in r.sources}
-    extra = {n for n in tensors if n not in consumed and not ignorable(n)}
+    extra = {n for n in names if n not in consumed and not ignorable(n)}
     if extra:
         raise InteropError(
             f"{source} has tensor(s) this architecture does not use: {_few(extra)}; refusing "
             "to load half a model"
         )
+
+
+def load_state(
+    model: nn.Module, rules: list[WeightRule], tensors: dict[str, Tensor], ignorable, source: str
+) -> None:
+    """Fill every parameter of `model` from `tensors` by the rules; strict both ways."""
+    params = dict(model.named_parameters())
+    check_tensor_names(rules, tensors, ignorable, source)
     targets = {r.target for r in rules}
     unfilled = set(params) - targets
     unknown = targets - set(params)
@@ -238,21 +203,75 @@ def export_state(model: nn.Module, rules: list[WeightRule]) -> dict[str, Tensor]
 def load_hf_model(
     folder: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A glassformer model with the weights of a Hugging Face folder, and the raw config."""
+    """A glassformer model with the weights of a Hugging Face folder, and the raw config.
+
+    Everything the file claims is checked against the safetensors headers before a tensor is
+    read or a parameter allocated: sizes, tensor names, then the memory it will take."""
     from glassformer.models import build_model
 
     folder = Path(folder)
     if not folder.is_dir():
         raise InteropError(f"{folder} is not a folder: give a Hugging Face model directory")
-    hf_config = _read_json(folder / "config.json")
-    arch = architecture_for(hf_config.get("model_type", "<missing model_type>"))
-    cfg = arch.config_from_hf(hf_config)
-    tensors = read_tensors(safetensors_files(folder))
-    if arch.refine_config is not None:
-        cfg = arch.refine_config(cfg, set(tensors))
+    config_file = folder / "config.json"
+    hf_config = read_json(config_file)
+    check_config_values(hf_config, config_file)
+    try:
+        arch = architecture_for(hf_config.get("model_type", "<missing model_type>"))
+    except InteropError as err:
+        raise InteropError(f"{config_file}: {err}") from None
+    files = safetensors_files(folder)
+    shapes = read_shapes(files)
+    cfg = config_for_weights(arch, hf_config, config_file, set(shapes))
+    table = _checked_rules(arch, cfg, shapes, files, config_file)
+    tensors = read_tensors(files)
     model = build_model(cfg)
-    load_state(model, arch.rules(cfg, set(tensors)), tensors, arch.ignorable, str(folder))
+    load_state(model, table, tensors, arch.ignorable, str(folder))
     return model.to(dtype).eval(), hf_config
+
+
+def _checked_rules(
+    arch: Architecture,
+    cfg: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    files: list[Path],
+    config_file: Path,
+) -> list[WeightRule]:
+    """The name table, once the config's claims hold against the safetensors headers, before a
+    tensor is read or a parameter allocated: the size, every tensor the table reads, memory."""
+    folder = config_file.parent
+    weights = files[0].name if len(files) == 1 else f"the {len(files)} shards of {folder}"
+    problem = oversized_claim(cfg, count_values(shapes.values()), str(config_file), weights)
+    if problem:
+        raise InteropError(problem)
+    table = arch.rules(cfg, set(shapes))
+    check_tensor_names(table, shapes, arch.ignorable, str(folder))
+    file_bytes = sum(f.stat().st_size for f in files)  # read_tensors holds them all at once
+    problem = memory_problem(cfg, f"loading {folder}", extra_bytes=file_bytes)
+    if problem:
+        raise InteropError(problem)
+    return table
+
+
+def config_for_weights(
+    arch: Architecture, hf_config: dict[str, Any], config_file: Path, names: set[str]
+) -> ModelConfig:
+    """The ModelConfig of a config.json (refined by the tensor names it comes with); any value
+    of the wrong type, a missing key or an invalid combination is one InteropError naming the
+    file and the key (check_config_values has refused values of the wrong type)."""
+    try:
+        cfg = arch.config_from_hf(hf_config)
+        if arch.refine_config is not None:
+            cfg = arch.refine_config(cfg, names)
+    except KeyError as err:
+        raise InteropError(
+            f"{config_file} lacks {err.args[0]!r}, which a {hf_config['model_type']} config "
+            "needs: the file is incomplete; take the config.json saved with these weights"
+        ) from None
+    except (ConfigError, InteropError) as err:
+        raise InteropError(f"{config_file}: {err}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:  # a value of a type not listed
+        raise InteropError(f"{config_file} holds a value glassformer cannot use: {err}") from None
+    return cfg
 
 
 def save_hf_model(model: nn.Module, folder: str | Path, model_type: str | None = None) -> Path:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from glassformer.interop.hf import InteropError
+from glassformer.interop.hf_files import PICKLE_SUFFIXES
+from glassformer.interop.integrity import InteropError
 
 # alias -> (package that ships the weights, path inside it, pip command)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -48,9 +49,6 @@ def resolve(name_or_path: str | Path) -> Path:
     return path
 
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
 def _refuse_pickles(path: Path) -> None:
     """Pickled weights (pytorch_model.bin, *.pt) can run code when loaded: never open them,
     say how to convert them instead."""
@@ -64,7 +62,7 @@ def _refuse_pickles(path: Path) -> None:
         pickled = [p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
         run_dir = (path / "latest").is_file() or any(path.glob("step-*"))
         if pickled and not run_dir and not (path / "model.safetensors").is_file():
-            from glassformer.interop.hf import safetensors_files
+            from glassformer.interop.hf_files import safetensors_files
 
             safetensors_files(path)  # raises the conversion hint, naming the files
 
@@ -110,7 +108,7 @@ def _all_matrices_q8_0(path: Path) -> bool:
 
 def _load_float(name_or_path: str | Path, dtype: torch.dtype):
     path = resolve(name_or_path)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.suffix == ".gguf":
         from glassformer.interop.gguf import load_gguf
 
         model, tokenizer = load_gguf(path)
@@ -120,9 +118,9 @@ def _load_float(name_or_path: str | Path, dtype: torch.dtype):
     if config is not None and config.is_file():
         try:
             data = json.loads(config.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise InteropError(f"{config} is not valid JSON: {err}") from None
-        if "model_type" in data:
+        if isinstance(data, dict) and "model_type" in data:
             from glassformer.interop.hf import load_hf_model
             from glassformer.tokenizers import PretrainedTokenizer
 

@@ -23,6 +23,14 @@ import torch
 from torch import Tensor
 
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.interop.integrity import (
+    UNREADABLE_SAFETENSORS,
+    count_values,
+    memory_problem,
+    non_finite,
+    oversized_claim,
+    safetensors_shapes,
+)
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -30,9 +38,11 @@ TOKENIZER_FILE = "tokenizer.json"
 TRAIN_STATE_FILE = "train_state.json"
 TRAIN_TENSORS_FILE = "train_state.safetensors"
 LATEST_FILE = "latest"
+RUN_CONFIG_FILE = "run_config.json"  # the trainer's whole TOML config, beside the step dirs
+LOCK_FILE = ".lock"  # held by the one trainer writing into a run directory
 REQUIRED_FILES = (CONFIG_FILE, MODEL_FILE)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 _TRAIN_HINT = "train a model first: glassformer train --config configs/shakespeare-char.toml"
 
 
@@ -40,7 +50,7 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete or does not fit the model; the message says the fix."""
 
 
-def _few(names: list[str], shown: int = 5) -> str:
+def few(names: list[str], shown: int = 5) -> str:
     head = ", ".join(names[:shown])
     return f"{head} and {len(names) - shown} more" if len(names) > shown else head
 
@@ -111,7 +121,7 @@ def _alias_groups(state: dict[str, Tensor]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _weights_to_save(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+def weights_to_save(model: torch.nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """One tensor per alias group (safetensors refuses shared storage) and the dropped names."""
     state = model.state_dict()
     tensors, aliases = {}, {}
@@ -134,7 +144,7 @@ def save_model_weights(model: torch.nn.Module, path: str | Path) -> None:
     from glassformer.nn.quant import refuse_quantized
 
     refuse_quantized(model, f"save {path} from")
-    tensors, aliases = _weights_to_save(model)
+    tensors, aliases = weights_to_save(model)
     metadata = {"format": "pt"}
     if aliases:
         metadata["glassformer.aliases"] = json.dumps(aliases, sort_keys=True)
@@ -174,6 +184,13 @@ def load_model_weights(model: torch.nn.Module, path: str | Path) -> None:
     path = Path(path)
     file = path if path.is_file() else resolve_checkpoint(path) / MODEL_FILE
     on_disk = _load_safetensors(file)
+    for name, tensor in on_disk.items():
+        problem = non_finite(name, tensor)
+        if problem:
+            raise CheckpointError(
+                f"{file}: {problem}: the file is damaged, or the run that saved it diverged (its"
+                " loss went to NaN); load an earlier step, or retrain with a lower learning rate"
+            )
     state = model.state_dict()
     to_load: dict[str, Tensor] = {}
     missing: list[str] = []
@@ -197,16 +214,16 @@ def load_model_weights(model: torch.nn.Module, path: str | Path) -> None:
     unexpected = sorted(name for name in on_disk if name not in used and name not in known)
     problems = []
     if missing:
-        problems.append(f"missing from the file: {_few(sorted(missing))}")
+        problems.append(f"missing from the file: {few(sorted(missing))}")
     if unexpected:
-        problems.append(f"not in the model: {_few(unexpected)}")
+        problems.append(f"not in the model: {few(unexpected)}")
     if mismatched:
-        problems.append(f"shape mismatch: {_few(mismatched, 3)}")
+        problems.append(f"shape mismatch: {few(mismatched, 3)}")
     if problems:
         aliases = _saved_aliases(file)
         tied = sorted(f"{name} with {aliases[name]}" for name in missing if name in aliases)
         if tied:
-            problems.append(f"the file ties {_few(tied, 3)} but the model does not")
+            problems.append(f"the file ties {few(tied, 3)} but the model does not")
         raise CheckpointError(
             f"{file} does not fit {type(model).__name__} ({'; '.join(problems)}): build the model"
             f" from the checkpoint's own {CONFIG_FILE} (ModelConfig.from_json) and load again"
@@ -229,7 +246,7 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
         return []
     found = []
     for child in out_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = STEP_DIR_RE.match(child.name)
         if match and child.is_dir() and _is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
@@ -292,10 +309,10 @@ def _remove_leftovers(out_dir: Path) -> None:
 def _prune(out_dir: Path, keep_last: int, just_written: Path) -> None:
     # Only steps below the one just written are pruned: directories with a higher step come
     # from an abandoned longer run, and deleting them silently would lose someone's work.
-    written_step = int(_STEP_DIR.match(just_written.name).group(1))
+    written_step = int(STEP_DIR_RE.match(just_written.name).group(1))
     older = []
     for child in out_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = STEP_DIR_RE.match(child.name)
         if match and child.is_dir() and int(match.group(1)) < written_step:
             older.append((int(match.group(1)), child))
     older.sort()
@@ -378,7 +395,7 @@ def _check_step_dir(step_dir: Path) -> Path:
 
 def _from_latest(out_dir: Path) -> Path | None:
     name = (out_dir / LATEST_FILE).read_text().strip()
-    if not _STEP_DIR.match(name):
+    if not STEP_DIR_RE.match(name):
         return None  # `latest` holds something we did not write: fall back to scanning
     target = out_dir / name
     if _is_complete(target):
@@ -412,10 +429,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     steps = list_checkpoints(path)
     if steps:
         return steps[-1]
-    incomplete = [c.name for c in path.iterdir() if _STEP_DIR.match(c.name)]
+    incomplete = [c.name for c in path.iterdir() if STEP_DIR_RE.match(c.name)]
     if incomplete:
         raise CheckpointError(
-            f"no complete checkpoint in {path}: {_few(sorted(incomplete))} lack"
+            f"no complete checkpoint in {path}: {few(sorted(incomplete))} lack"
             f" {' or '.join(REQUIRED_FILES)}; re-run training to save a new one"
         )
     raise CheckpointError(
@@ -438,8 +455,14 @@ def _read_json(path: Path) -> Any:
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig saved with a checkpoint (`path` as for resolve_checkpoint)."""
     file = resolve_checkpoint(path) / CONFIG_FILE
+    data = _read_json(file)
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{file} holds a JSON {type(data).__name__}, not a model config: the file is damaged;"
+            " load another step"
+        )
     try:
-        return ModelConfig.from_dict(_read_json(file))
+        return ModelConfig.from_dict(data)
     except ConfigError as err:
         raise CheckpointError(f"{file} is not a valid model config: {err}") from None
 
@@ -454,9 +477,33 @@ def read_train_state(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, Te
             " for generation but training cannot resume from it; start a new run from it instead"
         )
     state = _read_json(state_file)
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{state_file} holds {type(state).__name__}, not a trainer state: the file is damaged;"
+            " resume from another step"
+        )
     tensor_file = step_dir / TRAIN_TENSORS_FILE
     tensors = _load_safetensors(tensor_file) if tensor_file.exists() else {}
     return state, tensors
+
+
+def _check_weights_fit_config(cfg: ModelConfig, step_dir: Path) -> None:
+    """Before a parameter is allocated: the config must not claim far more than the weights
+    file holds (read from its header), and the model must fit in memory."""
+    weights = step_dir / MODEL_FILE
+    try:
+        shapes = safetensors_shapes(weights)
+    except UNREADABLE_SAFETENSORS as err:
+        raise CheckpointError(
+            f"{weights} is not a readable safetensors file ({err}): it was probably cut short by"
+            " a crash or a full disk; load an earlier checkpoint or re-save this one"
+        ) from None
+    held = count_values(shapes.values())
+    problem = oversized_claim(cfg, held, str(step_dir / CONFIG_FILE), MODEL_FILE) or (
+        memory_problem(cfg, f"loading {step_dir}", extra_bytes=weights.stat().st_size)
+    )
+    if problem:
+        raise CheckpointError(problem)
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
@@ -470,7 +517,9 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn
     from glassformer.tokenizers import load_tokenizer
 
     step_dir = resolve_checkpoint(path)
-    model = build_model(read_config(step_dir))
+    cfg = read_config(step_dir)
+    _check_weights_fit_config(cfg, step_dir)
+    model = build_model(cfg)
     load_model_weights(model, step_dir / MODEL_FILE)
     model.to(device).eval()
     tokenizer_file = step_dir / TOKENIZER_FILE
@@ -480,123 +529,3 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn
         return model, load_tokenizer(tokenizer_file)
     except ValueError as err:
         raise CheckpointError(f"{tokenizer_file} cannot be loaded: {err}") from None
-
-
-# --- optimizer and RNG state as tensors -------------------------------------------------------
-
-
-def optimizer_state_to_tensors(
-    optimizer: torch.optim.Optimizer, prefix: str = "optimizer"
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """Split `optimizer.state_dict()` into JSON-able metadata and flat named tensors.
-
-    Tensor keys look like `optimizer.state.3.exp_avg` and `optimizer.param_groups.0.lr` (a
-    tensor learning rate); everything else (betas, eps, param indices) goes to the metadata.
-    """
-    full = optimizer.state_dict()
-    tensors: dict[str, Tensor] = {}
-
-    def split(values: dict[str, Any], where: str) -> dict[str, Any]:
-        plain, tensor_names = {}, []
-        for key, value in values.items():
-            if isinstance(value, Tensor):
-                tensors[f"{prefix}.{where}.{key}"] = value.detach()
-                tensor_names.append(key)
-            else:
-                try:
-                    json.dumps(value)
-                except TypeError:
-                    raise CheckpointError(
-                        f"optimizer {where}.{key}={value!r} ({type(value).__name__}) is neither a"
-                        " tensor nor JSON-able: store it as a number, string or list"
-                    ) from None
-                plain[key] = value
-        return {"values": plain, "tensors": tensor_names}
-
-    meta = {
-        "prefix": prefix,
-        "state": {str(index): split(s, f"state.{index}") for index, s in full["state"].items()},
-        "param_groups": [split(g, f"param_groups.{i}") for i, g in enumerate(full["param_groups"])],
-    }
-    return meta, tensors
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, Tensor]
-) -> None:
-    """Inverse of `optimizer_state_to_tensors`: load the saved state into `optimizer`."""
-    prefix = meta.get("prefix", "optimizer")
-
-    def join(entry: dict[str, Any], where: str) -> dict[str, Any]:
-        values = dict(entry["values"])
-        for key in entry["tensors"]:
-            name = f"{prefix}.{where}.{key}"
-            if name not in tensors:
-                raise CheckpointError(
-                    f"optimizer tensor {name} is missing from the trainer state: the checkpoint"
-                    " was saved without it; resume with a fresh optimizer instead"
-                )
-            values[key] = tensors[name]
-        return values
-
-    current_groups = optimizer.param_groups
-    if len(meta["param_groups"]) != len(current_groups):
-        raise CheckpointError(
-            f"the checkpoint has {len(meta['param_groups'])} optimizer param groups but the"
-            f" optimizer has {len(current_groups)}: build the optimizer the same way as the run"
-            " that saved it"
-        )
-    groups = []
-    for i, (entry, current) in enumerate(zip(meta["param_groups"], current_groups, strict=True)):
-        group = join(entry, f"param_groups.{i}")
-        # JSON has no tuples; give back the optimizer's own types (AdamW's betas is a tuple).
-        for key, value in group.items():
-            if isinstance(value, list) and isinstance(current.get(key), tuple):
-                group[key] = tuple(value)
-        groups.append(group)
-    state = {int(index): join(entry, f"state.{index}") for index, entry in meta["state"].items()}
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(
-            f"the saved optimizer state does not fit this optimizer ({err}): build the model and"
-            " optimizer from the checkpoint's config before resuming"
-        ) from None
-
-
-def rng_state_tensors(generators: dict[str, torch.Generator] | None = None) -> dict[str, Tensor]:
-    """The torch CPU RNG, every CUDA device's RNG and any named generators, as uint8 tensors."""
-    tensors = {"rng.torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.torch_cuda.{index}"] = state
-    for name, generator in (generators or {}).items():
-        tensors[f"rng.generator.{name}"] = generator.get_state()
-    return tensors
-
-
-def restore_rng_state(
-    tensors: dict[str, Tensor], generators: dict[str, torch.Generator] | None = None
-) -> None:
-    """Put back what `rng_state_tensors` saved, so the next random draws repeat exactly."""
-    if "rng.torch_cpu" not in tensors:
-        raise CheckpointError(
-            "rng.torch_cpu is missing from the trainer tensors: the checkpoint was saved without"
-            " RNG state, so the run can resume but not reproduce the same random draws"
-        )
-    torch.set_rng_state(tensors["rng.torch_cpu"])
-    cuda = sorted(k for k in tensors if k.startswith("rng.torch_cuda."))
-    if cuda and torch.cuda.is_available():
-        for key in cuda:
-            index = int(key.rsplit(".", 1)[1])
-            if index < torch.cuda.device_count():  # fewer GPUs now: restore the ones we have
-                torch.cuda.set_rng_state(tensors[key], index)
-    for name, generator in (generators or {}).items():
-        key = f"rng.generator.{name}"
-        if key not in tensors:
-            saved = sorted(k.removeprefix("rng.generator.") for k in tensors if "generator." in k)
-            raise CheckpointError(
-                f"{key} is missing from the trainer tensors: the saved generators are"
-                f" {_few(saved) or 'none'}; pass the same generator names that were saved"
-            )
-        generator.set_state(tensors[key])

@@ -1,5 +1,6 @@
 """Training-run configuration: a TOML file with [model], [data] and [train] tables, plus
-`--set section.key=value` overrides from the command line."""
+`--set section.key=value` overrides from the command line. Every value is checked for its type
+and range when the config is built, so a bad one is one error before any work starts."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice
+from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice, check_field_types
+from glassformer.data.corpus import SPELLINGS
 
 CHUNKINGS = ("sliding", "truncate", "pack")
 TOKENIZERS = ("char", "bpe")
 DTYPES = ("fp32", "bf16")
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range, and batch generators seed with seed + epoch
+
+
+def _at_least(section: str, obj: Any, names: tuple[str, ...], low: float, hints: dict) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            hint = hints.get(name, "")
+            raise ConfigError(f"{section}.{name}={value!r} must be >= {low}{hint}")
+
+
+def _in_unit_interval(name: str, value: float, high_open: bool) -> None:
+    if not (0.0 <= value < 1.0 if high_open else 0.0 <= value <= 1.0):
+        bound = "[0, 1)" if high_open else "[0, 1]"
+        raise ConfigError(f"{name}={value!r} must be in {bound}")
+
+
+def _non_empty(name: str, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ConfigError(f"{name}={value!r} is empty: give a path")
 
 
 @dataclass
@@ -35,11 +57,17 @@ class DataConfig:
     align_threshold: float = 0.5
 
     def __post_init__(self) -> None:
+        check_field_types(self, "data.")
         check_choice("data.chunking", self.chunking, CHUNKINGS)
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_choice("data.documents", self.documents, ("play", "paragraph"))
+        check_choice("data.spelling", self.spelling, tuple(SPELLINGS))
+        _non_empty("data.corpus", self.corpus)
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        hints = {"stride": " (tokens between window starts; leave it out for no overlap)"}
+        _at_least("data", self, ("bpe_vocab_size", "stride", "max_pair_chars"), 1, hints)
+        _in_unit_interval("data.align_threshold", self.align_threshold, high_open=False)
 
 
 @dataclass
@@ -66,10 +94,32 @@ class TrainConfig:
     init_from: str | None = None  # start from these weights (a checkpoint), e.g. fine-tuning
 
     def __post_init__(self) -> None:
+        check_field_types(self, "train.")
         check_choice("train.dtype", self.dtype, DTYPES)
-        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1")
+        _non_empty("train.out_dir", self.out_dir)
+        _non_empty("train.init_from", self.init_from)
+        counts = ("max_steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches")
+        counts += ("checkpoint_interval", "keep_checkpoints", "log_interval", "threads")
+        _at_least("train", self, counts, 1, _TRAIN_HINTS)
+        _at_least("train", self, ("warmup_steps", "weight_decay", "min_lr", "grad_clip"), 0, {})
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train.learning_rate={self.learning_rate!r} must be > 0, e.g. 1e-3")
+        _in_unit_interval("train.beta1", self.beta1, high_open=True)
+        _in_unit_interval("train.beta2", self.beta2, high_open=True)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(
+                f"train.seed={self.seed} is out of range: pick an integer in 0..{MAX_SEED}"
+                " (2**63 - 1), e.g. 1337"
+            )
+
+
+_TRAIN_HINTS = {
+    "checkpoint_interval": " (save every N steps; set it to max_steps to save only at the end)",
+    "keep_checkpoints": " (how many step directories to keep; the newest is always kept)",
+    "eval_batches": " (validation batches per evaluation)",
+    "threads": " (torch threads; leave it out to keep torch's default)",
+    "grad_accum_steps": " (micro-batches per optimizer step)",
+}
 
 
 @dataclass
@@ -99,6 +149,12 @@ class RunConfig:
         unknown = sorted(set(raw) - {"model", "data", "train"})
         if unknown:
             raise ConfigError(f"unknown section(s) {unknown}: use [model], [data] and [train]")
+        for section in ("model", "data", "train"):
+            if not isinstance(raw.get(section, {}), dict):
+                raise ConfigError(
+                    f"{section}={raw[section]!r} must be a table: write [{section}] followed by"
+                    " key = value lines"
+                )
         return cls(
             model=dict(raw.get("model", {})),
             data=_build(DataConfig, raw.get("data", {}), "data"),
@@ -130,16 +186,32 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name.strip(), parsed
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a TOML file; a folder, a binary file or bad TOML is one ConfigError."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"--config {path} is a folder: pass a TOML file, e.g. configs/shakespeare-char.toml"
+        )
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"no config file at {path}: see configs/ for examples") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"--config {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset"
+            f" {err.start}): pass a TOML file, e.g. configs/shakespeare-char.toml"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read --config {path}: {err.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            raw = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config file at {path}: see configs/ for examples") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for text in overrides:
         section, name, value = parse_override(text)
         raw.setdefault(section, {})[name] = value

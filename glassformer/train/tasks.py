@@ -25,6 +25,7 @@ from glassformer.data import (
     split_paragraphs,
     train_val_split,
 )
+from glassformer.data.corpus import read_text_file
 from glassformer.tokenizers import BPETokenizer, CharTokenizer
 from glassformer.train.config import RunConfig
 
@@ -41,7 +42,7 @@ def load_documents(data_cfg) -> list[str]:
                 f"data.corpus={data_cfg.corpus!r} is neither 'shakespeare' nor a .txt file or a "
                 "folder of .txt files"
             )
-        docs = [f.read_text(encoding="utf-8") for f in files]
+        docs = [read_text_file(f) for f in files]
     if data_cfg.documents == "paragraph":
         docs = [p for doc in docs for p in split_paragraphs(doc)]
     return docs

@@ -3,34 +3,65 @@ once (teacher forcing), step AdamW, evaluate, checkpoint atomically, resume exac
 
 Exact resume: batches are a pure function of (seed, step), and a checkpoint holds the weights,
 the optimizer moments and the RNG state, so a resumed run repeats an uninterrupted one.
+Safety: one trainer per out_dir (a lock file), a run is never silently trained over, a config
+that cannot fit in memory is refused before anything is allocated, and a loss that turns NaN
+stops the run before the last good checkpoint is overwritten.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import safetensors
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from glassformer.config import ConfigError
 from glassformer.models import build_model
 from glassformer.tokenizers import load_tokenizer
 from glassformer.train.checkpoint import (
+    RUN_CONFIG_FILE,
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    atomic_write_text,
     list_checkpoints,
     load_model_weights,
-    load_optimizer_state,
-    optimizer_state_to_tensors,
-    read_train_state,
     resolve_checkpoint,
-    restore_rng_state,
-    rng_state_tensors,
     save_checkpoint,
 )
 from glassformer.train.config import RunConfig, run_config_json
+from glassformer.train.guards import (
+    check_training_memory,
+    config_changes,
+    make_out_dir,
+    read_resume_state,
+    step_number,
+)
+from glassformer.train.run_dir import (
+    RunLock,
+    checkpoint_nbytes,
+    newest_checkpoint,
+    previous_run,
+    remove_step_dirs,
+    save_failed,
+)
 from glassformer.train.tasks import Task, make_task
+from glassformer.train.train_state import (
+    load_optimizer_state,
+    optimizer_state_to_tensors,
+    restore_rng_state,
+    rng_state_tensors,
+)
+
+
+class DivergedError(ValueError):
+    """The loss or the weights became NaN/inf; the message names the step and what to lower."""
 
 
 @dataclass
@@ -109,52 +140,168 @@ def init_matching_weights(model: nn.Module, step_dir: Path) -> None:
 # --- the loop -----------------------------------------------------------------------------------
 
 
+@dataclass
+class ResumePoint:
+    step_dir: Path
+    state: dict[str, Any]  # train_state.json
+    tensors: dict[str, Tensor]  # optimizer moments and RNG state
+
+
 class Trainer:
-    def __init__(self, run: RunConfig, resume: bool = False, progress: bool = True) -> None:
+    """One training run in train.out_dir. It holds the run's lock from construction until fit()
+    returns (or close()). resume=True continues from the newest intact checkpoint;
+    overwrite=True starts over in a folder that holds a run, deleting the old step
+    directories only once this run has saved its first checkpoint."""
+
+    def __init__(
+        self, run: RunConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
+    ) -> None:
+        if resume and overwrite:
+            raise ConfigError(
+                "pass --resume (continue the run in train.out_dir) or --overwrite (start it"
+                " over), not both"
+            )
         self.run = run
         self.cfg = run.train
         self.out_dir = Path(self.cfg.out_dir)
         self.progress = progress
+        # Refuse a bad or impossible [model] before touching the disk or reading the corpus. A
+        # declared vocab_size is checked as written; the tokenizer's replaces it below.
+        declared = run.model_config(vocab_size=run.model.get("vocab_size", 1))
+        check_training_memory(declared, self.cfg, activations=False)
+        make_out_dir(self.out_dir)
+        self.lock = RunLock(self.out_dir)
+        self.lock.acquire()
+        try:
+            self._prepare(resume, overwrite)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _prepare(self, resume: bool, overwrite: bool) -> None:
+        run = self.run
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
-
-        run.model_config(vocab_size=1)  # fail on a bad [model] before reading the corpus
-        resume_dir = self._resume_dir() if resume else None
+        self.old_run = self._old_run_to_replace(resume, overwrite)
+        start = self._resume_point() if resume else None
         init_dir = resolve_checkpoint(self.cfg.init_from) if self.cfg.init_from else None
         # A run started from pretrained weights must read text with their tokenizer.
-        tokenizer_dir = resume_dir or init_dir
+        tokenizer_dir = start.step_dir if start else init_dir
         self.task = make_task(run, load_tokenizer(tokenizer_dir) if tokenizer_dir else None)
         self.tokenizer = self.task.tokenizer
         self.model_cfg = self.task.model_config(run)
+        check_training_memory(self.model_cfg, self.cfg, activations=True)
 
         self.model = build_model(self.model_cfg)
         self.optimizer = make_optimizer(self.model, self.cfg)
         self.step = 0
         self.tokens_seen = 0  # in this process (for tokens/s)
         self.train_losses: list[float] = []
-        if resume_dir is not None:
-            self._restore(resume_dir)
+        if start is not None:
+            self._restore(start)
         elif init_dir is not None:
             init_matching_weights(self.model, init_dir)
 
-    def _resume_dir(self) -> Path | None:
-        if not list_checkpoints(self.out_dir):
+    def close(self) -> None:
+        """Release the run's lock without training (fit() releases it when it returns)."""
+        self.lock.release()
+
+    # --- what is already in out_dir ---
+
+    def _old_run_to_replace(self, resume: bool, overwrite: bool) -> list[str]:
+        found = previous_run(self.out_dir)
+        if resume or not found:
+            return []
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        if not overwrite:
+            raise ConfigError(
+                f"train.out_dir={str(self.out_dir)!r} already holds a run ({shown}): pass"
+                " --resume to continue it or --overwrite to start over, or pick another"
+                " train.out_dir"
+            )
+        print(
+            f"note: --overwrite: the old run in {self.out_dir} ({shown}) is deleted once this"
+            " run saves its first checkpoint"
+        )
+        return found
+
+    def _resume_point(self) -> ResumePoint | None:
+        """The newest checkpoint whose trainer state is intact; a damaged newest step falls
+        back to the one before it, with a note naming it."""
+        newest = newest_checkpoint(self.out_dir)
+        if newest is None:
             print(f"no checkpoint in {self.out_dir} to resume from: starting fresh")
             return None
-        return resolve_checkpoint(self.out_dir)
+        steps = list_checkpoints(self.out_dir)
+        older = [s for s in reversed(steps) if step_number(s) < step_number(newest)]
+        damaged: list[str] = []
+        for step_dir in [newest, *older]:
+            try:
+                state, tensors = read_resume_state(step_dir)
+            except CheckpointError as err:
+                print(f"note: cannot resume from {step_dir.name}: {err}")
+                damaged.append(step_dir.name)
+                continue
+            if damaged:
+                print(f"note: resuming from {step_dir.name} instead of the damaged {damaged[0]}")
+            self._check_resumable(step_dir, state)
+            return ResumePoint(step_dir, state, tensors)
+        raise CheckpointError(
+            f"no checkpoint in {self.out_dir} can be resumed ({', '.join(damaged)} are damaged,"
+            " see the notes above): start over with --overwrite"
+        )
 
-    def _restore(self, step_dir: Path) -> None:
-        load_model_weights(self.model, step_dir / "model.safetensors")
-        state, tensors = read_train_state(step_dir)
+    def _check_resumable(self, step_dir: Path, state: dict[str, Any]) -> None:
+        step = state["step"]
+        if step > self.cfg.max_steps:
+            raise ConfigError(
+                f"train.max_steps={self.cfg.max_steps} is below step {step} of the checkpoint"
+                f" {step_dir}: raise train.max_steps above {step} to train on, e.g. --set"
+                f" train.max_steps={2 * step}"
+            )
+        saved = state.get("run_config")
+        if not isinstance(saved, dict):
+            saved = self._saved_run_config()
+        changes = config_changes(saved, self.run) if saved is not None else []
+        if changes:
+            raise ConfigError(
+                f"--resume cannot change [data] or [model] of the run in {self.out_dir}:"
+                f" {'; '.join(changes)}; resume with the run's own values (only [train] may"
+                " change, e.g. max_steps), or start a new run with --overwrite or another"
+                " train.out_dir"
+            )
+
+    def _saved_run_config(self) -> dict[str, Any] | None:
+        try:
+            saved = json.loads((self.out_dir / RUN_CONFIG_FILE).read_text())
+        except (OSError, ValueError):
+            return None  # nothing to compare against: the checkpoint alone decides
+        return saved if isinstance(saved, dict) else None
+
+    def _restore(self, start: ResumePoint) -> None:
+        load_model_weights(self.model, start.step_dir / "model.safetensors")
+        tensors = start.tensors
         optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
-        load_optimizer_state(self.optimizer, state["optimizer"], optim_tensors)
+        try:
+            load_optimizer_state(self.optimizer, start.state["optimizer"], optim_tensors)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"{start.step_dir / TRAIN_STATE_FILE} holds a malformed optimizer state"
+                f" ({err!r}): resume from an earlier step or start over with --overwrite"
+            ) from None
         restore_rng_state({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
-        self.step = state["step"]
-        self.train_losses = list(state["train_losses"])
-        print(f"resumed from {step_dir} at step {self.step}")
+        self.step = start.state["step"]
+        self.train_losses = list(start.state["train_losses"])
+        print(f"resumed from {start.step_dir} at step {self.step}")
+
+    # --- saving ---
+
+    def _write_run_config(self) -> None:
+        atomic_write_text(self.out_dir / RUN_CONFIG_FILE, run_config_json(self.run) + "\n")
 
     def save(self) -> Path:
+        self._check_weights_finite()
         optim_meta, optim_tensors = optimizer_state_to_tensors(self.optimizer)
         state = {
             "step": self.step,
@@ -163,16 +310,46 @@ class Trainer:
             "run_config": self.run.to_dict(),
             "data_position": {"seed": self.cfg.seed, "next_step": self.step},
         }
-        return save_checkpoint(
-            self.out_dir,
-            self.step,
-            self.model,
-            self.model_cfg,
-            tokenizer=self.tokenizer,
-            train_state=state,
-            train_tensors={**optim_tensors, **rng_state_tensors()},
-            keep_last=self.cfg.keep_checkpoints,
+        tensors = {**optim_tensors, **rng_state_tensors()}
+        previous = newest_checkpoint(self.out_dir)
+        try:
+            step_dir = save_checkpoint(
+                self.out_dir,
+                self.step,
+                self.model,
+                self.model_cfg,
+                tokenizer=self.tokenizer,
+                train_state=state,
+                train_tensors=tensors,
+                keep_last=self.cfg.keep_checkpoints,
+            )
+        except (OSError, safetensors.SafetensorError) as err:
+            needed = checkpoint_nbytes(self.model, tensors)
+            raise save_failed(self.out_dir, self.step, err, previous, needed) from err
+        if self.old_run:  # --overwrite: this run has a checkpoint now, so the old one can go
+            remove_step_dirs(self.out_dir, self.old_run, keep=step_dir.name)
+            self.old_run = []
+            self._write_run_config()
+        return step_dir
+
+    # --- divergence ---
+
+    def _diverged(self, what: str, step: int) -> DivergedError:
+        last = newest_checkpoint(self.out_dir)
+        kept = f"the last good checkpoint {last.name} is untouched" if last else "nothing was saved"
+        return DivergedError(
+            f"{what} at step {step}: training stopped and {kept}; lower train.learning_rate"
+            f" (now {self.cfg.learning_rate:g}) or set train.grad_clip (now {self.cfg.grad_clip:g},"
+            " e.g. 1.0), then continue with --resume or start over with --overwrite"
         )
+
+    def _check_weights_finite(self) -> None:
+        # A finite loss can still come with overflowing gradients: never save such weights.
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise self._diverged(f"the weights became NaN/inf ({bad[0]}, ...)", self.step)
+
+    # --- training ---
 
     def train_step(self) -> float:
         cfg = self.cfg
@@ -188,6 +365,8 @@ class Trainer:
                 out = self.model.loss(**batch)
             (out.loss / cfg.grad_accum_steps).backward()
             total += out.ce_loss.item() / cfg.grad_accum_steps
+        if not math.isfinite(total):  # stop before the update spreads it into the weights
+            raise self._diverged(f"the training loss became {total}", self.step + 1)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
@@ -198,10 +377,15 @@ class Trainer:
 
     def fit(self, max_steps: int | None = None) -> TrainResult:
         """Train until max_steps (default: the config's), checkpointing along the way."""
+        with self.lock:  # taken again if an earlier fit() released it; released on any exit
+            return self._fit(max_steps)
+
+    def _fit(self, max_steps: int | None) -> TrainResult:
         cfg = self.cfg
         stop = min(max_steps or cfg.max_steps, cfg.max_steps)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "run_config.json").write_text(run_config_json(self.run) + "\n")
+        if not self.old_run:  # with --overwrite it is written beside the first new checkpoint
+            self._write_run_config()
         n_params = sum(p.numel() for p in self.model.parameters())
         print(
             f"model: {n_params / 1e6:.2f}M parameters | vocab {self.tokenizer.vocab_size} | "
@@ -212,25 +396,25 @@ class Trainer:
         val_loss = None
         t_start = time.perf_counter()
         tokens_per_s = 0.0
-        while self.step < stop:
-            loss = self.train_step()
-            elapsed = time.perf_counter() - t_start
-            tokens_per_s = self.tokens_seen / elapsed
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            last = self.step == stop
-            if self.step % cfg.eval_interval == 0 or last:
-                val_loss = evaluate(
-                    self.model, self.task, cfg.batch_size, cfg.eval_batches, cfg.dtype
-                )
-                bar.write(
-                    f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
-                    f"{self.task.baseline_name} {self.task.baseline_loss:.4f} | "
-                    f"{tokens_per_s:,.0f} tok/s"
-                )
-            if self.step % cfg.checkpoint_interval == 0 or last:
-                self.save()
-        bar.close()
+        with contextlib.closing(bar):
+            while self.step < stop:
+                loss = self.train_step()
+                elapsed = time.perf_counter() - t_start
+                tokens_per_s = self.tokens_seen / elapsed
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                last = self.step == stop
+                if self.step % cfg.eval_interval == 0 or last:
+                    val_loss = evaluate(
+                        self.model, self.task, cfg.batch_size, cfg.eval_batches, cfg.dtype
+                    )
+                    bar.write(
+                        f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
+                        f"{self.task.baseline_name} {self.task.baseline_loss:.4f} | "
+                        f"{tokens_per_s:,.0f} tok/s"
+                    )
+                if self.step % cfg.checkpoint_interval == 0 or last:
+                    self.save()
         return TrainResult(
             out_dir=self.out_dir,
             steps=self.step,
@@ -256,6 +440,8 @@ def _progress_bar(initial: int, total: int, enabled: bool):
     )
 
 
-def train(run: RunConfig, resume: bool = False, progress: bool = True) -> TrainResult:
+def train(
+    run: RunConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
+) -> TrainResult:
     """Train (or resume) the run described by `run` and return its losses."""
-    return Trainer(run, resume=resume, progress=progress).fit()
+    return Trainer(run, resume=resume, progress=progress, overwrite=overwrite).fit()

@@ -78,7 +78,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         mlm_head="BertForMaskedLM" in architectures,
         # num_labels is not saved; transformers derives it from id2label (default 2 labels)
         n_classes=n_labels if "BertForSequenceClassification" in architectures else 0,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
         pad_token_id=hf.get("pad_token_id"),
         init_std=hf.get("initializer_range", 0.02),
     )

@@ -75,7 +75,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         norm_bias=True,
         ffn=ACTIVATIONS[act],
         bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),

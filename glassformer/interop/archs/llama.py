@@ -31,9 +31,11 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # `rope_parameters`; rope_theta comes from that dict, else the top level, else the default.
     merged = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     default_theta = _DEFAULT_THETA.get(hf.get("model_type", ""), 10000.0)
-    theta = float(merged.get("rope_theta") or hf.get("rope_theta") or default_theta)
+    theta = _number("rope_theta", merged.get("rope_theta") or hf.get("rope_theta") or default_theta)
+    if theta <= 1:  # the frequencies theta**(-2i/D) must fall; YaRN divides by log(theta)
+        raise InteropError(f"rope_theta={theta!r} must be > 1 (RoPE's base, usually 10000 or more)")
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and _number("partial_rotary_factor", partial) != 1.0:
         raise InteropError(
             f"partial_rotary_factor={partial} is not supported: glassformer's RoPE rotates the "
             "whole head (as transformers' Llama-family models do)"
@@ -46,14 +48,15 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             f"rope type {kind!r} is not supported: supported are default, linear, dynamic, "
             "yarn, llama3"
         )
-    max_pos = int(hf.get("max_position_embeddings", 2048))
-    original = int(merged.get("original_max_position_embeddings") or max_pos)
+    max_pos = hf.get("max_position_embeddings", 2048)
+    original = merged.get("original_max_position_embeddings") or max_pos
+    original = _number("original_max_position_embeddings", original, integer=True)
     factor = merged.get("factor")
     if factor is None and kind == "yarn":
         factor = max_pos / original  # transformers' YaRN derives it likewise
     if factor is None:
         raise InteropError(f"rope type {kind!r} needs a 'factor' in rope_parameters")
-    out: dict[str, Any] = {"type": kind, "factor": float(factor)}
+    out: dict[str, Any] = {"type": kind, "factor": float(_number("factor", factor))}
     if kind == "dynamic":
         # transformers measures dynamic NTK against max_position_embeddings itself.
         out["original_max_seq_len"] = max_pos
@@ -66,6 +69,17 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if merged.get(key) is not None:
             out[key] = merged[key]
     return theta, out
+
+
+def _number(key: str, value: Any, integer: bool = False) -> float:
+    """A RoPE setting that must be a number (an integer), or an InteropError naming it."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        wanted = "an integer" if integer else "a number"
+        raise InteropError(
+            f"rope_parameters {key}={value!r} ({type(value).__name__}) must be {wanted}"
+        )
+    return value
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -96,7 +110,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     theta, scaling = rope_from_hf(hf)
     n_heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = hf.get("attention_bias", False)
     fields: dict[str, Any] = dict(
         family="gpt",
         vocab_size=hf["vocab_size"],
@@ -117,8 +131,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bias=False,
         qkv_bias=attention_bias or model_type == "qwen2",
         attn_out_bias=attention_bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        mlp_bias=hf.get("mlp_bias", False),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=_first(hf.get("bos_token_id")),
         eos_token_id=_first(hf.get("eos_token_id")),
     )
