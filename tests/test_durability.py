@@ -25,7 +25,6 @@ import pytest
 import safetensors.torch
 import torch
 
-from glassformer.data import shakespeare_plays
 from glassformer.train.checkpoint import load, resolve_checkpoint
 from glassformer.train.guards import read_resume_state
 
@@ -33,27 +32,6 @@ TRIALS = 20
 MAX_STEPS = 60  # each trial advances one or two steps; the rest is trained after the last kill
 KILL_WITHIN_S = 0.015  # about two saves of this model on a local disk
 TRIAL_TIMEOUT_S = 30.0
-TINY_TOML = """\
-[model]
-d_model = 16
-n_layers = 1
-n_heads = 2
-max_seq_len = 16
-
-[data]
-corpus = "{corpus}"
-
-[train]
-out_dir = "{out_dir}"
-max_steps = {max_steps}
-batch_size = 4
-warmup_steps = 2
-eval_interval = 1000
-eval_batches = 1
-checkpoint_interval = 1
-keep_checkpoints = 2
-threads = 1
-"""
 
 
 def start_training(config: Path, *flags: str) -> subprocess.Popen:
@@ -115,16 +93,12 @@ def final_state(run: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 @pytest.mark.slow
 def test_kill_9_while_saving_always_leaves_a_loadable_checkpoint_and_exact_resume(
-    tmp_path: Path,
+    tmp_path: Path, tiny_run_config
 ) -> None:
-    plays = shakespeare_plays("modern")
-    corpus = tmp_path / "hamlet.txt"
-    corpus.write_text(plays[next(k for k in plays if "hamlet" in k)][:20_000], encoding="utf-8")
-    configs = {}
-    for name in ("killed", "straight"):
-        configs[name] = tmp_path / f"{name}.toml"
-        text = TINY_TOML.format(corpus=corpus, out_dir=tmp_path / name, max_steps=MAX_STEPS)
-        configs[name].write_text(text)
+    configs = {
+        name: tiny_run_config(name, max_steps=MAX_STEPS, warmup_steps=2)
+        for name in ("killed", "straight")
+    }
     run = tmp_path / "killed"
     started = time.monotonic()
     procs = [start_training(configs["straight"])]  # the reference, on the other core

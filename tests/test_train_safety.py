@@ -21,7 +21,6 @@ import torch
 
 from glassformer import ModelConfig
 from glassformer.cli import main
-from glassformer.data import shakespeare_plays
 from glassformer.train.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -35,39 +34,12 @@ from glassformer.train.run_dir import RunLock
 from glassformer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TOML = """\
-[model]
-d_model = 16
-n_layers = 1
-n_heads = 2
-max_seq_len = 16
-
-[data]
-corpus = "{corpus}"
-
-[train]
-out_dir = "{out_dir}"
-max_steps = 4
-batch_size = 4
-warmup_steps = 1
-learning_rate = 3e-3
-eval_interval = 1000
-eval_batches = 1
-checkpoint_interval = 2
-keep_checkpoints = 2
-threads = 1
-"""
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Path:
+def config(tiny_run_config) -> Path:
     """A TOML config for a tiny model on 20,000 characters of Hamlet, out_dir tmp_path/run."""
-    plays = shakespeare_plays("modern")
-    corpus = tmp_path / "hamlet.txt"
-    corpus.write_text(plays[next(k for k in plays if "hamlet" in k)][:20_000], encoding="utf-8")
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_TOML.format(corpus=corpus, out_dir=tmp_path / "run"))
-    return path
+    return tiny_run_config(learning_rate=3e-3, checkpoint_interval=2)
 
 
 def train(config: Path, *flags: str, **values) -> int:
