@@ -164,46 +164,56 @@ class Engine:
         capacity = min(self.max_seq_len, prompt.shape[1] + max_new_tokens)
         cache = self._fresh_cache(capacity)
         stats.kv_cache_capacity_bytes = cache.nbytes
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            logits = self.model(prompt, cache=cache, last_token_only=True)[:, -1]  # (1, V)
-            token = sample(logits, params, generator)  # (1,)
+        # Inference mode is entered per step, never across a yield: a caller between two
+        # tokens must find torch in its own mode (an abandoned stream would leave it on).
+        t0 = time.perf_counter()
+        token = self._next_token(prompt, cache, params, generator)  # (1,)
+        token_id = int(token)
+        t_first = time.perf_counter()
+        stats.time_to_first_token_s = t_first - t0
+        stats.prefill_tokens_per_s = prompt.shape[1] / stats.time_to_first_token_s
+        stats.total_time_s = stats.time_to_first_token_s
+        stats.stop_reason = "max_new_tokens"
+        context = prompt[0].tolist()  # the tokens whose keys/values the cache holds
+        while True:
+            stats.generated_tokens += 1
+            stats.kv_cache_bytes = cache.filled_bytes
+            yield token_id
+            if eos_token_id is not None and token_id == eos_token_id:
+                stats.stop_reason = "eos"
+                break
+            if stats.generated_tokens >= max_new_tokens:
+                break
+            context.append(token_id)
+            if cache.length < cache.max_seq_len:
+                step_ids = token[:, None]  # (1, 1)
+            elif on_full_context == "shift":
+                # The window is full: keep its second half and prefill it again, so the
+                # model keeps seeing positions it was trained on (nanoGPT crops likewise).
+                del context[: len(context) - self.max_seq_len // 2]
+                cache.reset()
+                stats.context_shifts += 1
+                step_ids = torch.tensor([context], device=prompt.device)
+            else:
+                stats.stop_reason = "context_full"
+                break
+            token = self._next_token(step_ids, cache, params, generator)
             token_id = int(token)
-            t_first = time.perf_counter()
-            stats.time_to_first_token_s = t_first - t0
-            stats.prefill_tokens_per_s = prompt.shape[1] / stats.time_to_first_token_s
-            stats.total_time_s = stats.time_to_first_token_s
-            stats.stop_reason = "max_new_tokens"
-            context = prompt[0].tolist()  # the tokens whose keys/values the cache holds
-            while True:
-                stats.generated_tokens += 1
-                stats.kv_cache_bytes = cache.filled_bytes
-                yield token_id
-                if eos_token_id is not None and token_id == eos_token_id:
-                    stats.stop_reason = "eos"
-                    break
-                if stats.generated_tokens >= max_new_tokens:
-                    break
-                context.append(token_id)
-                if cache.length < cache.max_seq_len:
-                    logits = self.model(token[:, None], cache=cache, last_token_only=True)
-                elif on_full_context == "shift":
-                    # The window is full: keep its second half and prefill it again, so the
-                    # model keeps seeing positions it was trained on (nanoGPT crops likewise).
-                    del context[: len(context) - self.max_seq_len // 2]
-                    cache.reset()
-                    stats.context_shifts += 1
-                    window = torch.tensor([context], device=prompt.device)
-                    logits = self.model(window, cache=cache, last_token_only=True)
-                else:
-                    stats.stop_reason = "context_full"
-                    break
-                logits = logits[:, -1]  # (1, V)
-                token = sample(logits, params, generator)
-                token_id = int(token)
-                now = time.perf_counter()
-                stats.total_time_s = now - t0
-                stats.decode_tokens_per_s = stats.generated_tokens / (now - t_first)
+            now = time.perf_counter()
+            stats.total_time_s = now - t0
+            stats.decode_tokens_per_s = stats.generated_tokens / (now - t_first)
+
+    @torch.inference_mode()
+    def _next_token(
+        self,
+        ids: Tensor,
+        cache,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Tensor:
+        """Run `ids` (1, T) through the model into the cache and sample the next token (1,)."""
+        logits = self.model(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+        return sample(logits, params, generator)
 
     def generate(
         self,

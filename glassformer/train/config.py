@@ -13,10 +13,11 @@ from typing import Any
 
 from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice, check_field_types
 from glassformer.data.corpus import SPELLINGS
+from glassformer.devices import DEVICES
 
 CHUNKINGS = ("sliding", "truncate", "pack")
 TOKENIZERS = ("char", "bpe")
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range, and batch generators seed with seed + epoch
 
 
@@ -89,13 +90,17 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_interval: int = 10
     seed: int = 1337
-    dtype: str = "fp32"  # "bf16" trains under bf16 autocast with fp32 weights
+    # "bf16"/"fp16": autocast with fp32 weights ("bf16" runs as fp16 plus a gradient scaler on
+    # GPUs without bf16)
+    dtype: str = "fp32"
+    device: str = "auto"  # "auto" (cuda, then mps, then cpu), "cpu", "cuda" or "mps"
     threads: int | None = None  # torch threads; None keeps torch's default
     init_from: str | None = None  # start from these weights (a checkpoint), e.g. fine-tuning
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
         check_choice("train.dtype", self.dtype, DTYPES)
+        check_choice("train.device", self.device, DEVICES)
         _non_empty("train.out_dir", self.out_dir)
         _non_empty("train.init_from", self.init_from)
         counts = ("max_steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches")

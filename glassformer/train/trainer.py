@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.config import ConfigError
+from glassformer.devices import autocast, grad_scaler, half_dtype, resolve_device
 from glassformer.models import build_model
 from glassformer.tokenizers import load_tokenizer
 from glassformer.train.checkpoint import (
@@ -100,20 +101,25 @@ def learning_rate(step: int, cfg) -> float:
     return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
 
 
-def autocast(dtype: str):
-    if dtype == "bf16":
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, task: Task, batch_size: int, n_batches: int, dtype: str) -> float:
-    """Mean loss over the task's fixed validation batches."""
+def evaluate(
+    model: nn.Module,
+    task: Task,
+    batch_size: int,
+    n_batches: int,
+    half: torch.dtype | None = None,
+) -> float:
+    """Mean loss over the task's fixed validation batches, on the model's device."""
     model.eval()
+    device = next(model.parameters()).device
     losses = []
     for batch in task.val_batches(batch_size, n_batches):
-        with autocast(dtype):
-            losses.append(model.loss(**batch).ce_loss.item())
+        with autocast(device, half):
+            losses.append(model.loss(**to_device(batch, device)).ce_loss.item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -193,7 +199,10 @@ class Trainer:
         self.model_cfg = self.task.model_config(run)
         check_training_memory(self.model_cfg, self.cfg, activations=True)
 
-        self.model = build_model(self.model_cfg)
+        self.device = resolve_device(self.cfg.device)
+        self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
+        self.scaler = grad_scaler(self.device, self.half)
+        self.model = build_model(self.model_cfg).to(self.device)
         self.optimizer = make_optimizer(self.model, self.cfg)
         self.step = 0
         self.tokens_seen = 0  # in this process (for tokens/s)
@@ -361,15 +370,22 @@ class Trainer:
             micro_step = self.step * cfg.grad_accum_steps + micro
             batch = self.task.train_batch(micro_step, cfg.batch_size, cfg.seed)
             self.tokens_seen += self.task.tokens_in(batch)
-            with autocast(cfg.dtype):
-                out = self.model.loss(**batch)
-            (out.loss / cfg.grad_accum_steps).backward()
+            with autocast(self.device, self.half):
+                out = self.model.loss(**to_device(batch, self.device))
+            loss = out.loss / cfg.grad_accum_steps
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += out.ce_loss.item() / cfg.grad_accum_steps
         if not math.isfinite(total):  # stop before the update spreads it into the weights
             raise self._diverged(f"the training loss became {total}", self.step + 1)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skips the step if fp16 gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.train_losses.append(total)
@@ -398,7 +414,7 @@ class Trainer:
         tokens_per_s = 0.0
         with contextlib.closing(bar):
             while self.step < stop:
-                loss = self.train_step()
+                loss = self.train_step()  # .item() inside waits for the device's work
                 elapsed = time.perf_counter() - t_start
                 tokens_per_s = self.tokens_seen / elapsed
                 bar.update(1)
@@ -406,7 +422,7 @@ class Trainer:
                 last = self.step == stop
                 if self.step % cfg.eval_interval == 0 or last:
                     val_loss = evaluate(
-                        self.model, self.task, cfg.batch_size, cfg.eval_batches, cfg.dtype
+                        self.model, self.task, cfg.batch_size, cfg.eval_batches, self.half
                     )
                     bar.write(
                         f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
