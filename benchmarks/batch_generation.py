@@ -26,9 +26,8 @@ import torch
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import optimize_for_decode
+from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.pretrained import from_pretrained
-
-NO_EOS = -1  # an id the sampler never returns: every row generates all its new tokens
 
 
 def shakespeare_prompts(tokenizer, n_prompts: int, tokens: int) -> list[list[int]]:

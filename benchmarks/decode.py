@@ -42,12 +42,12 @@ from glassformer.config import ModelConfig
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import optimize_for_decode
+from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 
 PRECISIONS = ("fp32", "bf16", "int8")
-NO_EOS = -1  # an id no model produces: generation runs to --new-tokens
 
 
 # --- the machine's limit ------------------------------------------------------------------------

@@ -282,7 +282,7 @@ def engine():
         ({"max_new_tokens": 2.5}, "max_new_tokens=2.5"),
         ({"max_new_tokens": True}, "max_new_tokens=True"),
         ({"eos_token_id": 32}, "eos_token_id=32 is outside the vocabulary"),
-        ({"eos_token_id": -1}, "eos_token_id=-1"),
+        ({"eos_token_id": -2}, "eos_token_id=-2"),
         ({"seed": 2**64}, "seed=18446744073709551616"),
         ({"seed": "1"}, "seed='1'"),
     ],

@@ -72,9 +72,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(seed)
 
 
+NO_EOS = -1  # eos_token_id=NO_EOS: generate all max_new_tokens, whatever the model samples
+
+
 def resolve_eos(eos_token_id: int | None, cfg) -> int | None:
-    """The end-of-sequence id to stop at (default: the model config's), checked against the
-    vocabulary: an id the model can never produce would silently never stop anything."""
+    """The end-of-sequence id to stop at (default: the model config's; NO_EOS: none), checked
+    against the vocabulary: an id the model can never produce would silently stop nothing."""
+    if eos_token_id == NO_EOS:
+        return None
     if eos_token_id is None:
         # A config's own id outside its vocabulary (tiny test models keep GPT-2's 50256) can
         # never be sampled, so it stops nothing: the same as no end token.
@@ -83,7 +88,7 @@ def resolve_eos(eos_token_id: int | None, cfg) -> int | None:
     if not _whole(eos_token_id) or not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(
             f"eos_token_id={eos_token_id!r} is outside the vocabulary: use an id in "
-            f"0..{cfg.vocab_size - 1}, or None for no end token"
+            f"0..{cfg.vocab_size - 1}, None for the model's own, or NO_EOS (-1) for none"
         )
     return eos_token_id
 

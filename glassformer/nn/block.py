@@ -30,14 +30,6 @@ class Block(nn.Module):
         self.ffn = make_ffn(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x: Tensor, norm: nn.Module, sublayer) -> Tensor:
-        # residual=False is the ablation of §5.2: f(norm(x)) or norm(f(x)), no "x +"
-        if self.pre_norm:
-            out = self.dropout(sublayer(norm(x)))
-            return x + out if self.residual else out
-        out = self.dropout(sublayer(x))
-        return norm(x + out if self.residual else out)
-
     def forward(
         self,
         x: Tensor,
@@ -48,13 +40,22 @@ class Block(nn.Module):
         context_mask: AttentionMask | None = None,
         cross_cache: CrossAttentionCache | None = None,
     ) -> Tensor:
-        x = self._residual(x, self.attn_norm, lambda h: self.attn(h, mask, rope, cache))
-        if self.cross_attn is not None:
-            x = self._residual(
-                x,
-                self.cross_norm,
-                lambda h: self.cross_attn(
-                    h, context_mask or AttentionMask(), cache=cross_cache, context=context
-                ),
-            )
-        return self._residual(x, self.ffn_norm, self.ffn)
+        cross = self.cross_attn
+        context_mask = context_mask or AttentionMask()
+        if self.pre_norm:  # x + f(norm(x)): the stream itself is never normalized
+            x = self._add(x, self.attn(self.attn_norm(x), mask, rope, cache))
+            if cross is not None:
+                h = self.cross_norm(x)
+                x = self._add(x, cross(h, context_mask, cache=cross_cache, context=context))
+            return self._add(x, self.ffn(self.ffn_norm(x)))
+        # post-norm, the 2017 paper: norm(x + f(x))
+        x = self.attn_norm(self._add(x, self.attn(x, mask, rope, cache)))
+        if cross is not None:
+            h = cross(x, context_mask, cache=cross_cache, context=context)
+            x = self.cross_norm(self._add(x, h))
+        return self.ffn_norm(self._add(x, self.ffn(x)))
+
+    def _add(self, x: Tensor, out: Tensor) -> Tensor:
+        """The residual connection of §5.2, x + f(...); residual=False is its ablation."""
+        out = self.dropout(out)
+        return x + out if self.residual else out
