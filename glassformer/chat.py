@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from glassformer.cli.stats import format_reply_stats
 from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.engine import Engine, GenerationStats
 from glassformer.tokenizers import PretrainedTokenizer
@@ -124,15 +125,6 @@ class ChatSession:
         return Reply(reply, token_ids, stream.stats, stop_reason)
 
 
-def format_reply_stats(reply: Reply) -> str:
-    stats = reply.stats
-    return (
-        f"[{len(reply.token_ids)} tokens | time to first token "
-        f"{stats.time_to_first_token_s * 1e3:.0f} ms | {stats.decode_tokens_per_s:.1f} tok/s | "
-        f"prompt {stats.prompt_tokens} tokens | stop: {reply.stop_reason}]"
-    )
-
-
 def run_chat(session: ChatSession, read: Callable[[str], str] = input) -> None:
     """The read-reply loop: /reset clears the history, /exit or end of input quits, Ctrl-C
     stops a reply (and at the prompt only says how to quit)."""
@@ -170,7 +162,8 @@ def run_chat(session: ChatSession, read: Callable[[str], str] = input) -> None:
         if reply.stop_reason == "interrupted":
             _write(" [stopped]")
         _write("\n")
-        print(format_reply_stats(reply), file=sys.stderr, flush=True)
+        stats = format_reply_stats(reply.stats, len(reply.token_ids), reply.stop_reason)
+        print(stats, file=sys.stderr, flush=True)
 
 
 def _write(text: str) -> None:

@@ -255,10 +255,6 @@ class ModelConfig:
         """Decoders look only backwards; BERT-style encoders see both directions."""
         return self.family in ("gpt", "rnn")
 
-    @property
-    def n_query_groups(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
     # --- serialization -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

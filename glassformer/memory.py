@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from glassformer.calc import _binary, _norm_size, parameter_rows
+from glassformer.calc import format_bytes, norm_size, parameter_rows
 from glassformer.config import ConfigError, ModelConfig
 
 
@@ -20,7 +20,7 @@ def estimated_parameters(cfg: ModelConfig) -> int:
         gates = {"rnn": 1, "gru": 3, "lstm": 4}[cfg.cell]
         per_layer = gates * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model)  # W_x, W_h, biases
         head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-        final_norm = _norm_size(cfg) if cfg.norm_position == "pre" else 0
+        final_norm = norm_size(cfg) if cfg.norm_position == "pre" else 0
         return cfg.vocab_size * cfg.d_model + cfg.n_layers * per_layer + final_norm + head
     return sum(row.count for row in parameter_rows(cfg))
 
@@ -59,10 +59,10 @@ def check_fits_in_memory(
     need = (params + estimated_buffer_numbers(cfg)) * bytes_per_param + extra_bytes
     available = available_memory_bytes()
     if available is not None and need > available:
-        extra = f" + {_binary(extra_bytes)} more" if extra_bytes else ""
+        extra = f" + {format_bytes(extra_bytes)} more" if extra_bytes else ""
         raise ConfigError(
-            f"{what} needs about {_binary(need)} ({params:,} parameters x {bytes_per_param} "
-            f"bytes{extra}) but {_binary(available)} of memory is available: "
+            f"{what} needs about {format_bytes(need)} ({params:,} parameters x {bytes_per_param} "
+            f"bytes{extra}) but {format_bytes(available)} of memory is available: "
             f"{fix or 'use a smaller config (n_layers, d_model, vocab_size)'}"
         )
     return params

@@ -1,4 +1,4 @@
-"""The calculators (glassformer/calc.py; seed 000 §2.1, §2.5.3; seed 002's KV-cache bill) against
+"""The calculators (glassformer/calc/; seed 000 §2.1, §2.5.3; seed 002's KV-cache bill) against
 models actually built: glassformer's own, transformers' on the meta device, a filled KV cache,
 torch's FLOP counter, and the published totals."""
 
@@ -15,8 +15,8 @@ from glassformer import cli
 from glassformer.calc import (
     COUNT_ONLY_PRESETS,
     flops_per_token,
+    kv_bytes_per_token,
     kv_cache_bytes,
-    kv_cache_bytes_per_token,
     parameter_counts,
     parameter_rows,
     parameter_table,
@@ -209,7 +209,7 @@ def test_kv_cache_bytes_equal_a_filled_cache(kind):
         model(torch.randint(0, 97, (2, 9)), cache=cache)  # prefill 9 tokens
         model(torch.randint(0, 97, (2, 1)), cache=cache)  # and one decode step
     assert cache.filled_bytes == kv_cache_bytes(cfg, 10, "fp32", batch_size=2)
-    assert kv_cache_bytes_per_token(cfg, "fp32") * 10 * 2 >= cache.filled_bytes
+    assert kv_bytes_per_token(cfg, "fp32") * 10 * 2 >= cache.filled_bytes
 
 
 def test_deepseek_caches_the_mla_latent():

@@ -10,6 +10,7 @@ import pytest
 
 from glassformer.cli import main
 from glassformer.data import shakespeare_plays
+from glassformer.interop.pretrained import from_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,8 +65,20 @@ def test_greedy_generation_is_deterministic(trained, capsys):
 def test_info_prints_the_parameter_table(trained, capsys):
     assert main(["info", "--model", str(trained)]) == 0
     out = capsys.readouterr().out
-    assert "parameters by component" in out and "attention" in out and "total" in out
+    model, _ = from_pretrained(trained)
+    total = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    assert f"{trained}: {total:,} parameters" in out
+    assert "component" in out and "per layer" in out and "attention" in out
+    assert any(line.split()[:2] == ["total", f"{total:,}"] for line in out.splitlines())
     assert "bytes/token" in out
+
+
+def test_info_and_calc_params_print_one_parameter_table(trained, capsys):
+    assert main(["calc", "params", "--model", str(trained)]) == 0
+    table = capsys.readouterr().out
+    assert main(["info", "--model", str(trained)]) == 0
+    info = capsys.readouterr().out
+    assert info.startswith(table) and "KV cache per token" in info[len(table) :]
 
 
 def test_missing_checkpoint_is_one_clear_line(tmp_path, capsys):

@@ -59,7 +59,7 @@ def test_greedy_decode_past_the_window_equals_recompute(window, n_kv_heads, back
             assert int(next_id) == int(reference.argmax()), f"step {step}"
             ids = torch.cat([ids, next_id], dim=1)
             logits = model(next_id, cache=cache)[:, -1]
-    assert cache.length == 48 and cache.nbytes == cache.bytes_per_token * window
+    assert cache.length == 48 and cache.nbytes == cache.kv_bytes_per_token * window
 
 
 def test_one_layer_decode_equals_attending_to_the_last_window_only() -> None:
@@ -88,7 +88,7 @@ def test_prefill_longer_than_the_window_then_decode() -> None:
     with torch.no_grad():
         prefill = model(ids[:, :17], cache=cache)  # 17 > W = 5: the sliding mask over the prompt
         torch.testing.assert_close(prefill, model(ids[:, :17]), atol=ATOL, rtol=0)
-        assert cache.filled_bytes == cache.bytes_per_token * 5 * 2
+        assert cache.filled_bytes == cache.kv_bytes_per_token * 5 * 2
         for t in range(17, 30):
             step = model(ids[:, t : t + 1], cache=cache)[:, -1]
             torch.testing.assert_close(
@@ -193,7 +193,7 @@ def test_memory_stays_at_the_window_whatever_the_length() -> None:
     cfg = model.cfg
     cache = model.new_cache(3, max_seq_len=64)
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # k and v, fp32
-    assert cache.bytes_per_token == per_token
+    assert cache.kv_bytes_per_token == per_token
     assert cache.nbytes == per_token * 6 * 3  # W positions for each of 3 rows, not 64
     assert model.new_cache(3, kind="full").nbytes == per_token * 64 * 3
     filled = []
@@ -248,7 +248,7 @@ def test_engine_generates_with_the_ring_and_reports_bounded_cache_bytes() -> Non
         for _ in range(40):
             ids = torch.cat([ids, _recompute_last(model, ids).argmax(-1, keepdim=True)], dim=1)
     assert result.token_ids == ids[0, len(prompt) :].tolist()
-    per_token = model.new_cache(1).bytes_per_token
+    per_token = model.new_cache(1).kv_bytes_per_token
     assert result.stats.kv_cache_bytes == per_token * 6
     assert result.stats.kv_cache_capacity_bytes == per_token * 6
 

@@ -22,7 +22,7 @@ from glassformer.infer.sampling import (
     resolve_eos,
     sample,
 )
-from glassformer.models.gpt import check_token_ids
+from glassformer.models.common import check_token_ids
 
 
 @dataclass

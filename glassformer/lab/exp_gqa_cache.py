@@ -32,7 +32,7 @@ def filled_cache_bytes(cfg: ModelConfig, n_tokens: int, seed: int) -> tuple[int,
     model = build_model(cfg).eval()
     cache = model.new_cache(batch_size=1, max_seq_len=n_tokens)
     model(torch.randint(0, cfg.vocab_size, (1, n_tokens)), cache=cache, last_token_only=True)
-    return cache.filled_bytes, cache.bytes_per_token
+    return cache.filled_bytes, cache.kv_bytes_per_token
 
 
 @register(

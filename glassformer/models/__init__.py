@@ -6,7 +6,8 @@ from torch import nn
 
 from glassformer.config import ConfigError, ModelConfig
 from glassformer.models.bert import BERT
-from glassformer.models.gpt import GPT, LossOutput
+from glassformer.models.common import LossOutput
+from glassformer.models.gpt import GPT
 from glassformer.models.rnn import RNNLM
 from glassformer.models.seq2seq import Seq2Seq
 

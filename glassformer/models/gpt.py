@@ -9,26 +9,19 @@ The same class is GPT-2, Llama, Mistral or Qwen2 depending on the config's compo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
+from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.attention import AttentionMask, model_mask, positions_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
 from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
 from glassformer.nn.norm import make_norm
 from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
-
-
-@dataclass
-class LossOutput:
-    loss: Tensor  # what to backpropagate: cross-entropy + aux_loss_coef * aux_loss
-    ce_loss: Tensor  # next-token cross-entropy averaged over target positions
-    aux_loss: Tensor  # MoE load-balancing loss summed over layers (0 for dense models)
 
 
 class GPT(nn.Module):
@@ -224,28 +217,3 @@ class GPT(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.tok_emb.weight.device
-
-
-def init_weights(module: nn.Module, std: float) -> None:
-    """N(0, std) for matrices and embedding tables, zeros for biases (GPT-2 / BERT init)."""
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, 0.0, std)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding) or (
-        isinstance(module, AbsolutePositions) and module.kind == "learned"
-    ):
-        nn.init.normal_(module.weight, 0.0, std)
-
-
-def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
-    """A clear error for ids the embedding table does not have (instead of an index error)."""
-    if input_ids.numel() == 0:
-        raise ValueError("input_ids is empty: give at least one token")
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = high if high >= vocab_size else low
-        raise ValueError(
-            f"token id {bad} is outside the vocabulary [0, {vocab_size}): encode the text with "
-            "the tokenizer saved with this model"
-        )

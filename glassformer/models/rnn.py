@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.models.gpt import LossOutput, check_token_ids, init_weights
+from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.norm import make_norm
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.models.gpt import LossOutput, check_token_ids, init_weights
+from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.attention import AttentionMask, model_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss

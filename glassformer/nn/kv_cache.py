@@ -47,14 +47,15 @@ class _SlotCache:
         return self.k.nbytes + self.v.nbytes
 
     @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes."""
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes, the
+        number calc.kv_bytes_per_token(cfg, dtype) computes without a cache."""
         return self.nbytes // self.k.shape[3] // self.k.shape[1]
 
     @property
     def filled_bytes(self) -> int:
         """Bytes of keys/values held: at most one position per slot."""
-        return self.bytes_per_token * min(self.length, self.k.shape[3]) * self.k.shape[1]
+        return self.kv_bytes_per_token * min(self.length, self.k.shape[3]) * self.k.shape[1]
 
 
 class KVCache(_SlotCache):

@@ -88,7 +88,6 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_interval: int = 500
     keep_checkpoints: int = 2
-    log_interval: int = 10
     seed: int = 1337
     # "bf16"/"fp16": autocast with fp32 weights ("bf16" runs as fp16 plus a gradient scaler on
     # GPUs without bf16)
@@ -104,7 +103,7 @@ class TrainConfig:
         _non_empty("train.out_dir", self.out_dir)
         _non_empty("train.init_from", self.init_from)
         counts = ("max_steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches")
-        counts += ("checkpoint_interval", "keep_checkpoints", "log_interval", "threads")
+        counts += ("checkpoint_interval", "keep_checkpoints", "threads")
         _at_least("train", self, counts, 1, _TRAIN_HINTS)
         _at_least("train", self, ("warmup_steps", "weight_decay", "min_lr", "grad_clip"), 0, {})
         if not self.learning_rate > 0:
@@ -167,7 +166,17 @@ class RunConfig:
         )
 
 
+# Keys that older runs wrote into run_config.json and train_state.json but nothing reads any
+# more: dropped when read, so those runs still resume, evaluate and translate.
+# Keys older versions wrote into run_config.json: read past with a note, so old runs still load.
+RETIRED_KEYS = {"train": frozenset({"log_interval"})}
+
+
 def _build(cls: type, values: dict[str, Any], section: str):
+    retired = sorted(RETIRED_KEYS.get(section, frozenset()) & set(values))
+    if retired:
+        print(f"note: [{section}] {', '.join(retired)} is no longer used; ignoring it")
+        values = {key: value for key, value in values.items() if key not in retired}
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -317,7 +317,6 @@ class Trainer:
             "train_losses": self.train_losses,
             "optimizer": optim_meta,
             "run_config": self.run.to_dict(),
-            "data_position": {"seed": self.cfg.seed, "next_step": self.step},
         }
         tensors = {**optim_tensors, **rng_state_tensors()}
         previous = newest_checkpoint(self.out_dir)

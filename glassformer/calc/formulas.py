@@ -1,6 +1,6 @@
-"""Calculators: the parameter table of seed 000 §2.1 (with MoE's total vs active, §2.5.3), the
-KV-cache memory of seed 002 ("about 0.5 MB per token for a 7B fp16 model") and the FLOPs of a
-forward pass, whose attention part grows with the context (seed 002's O(n²)).
+"""The formulas behind the calculators: the parameter table of seed 000 §2.1 (with MoE's total vs
+active, §2.5.3), the KV-cache bytes of seed 002 ("about 0.5 MB per token for a 7B fp16 model")
+and the FLOPs of a forward pass, whose attention part grows with the context (seed 002's O(n²)).
 
 Everything is computed from a config, never from weights: `parameter_counts` builds the model on
 torch's meta device (shapes without storage: exact at any size, instantly) and `parameter_rows`
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glassformer.config import PRESETS, ConfigError, ModelConfig
+from glassformer.config import ModelConfig
+from glassformer.models import build_model
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
@@ -58,19 +59,6 @@ def parameter_table(model: nn.Module) -> dict[str, int]:
     return dict(counts)
 
 
-def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "fp16") -> int:
-    """Keys and values of one position in every layer: 2 * n_layers * n_kv_heads * head_dim
-    numbers. For Llama-7B in fp16: 2 * 32 * 32 * 128 * 2 B = 0.5 MiB (seed 002)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _dtype_bytes(dtype)
-
-
-def rnn_state_bytes(cfg: ModelConfig, dtype: str = "fp32") -> int:
-    """An RNN's whole generation "cache": one hidden vector per layer (two for an LSTM: h and
-    c), the same at any context length (seed 000 §2.5.1: memory as lossy compression)."""
-    per_layer = 2 if cfg.cell == "lstm" else 1
-    return cfg.n_layers * per_layer * cfg.d_model * _dtype_bytes(dtype)
-
-
 # --- an architecture glassformer counts but does not build ------------------------------------
 
 
@@ -103,32 +91,7 @@ class MLAMoEConfig:
     family: str = "gpt"  # a decoder: everything below treats it as one
 
 
-DEEPSEEK_V3 = MLAMoEConfig(
-    name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
-    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
-    v_head_dim=128, d_ff=18432, moe_d_ff=2048, n_routed_experts=256, n_shared_experts=1,
-    n_experts_per_token=8, n_dense_layers=3, max_seq_len=163840,
-    published="671B total, 37B activated per token (DeepSeek-V3 technical report)",
-)  # fmt: skip
-
-# Presets glassformer cannot build (ModelConfig has no MLA): counted with the formulas below.
-COUNT_ONLY_PRESETS: dict[str, MLAMoEConfig] = {"deepseek-v3": DEEPSEEK_V3}
-
 AnyConfig = ModelConfig | MLAMoEConfig
-
-
-def preset_names() -> list[str]:
-    """Every name `calc` knows: ModelConfig presets (buildable) and count-only ones."""
-    return sorted([*PRESETS, *COUNT_ONLY_PRESETS])
-
-
-def resolve_preset(name: str) -> AnyConfig:
-    """A ModelConfig preset, or a count-only architecture such as deepseek-v3."""
-    if name in COUNT_ONLY_PRESETS:
-        return COUNT_ONLY_PRESETS[name]
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}: pick one of {', '.join(preset_names())}")
-    return ModelConfig.preset(name)
 
 
 # --- the table of a config, in closed form ----------------------------------------------------
@@ -165,7 +128,7 @@ def _times(n: int, shape: str) -> str:
     return shape if n == 1 else f"{n} x {shape}"
 
 
-def _norm_size(cfg: ModelConfig) -> int:
+def norm_size(cfg: ModelConfig) -> int:
     # LayerNorm: gain gamma and shift beta; RMSNorm (and a bias-free LayerNorm): gamma only
     return cfg.d_model * (2 if cfg.norm == "layer" and cfg.norm_bias else 1)
 
@@ -173,7 +136,7 @@ def _norm_size(cfg: ModelConfig) -> int:
 def _norm_shape(cfg: ModelConfig, n: int = 1) -> str:
     """ "2 x ([768] + [768])": n norms, each a gain (and a shift)."""
     one = _m(cfg.d_model)
-    one = f"({one} + {one})" if _norm_size(cfg) == 2 * cfg.d_model else one
+    one = f"({one} + {one})" if norm_size(cfg) == 2 * cfg.d_model else one
     return one if n == 1 else f"{n} x {one}"
 
 
@@ -243,7 +206,7 @@ def _block_rows(cfg: ModelConfig, layers: int, cross: bool, prefix: str = "") ->
         Row(
             f"{prefix}{_norm_name(cfg)}",
             _norm_shape(cfg, n_norms),
-            layers * n_norms * _norm_size(cfg),
+            layers * n_norms * norm_size(cfg),
             "norms",
             layers,
         )
@@ -278,7 +241,7 @@ def _output_row(cfg: ModelConfig) -> Row:
 def _final_norm_rows(cfg: ModelConfig, n: int, what: str = "Final norm") -> list[Row]:
     if cfg.norm_position != "pre":  # post-norm stacks end normalized
         return []
-    return [Row(what, _norm_shape(cfg, n), n * _norm_size(cfg), "norms")]
+    return [Row(what, _norm_shape(cfg, n), n * norm_size(cfg), "norms")]
 
 
 def _bert_rows(cfg: ModelConfig) -> list[Row]:
@@ -288,7 +251,7 @@ def _bert_rows(cfg: ModelConfig) -> list[Row]:
         rows.append(Row("Token types (segment A/B)", _m(cfg.type_vocab_size, d),
                         cfg.type_vocab_size * d, "other"))  # fmt: skip
     if cfg.embedding_norm:
-        rows.append(Row("Embedding norm", _norm_shape(cfg), _norm_size(cfg), "norms"))
+        rows.append(Row("Embedding norm", _norm_shape(cfg), norm_size(cfg), "norms"))
     rows += _block_rows(cfg, cfg.n_layers, cross=False)
     rows += _final_norm_rows(cfg, 1)
     # The pooler and task heads read one vector per sequence: no per-token matmul.
@@ -296,7 +259,7 @@ def _bert_rows(cfg: ModelConfig) -> list[Row]:
         rows.append(Row("Pooler tanh(W h_[CLS] + b)", _m(d, d), d * d + d, "other"))
     if cfg.mlm_head:
         rows.append(Row("Masked-LM head dense + bias", _m(d, d), d * d + d, "other", matmul=d * d))
-        rows.append(Row("Masked-LM head norm", _norm_shape(cfg), _norm_size(cfg), "norms"))
+        rows.append(Row("Masked-LM head norm", _norm_shape(cfg), norm_size(cfg), "norms"))
         decoder = 0 if cfg.tie_embeddings else V * d
         tied = " bias (weight tied)" if cfg.tie_embeddings else " + bias"
         rows.append(Row(f"Masked-LM decoder{tied}", _m(d, V), decoder + V, "other",
@@ -313,7 +276,7 @@ def _seq2seq_rows(cfg: ModelConfig) -> list[Row]:
     n_enc = cfg.n_encoder_layers or cfg.n_layers
     rows = _embedding_rows(cfg, n_tables=2)  # the encoder and the decoder have their own
     if cfg.embedding_norm:
-        rows.append(Row("Embedding norms", _norm_shape(cfg, 2), 2 * _norm_size(cfg),
+        rows.append(Row("Embedding norms", _norm_shape(cfg, 2), 2 * norm_size(cfg),
                         "norms"))  # fmt: skip
     rows += _block_rows(cfg, n_enc, cross=False, prefix="Encoder ")
     rows += _block_rows(cfg, cfg.n_layers, cross=True, prefix="Decoder ")
@@ -393,8 +356,6 @@ def parameter_rows(cfg: AnyConfig) -> list[Row]:
 
 
 def _meta_model(cfg: ModelConfig) -> nn.Module:
-    from glassformer.models import build_model  # calc sits beside config: import models lazily
-
     with torch.device("meta"):  # parameters get shapes but no storage: a 70B model in ~0.2 s
         return build_model(cfg)
 
@@ -433,25 +394,34 @@ def _mla_cache_numbers(cfg: MLAMoEConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: AnyConfig, dtype: str = "fp16") -> int:
-    """What one more position costs in the cache: 2 x layers x kv_heads x head_dim numbers
-    (MLA: layers x (kv latent + rope key)). For a seq2seq model: its decoder's self-attention."""
+    """Keys and values of one position in every layer, the one count of "KV bytes per token"
+    (a cache's `kv_bytes_per_token` matches it): 2 x n_layers x n_kv_heads x head_dim numbers.
+    For Llama-7B in fp16: 2 * 32 * 32 * 128 * 2 B = 0.5 MiB (seed 002). MLA: layers x (kv latent
+    + rope key). A seq2seq model: its decoder's self-attention. An encoder (bert) has keys and
+    values per position too, but caches none: kv_cache_bytes refuses it."""
     if isinstance(cfg, MLAMoEConfig):
         return _mla_cache_numbers(cfg) * _dtype_bytes(dtype)
-    _check_has_kv_cache(cfg)
-    return kv_cache_bytes_per_token(cfg, dtype)
+    if cfg.family == "rnn":
+        raise ValueError(_RNN_HAS_NO_KV)
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _dtype_bytes(dtype)
 
 
-def _check_has_kv_cache(cfg: ModelConfig) -> None:
+_RNN_HAS_NO_KV = (
+    "family='rnn' keeps one hidden state, not a KV cache: rnn_state_bytes(cfg, dtype) "
+    "is its size at any length (seed 000 §2.5.1)"
+)
+
+
+def _check_has_kv_cache(cfg: AnyConfig) -> None:
+    if isinstance(cfg, MLAMoEConfig):
+        return
     if cfg.family == "bert":
         raise ValueError(
             "family='bert' is an encoder: it reads the whole input at once and caches nothing "
             "(seed 000 §6.3); pick a decoder (gpt-style or seq2seq) preset"
         )
     if cfg.family == "rnn":
-        raise ValueError(
-            "family='rnn' keeps one hidden state, not a KV cache: rnn_state_bytes(cfg, dtype) "
-            "is its size at any length (seed 000 §2.5.1)"
-        )
+        raise ValueError(_RNN_HAS_NO_KV)
 
 
 def kv_cache_bytes(cfg: AnyConfig, tokens: int, dtype: str = "fp16", batch_size: int = 1) -> int:
@@ -461,6 +431,7 @@ def kv_cache_bytes(cfg: AnyConfig, tokens: int, dtype: str = "fp16", batch_size:
     Equals `filled_bytes` of the cache model.new_cache() makes (tests hold it)."""
     if tokens < 0 or batch_size < 1:
         raise ValueError(f"tokens={tokens}, batch_size={batch_size}: need tokens >= 0, batch >= 1")
+    _check_has_kv_cache(cfg)
     kept = tokens
     window = getattr(cfg, "sliding_window", None)
     if window is not None:
@@ -468,10 +439,17 @@ def kv_cache_bytes(cfg: AnyConfig, tokens: int, dtype: str = "fp16", batch_size:
     return kv_bytes_per_token(cfg, dtype) * kept * batch_size
 
 
+def rnn_state_bytes(cfg: ModelConfig, dtype: str = "fp32") -> int:
+    """An RNN's whole generation "cache": one hidden vector per layer (two for an LSTM: h and
+    c), the same at any context length (seed 000 §2.5.1: memory as lossy compression)."""
+    per_layer = 2 if cfg.cell == "lstm" else 1
+    return cfg.n_layers * per_layer * cfg.d_model * _dtype_bytes(dtype)
+
+
 # --- FLOPs ------------------------------------------------------------------------------------
 
 
-def _attention_width(cfg: AnyConfig) -> tuple[int, int, int]:
+def attention_width(cfg: AnyConfig) -> tuple[int, int, int]:
     """(attention layers, q.k width and v width summed over the query heads). GQA/MQA share
     keys among heads but every query head still scores every key: n_heads x head_dim."""
     if isinstance(cfg, MLAMoEConfig):
@@ -502,7 +480,7 @@ def flops_per_token(cfg: AnyConfig, context: int) -> dict[str, int]:
     weights = sum(row.matmul for row in parameter_rows(cfg))
     window = getattr(cfg, "sliding_window", None)
     seen = min(context, window) if window is not None else context
-    layers, qk, v = _attention_width(cfg)
+    layers, qk, v = attention_width(cfg)
     matmul = 2 * weights
     attention = 2 * layers * seen * (qk + v)  # = 2 x 2 x layers x context x d_attn (qk = v)
     forward = matmul + attention
@@ -513,254 +491,3 @@ def flops_per_token(cfg: AnyConfig, context: int) -> dict[str, int]:
         "forward": forward,
         "training": 3 * forward,
     }
-
-
-# --- printed tables (the `glassformer calc` subcommands) --------------------------------------
-
-
-def _binary(n_bytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= size:
-            return f"{n_bytes / size:.2f} {unit}"
-    return f"{n_bytes:.0f} B"
-
-
-def _decimal(n_bytes: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= size:
-            return f"{n_bytes / size:.1f} {unit}"
-    return f"{n_bytes:.0f} B"
-
-
-def _billions(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def _flop(n: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} FLOP"
-
-
-def describe(cfg: AnyConfig) -> str:
-    """One line of sizes: layers, widths, heads, vocabulary."""
-    if isinstance(cfg, MLAMoEConfig):
-        return (
-            f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense) | d_model {cfg.d_model} | "
-            f"{cfg.n_heads} heads, MLA (q latent {cfg.q_lora_rank}, kv latent "
-            f"{cfg.kv_lora_rank}) | {cfg.n_shared_experts} shared + {cfg.n_routed_experts} "
-            f"routed experts, top-{cfg.n_experts_per_token} | vocab {cfg.vocab_size}"
-        )
-    layers = f"{cfg.n_layers} layers"
-    if cfg.family == "seq2seq":
-        layers = f"{cfg.n_encoder_layers or cfg.n_layers} encoder + {cfg.n_layers} decoder layers"
-    if cfg.family == "rnn":
-        return f"{layers} | {cfg.cell} | hidden {cfg.d_model} | vocab {cfg.vocab_size}"
-    moe = f" | {cfg.n_experts} experts, top-{cfg.n_experts_per_token}" if cfg.ffn == "moe" else ""
-    return (
-        f"{layers} | d_model {cfg.d_model} | {cfg.n_heads} heads ({cfg.n_kv_heads} kv heads, "
-        f"head_dim {cfg.head_dim}) | d_ff {cfg.d_ff}{moe} | vocab {cfg.vocab_size} | "
-        f"context {cfg.max_seq_len}"
-    )
-
-
-def format_parameter_table(cfg: AnyConfig, name: str) -> str:
-    """Seed 000 §2.1's table for a config: one row per kind of weight, per layer and in all."""
-    if isinstance(cfg, ModelConfig) and cfg.family == "rnn":
-        counts = parameter_counts(cfg)
-        return format_component_table(counts["components"], cfg.n_layers, name, describe(cfg))
-    rows = parameter_rows(cfg)
-    counts = parameter_counts(cfg)
-    total = counts["total"]
-    source = (
-        "count-only preset: glassformer cannot build MLA, so these are the closed-form rows"
-        if isinstance(cfg, MLAMoEConfig)
-        else "a ModelConfig: closed-form rows, equal to the model built on the meta device"
-    )
-    width = max(len(r.name) for r in rows) + 2
-    lines = [
-        f"{name}: {total:,} parameters ({_billions(total)})",
-        f"  {describe(cfg)}",
-        f"  ({source})",
-        "",
-        f"{'parameter':<{width}}{'per layer':>14}{'layers':>8}{'total':>17}{'share':>8}  shape",
-    ]
-    for row in rows:
-        per_layer = "-" if row.per_layer is None else f"{row.per_layer:,}"
-        layers = "-" if row.layers is None else str(row.layers)
-        lines.append(
-            f"{row.name:<{width}}{per_layer:>14}{layers:>8}{row.count:>17,}"
-            f"{100 * row.count / total:>7.1f}%  {row.shape}"
-        )
-    lines.append(f"{'total':<{width}}{'':>14}{'':>8}{total:>17,}{100.0:>7.1f}%")
-    lines.append("")
-    if counts["active"] != total:
-        lines += _active_lines(cfg, counts)
-    if isinstance(cfg, MLAMoEConfig):
-        lines.append(f"published: {cfg.published}")
-    lines.append(
-        f"weights: {_decimal(total * 2)} in fp16/bf16, {_decimal(total * 4)} in fp32 "
-        '(seed 000 §2.1: a 7B model is "about 14GB in fp16")'
-    )
-    if _gated(cfg):
-        lines.append(
-            "note: seed 000 §2.1 draws the FFN as two matrices (W_in, W_out); a gated FFN "
-            "(SwiGLU) has three: act(x W_gate) * (x W_up), then W_down"
-        )
-    return "\n".join(lines)
-
-
-def _gated(cfg: AnyConfig) -> bool:
-    if isinstance(cfg, MLAMoEConfig):
-        return True  # DeepSeek's FFNs and experts are all SwiGLU
-    return (cfg.moe_expert_ffn if cfg.ffn == "moe" else cfg.ffn) in (
-        "swiglu",
-        "geglu",
-        "geglu_tanh",
-    )
-
-
-def _active_lines(cfg: AnyConfig, counts: dict) -> list[str]:
-    total, active = counts["total"], counts["active"]
-    k = cfg.n_experts_per_token
-    n = cfg.n_routed_experts if isinstance(cfg, MLAMoEConfig) else cfg.n_experts
-    lines = [
-        f"active per token: {active:,} ({_billions(active)}, {100 * active / total:.1f}% of "
-        f"{_billions(total)}): everything but the experts, plus the top-{k} of {n} experts",
-        "  (seed 000 §2.5.3: knowledge scales with the total, inference cost with the active)",
-    ]
-    lookup = counts["components"].get("embedding", 0) if not cfg.tie_embeddings else 0
-    if lookup:
-        lines.append(
-            f"  without the input embedding table (a lookup, not a matmul): "
-            f"{active - lookup:,} ({_billions(active - lookup)})"
-        )
-    return lines
-
-
-def format_component_table(table: dict[str, int], n_layers: int, name: str, about: str) -> str:
-    """The parameter_table of a built model (e.g. a checkpoint), by component."""
-    total = sum(table.values())
-    lines = [f"{name}: {total:,} parameters ({_billions(total)})", f"  {about}", ""]
-    lines.append(f"{'component':<14}{'per layer':>14}{'total':>17}{'share':>8}")
-    for component, count in sorted(table.items(), key=lambda kv: -kv[1]):
-        per_layer = "-"
-        if component in ("attention", "ffn", "moe router", "recurrent"):
-            per_layer = f"{count // n_layers:,}"
-        lines.append(f"{component:<14}{per_layer:>14}{count:>17,}{100 * count / total:>7.1f}%")
-    lines.append(f"{'total':<14}{'':>14}{total:>17,}{100.0:>7.1f}%")
-    return "\n".join(lines)
-
-
-def _kv_formula(cfg: AnyConfig, dtype: str) -> str:
-    if isinstance(cfg, MLAMoEConfig):
-        return (
-            f"{cfg.n_layers} layers x ({cfg.kv_lora_rank} kv latent + {cfg.qk_rope_head_dim} "
-            f"shared RoPE key) x {DTYPE_BYTES[dtype]} bytes (MLA caches the latent, not K and V)"
-        )
-    return (
-        f"2 (K and V) x {cfg.n_layers} layers x {cfg.n_kv_heads} kv heads x {cfg.head_dim} "
-        f"head_dim x {DTYPE_BYTES[dtype]} bytes"
-    )
-
-
-def _kv_variants(cfg: AnyConfig, tokens: int, window: int) -> list[tuple[str, AnyConfig | int]]:
-    """(label, config) rows that show what GQA/MQA and a sliding window do to the cache."""
-    if isinstance(cfg, MLAMoEConfig):
-        return []
-    variants: list[tuple[str, AnyConfig]] = []
-    for n_kv, kind in ((cfg.n_heads, "MHA"), (8, "GQA"), (1, "MQA")):
-        if cfg.n_heads % n_kv or (kind == "GQA" and n_kv >= cfg.n_heads):
-            continue
-        own = " (this model)" if n_kv == cfg.n_kv_heads else ""
-        variants.append((f"{kind}, n_kv_heads={n_kv}{own}", cfg.replace(n_kv_heads=n_kv)))
-    if not any(c.n_kv_heads == cfg.n_kv_heads for _, c in variants):
-        variants.insert(0, (f"GQA, n_kv_heads={cfg.n_kv_heads} (this model)", cfg))
-    if cfg.sliding_window is None and tokens > window:
-        variants.append((f"sliding window of {window}", cfg.replace(sliding_window=window)))
-    return variants
-
-
-def format_kv_cache(
-    cfg: AnyConfig,
-    name: str,
-    tokens: int,
-    dtype: str = "fp16",
-    batch_size: int = 1,
-    window: int = 4096,
-) -> str:
-    """Seed 002's KV-cache bill: bytes per token, for `tokens` tokens, and what GQA, MQA and a
-    sliding window would make of it."""
-    per_token = kv_bytes_per_token(cfg, dtype)
-    total = kv_cache_bytes(cfg, tokens, dtype, batch_size)
-    lines = [
-        f"KV cache of {name} in {dtype}: {_kv_formula(cfg, dtype)}",
-        f"  per token: {per_token:,} bytes ({_binary(per_token)}; seed 002: about 0.5 MB for a "
-        "7B model in fp16)",
-        f"  {tokens:,} tokens x batch {batch_size}: {total:,} bytes ({_binary(total)}; seed 002: "
-        "about 2 GB for a 4096-token conversation)",
-    ]
-    if getattr(cfg, "sliding_window", None) is not None and tokens > cfg.sliding_window:
-        lines.append(f"  (sliding window {cfg.sliding_window}: only the last window is kept)")
-    if getattr(cfg, "family", "") == "seq2seq":
-        lines.append("  (decoder self-attention; cross-attention adds the same per source token)")
-    if isinstance(cfg, MLAMoEConfig):
-        heads = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-        plain = cfg.n_layers * heads * DTYPE_BYTES[dtype]
-        lines.append(
-            f"  without MLA (every head's K and V cached): {plain:,} bytes per token "
-            f"({_binary(plain)}), {plain / per_token:.0f}x more"
-        )
-    variants = _kv_variants(cfg, tokens, window)
-    if variants:
-        width = max(len(label) for label, _ in variants) + 2
-        lines += [
-            "",
-            "what MQA/GQA (seed 000 §4.2) and a sliding window change:",
-            f"  {'variant':<{width}}{'kv heads':>9}{'window':>8}{'per token':>13}"
-            f"{f'{tokens:,} tokens':>16}",
-        ]
-        for label, variant in variants:
-            window_text = "-" if variant.sliding_window is None else str(variant.sliding_window)
-            lines.append(
-                f"  {label:<{width}}{variant.n_kv_heads:>9}{window_text:>8}"
-                f"{_binary(kv_bytes_per_token(variant, dtype)):>13}"
-                f"{_binary(kv_cache_bytes(variant, tokens, dtype, batch_size)):>16}"
-            )
-    return "\n".join(lines)
-
-
-def format_flops(cfg: AnyConfig, name: str, context: int) -> str:
-    """Forward and training FLOPs per token, and how the attention part grows with context."""
-    flops = flops_per_token(cfg, context)
-    layers, qk, v = _attention_width(cfg)
-    seen = context
-    if getattr(cfg, "sliding_window", None) is not None:
-        seen = min(context, cfg.sliding_window)
-    width = f"{qk:,}" if qk == v else f"({qk:,} + {v:,}) / 2"
-    parts = [
-        (f"matmuls: 2 x {flops['matmul_weights']:,} weights a token multiplies", "matmul"),
-        (f"attention QK^T and AV: 2 x 2 x {layers} layers x {seen:,} keys x {width}", "attention"),
-    ]
-    label = max(len(text) for text, _ in parts) + 2
-    lines = [f"FLOPs per token of {name} at a context of {context:,} tokens (multiply-add = 2):"]
-    for text, key in parts:
-        share = 100 * flops[key] / flops["forward"]
-        lines.append(f"  {text:<{label}}{_flop(flops[key]):>14}{share:>7.1f}%")
-    lines += [
-        f"  {'forward':<{label}}{_flop(flops['forward']):>14}",
-        f"  {'training: 3 x forward (6N + attention, PaLM/nanoGPT)':<{label}}"
-        f"{_flop(flops['training']):>14}",
-        "",
-        "how the context changes it (seed 002: twice the text, four times the attention work):",
-        f"  {'context':>9}{'forward/token':>16}{'attention share':>17}{'forward/sequence':>19}",
-    ]
-    for scale in (0.25, 0.5, 1, 2, 4):
-        n = max(1, int(context * scale))
-        row = flops_per_token(cfg, n)
-        share = 100 * row["attention"] / row["forward"]
-        lines.append(
-            f"  {n:>9,}{_flop(row['forward']):>16}{share:>16.1f}%{_flop(row['forward'] * n):>19}"
-        )
-    return "\n".join(lines)

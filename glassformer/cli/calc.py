@@ -1,0 +1,115 @@
+"""`glassformer calc params | kv-cache | flops`: the calculators of glassformer/calc/ for a
+preset, a TOML run config or a loaded model, no training needed (seed 000 §2.1, seed 002)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch import nn
+
+from glassformer.calc import (
+    AnyConfig,
+    format_flops,
+    format_kv_cache,
+    format_parameter_table,
+    preset_names,
+    resolve_preset,
+)
+from glassformer.cli.common import positive_int
+from glassformer.cli.models import format_model_parameters
+
+
+def _calc_source(args: argparse.Namespace) -> tuple[AnyConfig, str, nn.Module | None]:
+    """(config, name, loaded model or None) from exactly one of --preset, --config, --model."""
+    given = [flag for flag in ("preset", "config", "model") if getattr(args, flag)]
+    if len(given) != 1:
+        raise ValueError(
+            f"give exactly one of --preset, --config or --model (got {len(given) or 'none'}): "
+            f"presets are {', '.join(preset_names())}"
+        )
+    if args.preset:
+        return resolve_preset(args.preset), args.preset, None
+    if args.config:
+        return _calc_run_config(args.config, args.vocab_size), args.config, None
+    from glassformer.interop.pretrained import from_pretrained
+
+    model, _ = from_pretrained(args.model)
+    return model.cfg, args.model, model
+
+
+def _calc_run_config(path: str, vocab_size: int | None) -> AnyConfig:
+    """A TOML run config's ModelConfig. Its vocabulary comes from the tokenizer the run trains:
+    the corpus's characters (char) or data.bpe_vocab_size (bpe), unless --vocab-size says."""
+    from glassformer.train.config import load_run_config
+
+    run = load_run_config(path)
+    if vocab_size is None and run.data.tokenizer == "bpe":
+        vocab_size = run.data.bpe_vocab_size
+    if vocab_size is None:
+        from glassformer.train.tasks import build_tokenizer, load_documents
+
+        vocab_size = build_tokenizer(run.data, load_documents(run.data)).vocab_size
+    print(f"note: vocab_size {vocab_size} (from [data]; --vocab-size to change)", file=sys.stderr)
+    return run.model_config(vocab_size)
+
+
+def cmd_calc_params(args: argparse.Namespace) -> None:
+    cfg, name, model = _calc_source(args)
+    if model is None:
+        print(format_parameter_table(cfg, name))
+    else:
+        print(format_model_parameters(model, name))  # the loaded weights themselves, counted
+
+
+def cmd_calc_kv_cache(args: argparse.Namespace) -> None:
+    cfg, name, _ = _calc_source(args)
+    tokens = cfg.max_seq_len if args.tokens is None else args.tokens
+    print(format_kv_cache(cfg, name, tokens, args.dtype, args.batch_size, args.window))
+
+
+def cmd_calc_flops(args: argparse.Namespace) -> None:
+    cfg, name, _ = _calc_source(args)
+    print(format_flops(cfg, name, args.context or cfg.max_seq_len))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calc",
+        help="parameters, KV-cache bytes and FLOPs of a preset, run config or checkpoint",
+        description="Calculators from a config, no weights needed (seed 000 §2.1, seed 002): "
+        "params (the parameter table, MoE total vs active), kv-cache (bytes per token and in "
+        "all; what GQA/MQA and a sliding window change), flops (per token: matmuls and the "
+        "attention part that grows with the context; training = 3 x forward).",
+    )
+    calc = p.add_subparsers(dest="calc_command", required=True, metavar="WHAT")
+    commands = {
+        "params": ("the parameter table by component, per layer and in all", cmd_calc_params),
+        "kv-cache": ("KV-cache bytes per token and for --tokens tokens", cmd_calc_kv_cache),
+        "flops": ("forward and training FLOPs per token at --context", cmd_calc_flops),
+    }
+    for what, (text, func) in commands.items():
+        q = calc.add_parser(what, help=text, description=text)
+        q.add_argument("--preset", help="e.g. llama-7b, gpt3-175b, mixtral-8x7b, deepseek-v3")
+        q.add_argument("--config", help="a TOML run config, e.g. configs/shakespeare-char.toml")
+        q.add_argument("--model", help="checkpoint directory, alias (smollm2), HF folder, .gguf")
+        q.add_argument(
+            "--vocab-size", type=positive_int, help="--config: the tokenizer's vocabulary size"
+        )
+        if what == "kv-cache":
+            q.add_argument(
+                "--tokens", type=int, help="cached positions (default: the model's context)"
+            )
+            q.add_argument("--dtype", default="fp16", help="fp32, bf16, fp16 (default), fp8, int8")
+            q.add_argument("--batch-size", type=positive_int, default=1, help="sequences (1)")
+            q.add_argument(
+                "--window",
+                type=positive_int,
+                default=4096,
+                help="the sliding window of the extra row shown when --tokens exceeds it (4096)",
+            )
+        if what == "flops":
+            q.add_argument(
+                "--context", type=positive_int, help="context length (default: the model's)"
+            )
+        q.set_defaults(func=func)

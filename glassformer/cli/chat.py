@@ -1,0 +1,61 @@
+"""`glassformer chat`: the terminal chat command. The conversation itself (template, history,
+end-of-turn tokens, Ctrl-C) lives in glassformer/chat.py."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+
+from glassformer.cli.common import (
+    DecodeOptions,
+    add_decode_flags,
+    add_sampling_flags,
+    load_for_decode,
+)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from glassformer.chat import ChatSession, SamplingOptions, run_chat
+    from glassformer.infer.engine import Engine
+
+    options = DecodeOptions.from_args(args)
+    model, tokenizer = load_for_decode(args.model, options, "chat needs one with a chat template")
+    sampling = SamplingOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+    session = ChatSession(
+        Engine(model), tokenizer, system=args.system, sampling=sampling,
+        parse_special=args.parse_special,
+    )  # fmt: skip
+    run_chat(session)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="interactive chat with a pretrained model (e.g. --model smollm2)",
+        description="Chat in the terminal: each turn is rendered with the model's chat template, "
+        "the reply streams as it is generated, and time to first token and tokens/s follow it. "
+        "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply.",
+    )
+    p.add_argument(
+        "--model", required=True, help="alias (smollm2), Hugging Face folder or .gguf file"
+    )
+    p.add_argument("--system", help="a system message that opens the conversation")
+    p.add_argument(
+        "--parse-special",
+        action="store_true",
+        help="read control tokens typed in a message (<|im_start|>, ...) as tokens, not text "
+        "(by default typed text can never forge a turn)",
+    )
+    add_sampling_flags(p, max_new_tokens=512, temperature=0.7)
+    add_decode_flags(p)
+    p.set_defaults(func=cmd_chat)

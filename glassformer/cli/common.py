@@ -1,0 +1,187 @@
+"""What several commands share: argument types, the sampling and device flags, threads, and
+loading a model with its tokenizer, ready to decode on the chosen device."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from glassformer.devices import DEVICES, resolve_device
+
+if TYPE_CHECKING:
+    from glassformer.tokenizers import Tokenizer
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed as torch takes it: a whole number in 0..2**64-1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} must be in 0..2**64-1")
+    return value
+
+
+# --- threads and devices ----------------------------------------------------------------------
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def add_device_flag(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto", help=help_text)
+
+
+# --- generate and chat ------------------------------------------------------------------------
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float) -> None:
+    """The flags shared by generate and chat: how many tokens and how to sample them."""
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=max_new_tokens,
+        help=f"most tokens to generate (default {max_new_tokens})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=temperature,
+        help=f"divide logits by this before sampling; 0 = greedy (default {temperature})",
+    )
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        help="sample from the smallest set of tokens whose probability is >= p",
+    )
+    p.add_argument("--seed", type=seed, help="seed for reproducible sampling")
+
+
+def add_decode_flags(p: argparse.ArgumentParser) -> None:
+    """The flags shared by generate and chat: threads, device, precision and kernels."""
+    add_threads_flag(p)
+    add_device_flag(
+        p,
+        "where the model runs: auto (a CUDA GPU, then Apple's MPS, then the CPU; the CPU for "
+        "--quantize and --compile), cpu, cuda or mps (default auto). The decode kernels, "
+        "--quantize and --compile serve the CPU only; elsewhere the model runs as built",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="weights and activations in fp32 (default) or bf16 (half the bytes per token)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("int8",),
+        help="int8: weight-only int8, a scale per 64 weights (about 3.7x fewer bytes than fp32)",
+    )
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="run the model as built, without the decode kernels (for comparison)",
+    )
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How generate and chat run the model: where, in which precision, on which kernels."""
+
+    device: str = "auto"
+    dtype: str = "fp32"
+    quantize: str | None = None
+    plain: bool = False
+    compile: bool = False
+    threads: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
+        return cls(args.device, args.dtype, args.quantize, args.plain, compile, args.threads)
+
+    @property
+    def cpu_only_flag(self) -> str | None:
+        """The flag that needs the CPU decode kernels, if one was given."""
+        if self.quantize:
+            return f"--quantize {self.quantize}"
+        return "--compile" if self.compile else None
+
+
+def decode_device(options: DecodeOptions) -> torch.device:
+    """Where generation runs, after checking that the flags fit together. The decode kernels
+    (infer/optimize.py, int8 weights, the compiled step) are C code for CPU tensors: with
+    --quantize or --compile, auto means the CPU, and a GPU named outright is an error."""
+    if options.quantize and options.dtype != "fp32":
+        raise ValueError(
+            f"--quantize {options.quantize} keeps activations in fp32: drop --dtype {options.dtype}"
+        )
+    if options.compile and options.plain:
+        raise ValueError("--compile runs the decode kernels: drop --plain")
+    flag = options.cpu_only_flag
+    if flag and options.device == "auto":
+        return torch.device("cpu")
+    device = resolve_device(options.device)
+    if flag and device.type != "cpu":
+        raise ValueError(
+            f"{flag} runs on the CPU decode kernels, not on --device {options.device}: use "
+            f"--device cpu, or drop {flag}"
+        )
+    return device
+
+
+def load_with_tokenizer(
+    model_name: str, why: str, quantize: str | None = None
+) -> tuple[nn.Module, Tokenizer]:
+    """--model and its tokenizer, which every command that reads text needs."""
+    from glassformer.interop.pretrained import from_pretrained
+
+    model, tokenizer = from_pretrained(model_name, quantize=quantize)
+    if tokenizer is None:
+        raise ValueError(f"{model_name} has no tokenizer.json: {why}")
+    return model, tokenizer
+
+
+def load_for_decode(
+    model_name: str, options: DecodeOptions, why: str
+) -> tuple[nn.Module, Tokenizer]:
+    """Check the flags, set threads, then load --model with its tokenizer, ready to decode."""
+    device = decode_device(options)
+    set_threads(options.threads)
+    model, tokenizer = load_with_tokenizer(model_name, why, quantize=options.quantize)
+    return prepare_for_decode(model, device, options), tokenizer
+
+
+def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOptions) -> nn.Module:
+    """GPT-family models on the CPU get the decode kernels (infer/optimize.py) unless --plain;
+    any other model, or any model on another device, runs as built. --dtype bf16 casts the
+    model. An int8 model (--quantize) already runs on the kernels."""
+    if options.quantize:
+        return model
+    if options.plain or device.type != "cpu" or model.cfg.family != "gpt":
+        dtype = torch.bfloat16 if options.dtype == "bf16" else None
+        return model.to(device=device, dtype=dtype)
+    from glassformer.infer.optimize import optimize_for_decode
+
+    return optimize_for_decode(model, options.dtype)

@@ -1,0 +1,66 @@
+"""`glassformer lab list | run | report`: the claims lab (issue 7). Each experiment tests one
+claim quoted from the tutorials and says whether it holds here (glassformer/lab/)."""
+
+from __future__ import annotations
+
+import argparse
+
+from glassformer.cli.common import positive_int, seed
+
+
+def cmd_lab_list(args: argparse.Namespace) -> None:
+    from glassformer.lab.base import discover
+
+    for exp in discover().values():
+        print(f"{exp.number:>3}  {exp.name:<24} {exp.title}")
+        print(f"     source: {exp.source}")
+        print(f"     claim:  {exp.claim.splitlines()[0][:90]}")
+
+
+def cmd_lab_run(args: argparse.Namespace) -> None:
+    from glassformer.lab.base import RunContext
+    from glassformer.lab.runner import run_many
+
+    if bool(args.name) == bool(args.all):
+        raise ValueError("give one experiment NAME or --all (glassformer lab list shows them)")
+    ctx = RunContext(out_dir=args.out, quick=args.quick, tiny=args.tiny, threads=args.threads,
+                     seed=args.seed)  # fmt: skip
+    records = run_many(None if args.all else [args.name], ctx)
+    if len(records) > 1:
+        for rec in records:
+            print(f"{rec['name']:<24} {rec['verdict']:<20} {rec['seconds']:>7} s")
+
+
+def cmd_lab_report(args: argparse.Namespace) -> None:
+    from glassformer.lab.report import write_report
+
+    print(f"wrote {write_report(args.out, args.to)}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lab",
+        help="the claims lab: run the tutorials' checkable claims (lab list | run | report)",
+        description="Each experiment tests one claim quoted from the tutorials: it prints the "
+        "numbers, writes a figure and a JSON, and says whether the claim holds here.",
+    )
+    lab_sub = p.add_subparsers(dest="lab_command", required=True, metavar="WHAT")
+    q = lab_sub.add_parser("list", help="the experiments, their claims and sources")
+    q.set_defaults(func=cmd_lab_list)
+    q = lab_sub.add_parser(
+        "run", help="run one experiment (NAME) or all (--all)",
+        description="Run experiments; write OUT/NAME.json and OUT/NAME.png and print the table, "
+        "the checks and the verdict.",
+    )  # fmt: skip
+    q.add_argument("name", nargs="?", metavar="NAME", help="an experiment (see lab list)")
+    q.add_argument("--all", action="store_true", help="run every experiment")
+    q.add_argument("--quick", action="store_true", help="small sizes: under 3 min on 2 cores")
+    q.add_argument("--tiny", action="store_true", help="smallest sizes (what the tests run)")
+    q.add_argument("--out", default="docs/lab", help="results folder (default docs/lab)")
+    q.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    q.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    q.set_defaults(func=cmd_lab_run)
+    q = lab_sub.add_parser("report", help="write docs/claims.md from the results folder")
+    q.add_argument("--out", default="docs/lab", help="results folder to read (default docs/lab)")
+    q.add_argument("--to", default="docs/claims.md", help="markdown file (default docs/claims.md)")
+    q.set_defaults(func=cmd_lab_report)

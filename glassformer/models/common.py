@@ -1,0 +1,44 @@
+"""What every model family shares: the loss record, the token-id check and the weight init.
+
+GPT, BERT, seq2seq and the RNN import these from here rather than from a sibling family's module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from glassformer.nn.position import AbsolutePositions
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # what to backpropagate: cross-entropy + aux_loss_coef * aux_loss
+    ce_loss: Tensor  # next-token cross-entropy averaged over target positions
+    aux_loss: Tensor  # MoE load-balancing loss summed over layers (0 for dense models)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """N(0, std) for matrices and embedding tables, zeros for biases (GPT-2 / BERT init)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, 0.0, std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding) or (
+        isinstance(module, AbsolutePositions) and module.kind == "learned"
+    ):
+        nn.init.normal_(module.weight, 0.0, std)
+
+
+def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
+    """A clear error for ids the embedding table does not have (instead of an index error)."""
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: give at least one token")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size}): encode the text with "
+            "the tokenizer saved with this model"
+        )
