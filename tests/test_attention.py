@@ -14,7 +14,7 @@ from glassformer.config import ModelConfig
 from glassformer.nn.attention import (
     Attention,
     AttentionMask,
-    build_allowed,
+    attention_mask,
     eager_attention,
     sdpa_attention,
 )
@@ -22,6 +22,29 @@ from glassformer.nn.kv_cache import KVCache
 from glassformer.nn.position import alibi_bias, alibi_slopes
 
 ATOL = 1e-5
+
+
+def build_allowed(
+    n_queries: int,
+    n_keys: int,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    key_padding: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """attention_mask for the last n_queries of n_keys positions (a KV cache's case), dense."""
+    mask = attention_mask(
+        torch.arange(n_keys - n_queries, n_keys),
+        torch.arange(n_keys),
+        causal=causal,
+        sliding_window=sliding_window,
+        padding_mask=key_padding,
+        document_ids=document_ids,
+    )
+    return mask.dense(n_queries, n_keys, torch.device("cpu"))
+
+
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # name: (n_heads, n_kv_heads)
 MASK_KINDS = [
     "none",

@@ -331,8 +331,10 @@ def test_gpt_alibi_mask_carries_the_bias() -> None:
     cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=4, position="alibi")
     model = GPT(cfg)
     slopes = _press_get_slopes(4)
-    # a decode step: 2 new queries after 3 cached keys
-    mask = model._attention_mask(2, 5, None, None, torch.device("cpu"))
+    # a decode step: 2 new queries after 3 cached keys, masked as the model masks them
+    cache = model.new_cache(max_seq_len=8)
+    cache.advance(3)
+    mask = model._attention_mask(2, cache, None, None, torch.device("cpu"))
     for h in range(4):
         for i, qi in enumerate((3, 4)):
             for j in range(qi + 1):

@@ -9,7 +9,7 @@ import torch
 
 import glassformer as gf
 from glassformer.models.gpt import GPT
-from glassformer.nn.attention import allowed_at_positions
+from glassformer.nn.attention import attention_mask
 from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
 
 ATOL = 1e-5
@@ -220,15 +220,15 @@ def test_reset_starts_a_fresh_sequence() -> None:
         torch.testing.assert_close(torch.cat(again, dim=1), model(second), atol=ATOL, rtol=0)
 
 
-def test_positions_mask_matches_a_brute_force_loop() -> None:
+def test_attention_mask_over_ring_keys_matches_a_brute_force_loop() -> None:
     """The mask over out-of-order ring keys, against the rule spelled out key by key."""
     q_positions = torch.tensor([9, 10, 11])
     k_positions = torch.tensor([5, 6, 7, 8, 4, 9, 10, 11])
     padding = torch.ones(2, 12, dtype=torch.bool)
     padding[1, :6] = False
-    allowed = allowed_at_positions(
+    allowed = attention_mask(
         q_positions, k_positions, causal=True, sliding_window=4, padding_mask=padding
-    )
+    ).allowed
     for b in range(2):
         for i, q in enumerate(q_positions.tolist()):
             for j, k in enumerate(k_positions.tolist()):

@@ -32,8 +32,7 @@ from glassformer.infer.sampling import (
     resolve_eos,
     sample,
 )
-from glassformer.nn.attention import AttentionMask
-from glassformer.nn.position import alibi_bias
+from glassformer.nn.attention import AttentionMask, attention_mask
 
 # Capacities come in powers of two from this size up: attention reads the whole capacity every
 # step (about 0.26 ms per 256 fp32 positions on SmolLM2), and each new capacity is a new graph.
@@ -158,22 +157,21 @@ class CompiledDecoder:
         return model.lm_head(model.final_norm(x[:, -1:]))[:, -1]  # (1, V)
 
     def _mask_bias(self, positions: Tensor, capacity: int) -> Tensor:
-        """An additive mask (1, 1 or H, T, Tmax): 0 for the keys each query may see (causal,
-        within the sliding window), -inf for the rest, which includes every unfilled slot;
-        plus ALiBi's distance bias. Additive, because CPU SDPA with a bool mask is ~100x
-        slower (measured: 7.7 ms against 42 us for one SmolLM2 layer at Tmax = 512)."""
-        cfg = self.cfg
-        q_index = positions[:, None]  # (T, 1)
-        k_index = torch.arange(capacity, device=positions.device)[None]  # (1, Tmax)
-        allowed = k_index <= q_index
-        if cfg.sliding_window is not None:
-            allowed &= q_index - k_index < cfg.sliding_window
-        bias = torch.zeros(allowed.shape, device=positions.device).masked_fill(
-            ~allowed, float("-inf")
-        )[None, None]  # (1, 1, T, Tmax)
-        if cfg.position == "alibi":
-            bias = bias + alibi_bias(self.model.alibi_slopes, positions[None], k_index)
-        return bias
+        """The model's mask over the whole capacity as one additive tensor (1, 1 or H, T,
+        Tmax): unfilled slots lie in every query's future, so the causal rule hides them.
+        Additive, because CPU SDPA with a bool mask is ~100x slower (measured: 7.7 ms against
+        42 us for one SmolLM2 layer at Tmax = 512); dense, because a compiled graph cannot
+        branch on whether anything is masked."""
+        slots = torch.arange(capacity, device=positions.device)
+        mask = attention_mask(
+            positions,
+            slots,
+            causal=True,
+            sliding_window=self.cfg.sliding_window,
+            alibi_slopes=getattr(self.model, "alibi_slopes", None),
+            simplify=False,
+        )
+        return mask.additive(len(positions), capacity, torch.float32, positions.device)
 
     def prefill(self, prompt: Tensor, cache: StaticKVCache) -> Tensor:
         """The prompt (1, T) in one eager pass (compute-bound, and T varies) -> logits (1, V)."""

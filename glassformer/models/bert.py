@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.models.common import LossOutput, check_token_ids, init_weights
-from glassformer.nn.attention import AttentionMask, model_mask
+from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import ACTIVATIONS, moe_aux_loss
 from glassformer.nn.norm import make_norm
@@ -99,14 +99,14 @@ class BERT(nn.Module):
             )
         # Only keys are masked: a pad query still looks at the real tokens (as in transformers),
         # and its output is never used.
-        return model_mask(
-            n_tokens,
-            n_tokens,
+        positions = torch.arange(n_tokens, device=device)
+        return attention_mask(
+            positions,
+            positions,
             causal=False,
             sliding_window=self.cfg.sliding_window,
             padding_mask=padding_mask,
             alibi_slopes=getattr(self, "alibi_slopes", None),
-            device=device,
         )
 
     # --- forward ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.models.common import LossOutput, check_token_ids, init_weights
-from glassformer.nn.attention import AttentionMask, model_mask, positions_mask
+from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
 from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
@@ -79,51 +79,33 @@ class GPT(nn.Module):
     def _attention_mask(
         self,
         n_queries: int,
-        n_keys: int,
+        cache: KVCache | SlidingWindowCache | None,
         padding_mask: Tensor | None,
         document_ids: Tensor | None,
         device: torch.device,
     ) -> AttentionMask:
-        return model_mask(
-            n_queries,
-            n_keys,
+        """The one mask of this forward, for every layer: queries at the positions this call
+        fills, keys at the positions the cache returns (a ring cache's slots come in slot
+        order), or the queries' own positions without a cache."""
+        start = cache.length if cache is not None else 0
+        queries = torch.arange(start, start + n_queries, device=device)
+        if isinstance(cache, SlidingWindowCache):
+            if cache.window != self.cfg.sliding_window:
+                raise ValueError(
+                    f"a SlidingWindowCache of window={cache.window} does not fit this model's "
+                    f"sliding_window={self.cfg.sliding_window}: create it with model.new_cache()"
+                )
+            keys = cache.key_positions(n_queries, device)
+        else:
+            keys = torch.arange(start + n_queries, device=device)
+        return attention_mask(
+            queries,
+            keys,
             causal=self.cfg.causal,
             sliding_window=self.cfg.sliding_window,
             padding_mask=padding_mask,
             document_ids=document_ids,
             alibi_slopes=getattr(self, "alibi_slopes", None),
-            device=device,
-        )
-
-    def _ring_mask(
-        self,
-        cache: SlidingWindowCache,
-        n_queries: int,
-        padding_mask: Tensor | None,
-        document_ids: Tensor | None,
-        device: torch.device,
-    ) -> AttentionMask:
-        """The mask over the keys a SlidingWindowCache returns (ring slots, then new keys)."""
-        if cache.window != self.cfg.sliding_window:
-            raise ValueError(
-                f"a SlidingWindowCache of window={cache.window} does not fit this model's "
-                f"sliding_window={self.cfg.sliding_window}: create it with model.new_cache()"
-            )
-        slopes = getattr(self, "alibi_slopes", None)
-        plain = padding_mask is None and document_ids is None
-        if n_queries == 1 and plain and slopes is None:
-            # Every filled slot is in the new query's past and within its window: no mask, and
-            # no positions to compute, so the decode step costs what it does with a KVCache.
-            return AttentionMask()
-        start = cache.length
-        return positions_mask(
-            torch.arange(start, start + n_queries, device=device),
-            cache.key_positions(n_queries, device),
-            causal=self.cfg.causal,
-            sliding_window=self.cfg.sliding_window,
-            padding_mask=padding_mask,
-            document_ids=document_ids,
-            alibi_slopes=slopes,
         )
 
     # --- forward ------------------------------------------------------------------------------
@@ -160,10 +142,7 @@ class GPT(nn.Module):
             x = x + self.pos_emb(position_ids)
         x = self.drop(x)
         rope = self.rope(position_ids) if self.rope is not None else None
-        if isinstance(cache, SlidingWindowCache):
-            mask = self._ring_mask(cache, T, padding_mask, document_ids, x.device)
-        else:
-            mask = self._attention_mask(T, start + T, padding_mask, document_ids, x.device)
+        mask = self._attention_mask(T, cache, padding_mask, document_ids, x.device)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if cache is not None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.models.common import LossOutput, check_token_ids, init_weights
-from glassformer.nn.attention import AttentionMask, model_mask
+from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
 from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
@@ -162,14 +162,13 @@ class Seq2Seq(nn.Module):
     def _self_mask(
         self, n_queries: int, n_keys: int, causal: bool, padding_mask: Tensor | None, device
     ) -> AttentionMask:
-        mask = model_mask(
-            n_queries,
-            n_keys,
+        mask = attention_mask(
+            torch.arange(n_keys - n_queries, n_keys, device=device),  # the newest positions
+            torch.arange(n_keys, device=device),
             causal=causal,
             sliding_window=self.cfg.sliding_window,
             padding_mask=padding_mask,
             alibi_slopes=getattr(self, "alibi_slopes", None),
-            device=device,
         )
         relative = self.dec_rel if causal else self.enc_rel
         if relative is not None:
@@ -226,8 +225,11 @@ class Seq2Seq(nn.Module):
         self._check_padding(src_padding_mask, B, memory.shape[1])
         x = self._embed(tgt_ids, self.dec_tok_emb, self.dec_pos, self.dec_emb_norm, start)
         self_mask = self._self_mask(T, start + T, True, None, x.device)
-        cross_mask = model_mask(
-            T, memory.shape[1], causal=False, padding_mask=src_padding_mask, device=x.device
+        cross_mask = attention_mask(
+            torch.arange(T, device=x.device),
+            torch.arange(memory.shape[1], device=x.device),
+            causal=False,
+            padding_mask=src_padding_mask,
         )
         rope = self._rope(start, T, x.device)
         for block in self.decoder:

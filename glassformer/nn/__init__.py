@@ -3,7 +3,7 @@
 from glassformer.nn.attention import (
     Attention,
     AttentionMask,
-    build_allowed,
+    attention_mask,
     eager_attention,
     sdpa_attention,
 )
@@ -40,7 +40,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
-    "build_allowed",
+    "attention_mask",
     "eager_attention",
     "make_ffn",
     "make_norm",

@@ -39,42 +39,28 @@ class AttentionMask:
     is_causal: bool = False
 
     def dense(self, n_queries: int, n_keys: int, device: torch.device) -> Tensor | None:
-        """The mask as an explicit bool tensor (None when every key is visible)."""
+        """The mask as an explicit bool tensor (None when every key is visible). The causal
+        triangle is aligned bottom-right: query i sits at key index n_keys - n_queries + i."""
         if self.is_causal:
-            return build_allowed(n_queries, n_keys, causal=True, device=device)
+            triangle = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+            return triangle.tril(diagonal=n_keys - n_queries)[None, None]  # (1, 1, Tq, Tk)
         return self.allowed
 
-
-def build_allowed(
-    n_queries: int,
-    n_keys: int,
-    *,
-    causal: bool,
-    sliding_window: int | None = None,
-    key_padding: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    device: torch.device | None = None,
-) -> Tensor | None:
-    """The boolean mask (B or 1, 1, Tq, Tk) for the given rules, or None if nothing is masked.
-
-    Queries are the last n_queries of the n_keys positions (a KV cache holds the earlier ones),
-    so the causal mask is aligned bottom-right: query i sits at key index n_keys - n_queries + i.
-    Aligning it top-left instead is the classic KV-cache bug.
-
-    key_padding: bool (B, Tk), True for real tokens. document_ids: (B, Tk) ids of the packed
-    document each position belongs to; attention never crosses documents.
-    """
-    return allowed_at_positions(
-        torch.arange(n_keys - n_queries, n_keys, device=device),
-        torch.arange(n_keys, device=device),
-        causal=causal,
-        sliding_window=sliding_window,
-        padding_mask=key_padding,
-        document_ids=document_ids,
-    )
+    def additive(
+        self, n_queries: int, n_keys: int, dtype: torch.dtype, device: torch.device
+    ) -> Tensor | None:
+        """The mask as one float tensor added to the scores: the bias, and -inf where a key is
+        not allowed (None when nothing is masked or biased)."""
+        allowed = self.dense(n_queries, n_keys, device)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        if allowed is None:
+            return bias
+        blocked = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        blocked = blocked.masked_fill(~allowed, float("-inf"))
+        return blocked if bias is None else bias + blocked
 
 
-def allowed_at_positions(
+def attention_mask(
     q_positions: Tensor,
     k_positions: Tensor,
     *,
@@ -82,17 +68,36 @@ def allowed_at_positions(
     sliding_window: int | None = None,
     padding_mask: Tensor | None = None,
     document_ids: Tensor | None = None,
-) -> Tensor | None:
-    """build_allowed for queries and keys at any sequence positions (Tq,), (Tk,), e.g. the
-    out-of-order slots of a ring KV cache. padding_mask, document_ids: (B, total sequence),
-    indexed by position."""
+    alibi_slopes: Tensor | None = None,
+    simplify: bool = True,
+) -> AttentionMask:
+    """The one mask function: which keys each query may see, from the sequence positions of
+    the queries (Tq,) and of the keys (Tk,), plus ALiBi's bias from the same positions.
+
+    Every case is one of these rules: causal (a key after its query is hidden; with a KV cache
+    the queries are the last positions, so the triangle is aligned bottom-right: aligning it
+    top-left is the classic KV-cache bug), a sliding window of w keys (the query itself and
+    the w - 1 before it, Mistral's convention), padding (padding_mask (B, total), True for real
+    tokens) and packed documents (document_ids (B, total): attention never crosses them). Keys
+    may come in any order, as a ring cache returns them.
+
+    simplify: return no tensor when nothing is masked (one decode step, a bidirectional
+    encoder) and SDPA's own triangle for a plain causal square. It costs a device sync, so a
+    compiled graph passes False and gets the dense mask.
+    """
+    plain = padding_mask is None and document_ids is None and sliding_window is None
+    n_queries, n_keys = len(q_positions), len(k_positions)
+    square = causal and n_queries == n_keys > 1  # the training and prefill case
+    if simplify and plain and alibi_slopes is None and square and q_positions.equal(k_positions):
+        return AttentionMask(is_causal=True)
+    bias = None
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, q_positions[None], k_positions[None])  # (1, H, Tq, Tk)
     q_index, k_index = q_positions[:, None], k_positions[None, :]  # (Tq, 1), (1, Tk)
-    device = q_positions.device
-    allowed = torch.ones(len(q_positions), len(k_positions), dtype=torch.bool, device=device)
+    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q_positions.device)
     if causal:
         allowed &= k_index <= q_index
     if sliding_window is not None:
-        # A window of w keys: the query itself and the w - 1 before it (Mistral's convention).
         allowed &= (q_index - k_index < sliding_window) & (k_index - q_index < sliding_window)
     allowed = allowed[None, None]  # (1, 1, Tq, Tk)
     if padding_mask is not None:
@@ -100,69 +105,11 @@ def allowed_at_positions(
     if document_ids is not None:
         q_docs, k_docs = document_ids[:, q_positions], document_ids[:, k_positions]
         allowed = allowed & (q_docs[:, None, :, None] == k_docs[:, None, None, :])
-    if bool(allowed.all()):
-        return None
+    if simplify and bool(allowed.all()):
+        return AttentionMask(bias=bias)
     # A query that may see nothing (a padding position) would softmax over all -inf: NaN.
     # Let such rows see everything instead; their outputs are padding and never used.
-    return allowed | ~allowed.any(dim=-1, keepdim=True)
-
-
-def model_mask(
-    n_queries: int,
-    n_keys: int,
-    *,
-    causal: bool,
-    sliding_window: int | None = None,
-    padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    device: torch.device | None = None,
-) -> AttentionMask:
-    """The AttentionMask a model passes to all its layers for one forward pass.
-
-    Plain cases stay cheap: nothing to mask (bidirectional, or one decode step), or the square
-    causal triangle that SDPA applies by itself. Everything else (ALiBi's distance bias too) is
-    positions_mask at positions 0..n_keys-1.
-    """
-    plain = padding_mask is None and document_ids is None and sliding_window is None
-    if plain and alibi_slopes is None and (not causal or n_queries == 1 or n_queries == n_keys):
-        # every key visible, or SDPA's own lower triangle: no tensor to build
-        return AttentionMask(is_causal=causal and 1 < n_queries == n_keys)
-    return positions_mask(
-        torch.arange(n_keys - n_queries, n_keys, device=device),  # queries sit bottom-right
-        torch.arange(n_keys, device=device),
-        causal=causal,
-        sliding_window=sliding_window,
-        padding_mask=padding_mask,
-        document_ids=document_ids,
-        alibi_slopes=alibi_slopes,
-    )
-
-
-def positions_mask(
-    q_positions: Tensor,
-    k_positions: Tensor,
-    *,
-    causal: bool,
-    sliding_window: int | None = None,
-    padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-) -> AttentionMask:
-    """model_mask for keys at given sequence positions (Tk,), as a SlidingWindowCache returns
-    them; queries at q_positions (Tq,). ALiBi's bias is built from the same positions."""
-    bias = None
-    if alibi_slopes is not None:
-        bias = alibi_bias(alibi_slopes, q_positions[None], k_positions[None])  # (1, H, Tq, Tk)
-    allowed = allowed_at_positions(
-        q_positions,
-        k_positions,
-        causal=causal,
-        sliding_window=sliding_window,
-        padding_mask=padding_mask,
-        document_ids=document_ids,
-    )
-    return AttentionMask(allowed=allowed, bias=bias)
+    return AttentionMask(allowed=allowed | ~allowed.any(dim=-1, keepdim=True), bias=bias)
 
 
 # --- the two attention paths ----------------------------------------------------------------
@@ -200,13 +147,15 @@ def sdpa_attention(
 ) -> Tensor:
     """torch's fused scaled_dot_product_attention with the same mask."""
     n_queries, n_keys = q.shape[2], k.shape[2]
-    # SDPA's own causal triangle is aligned top-left, ours bottom-right (see build_allowed): let
+    # SDPA's own causal triangle is aligned top-left, ours bottom-right (AttentionMask.dense): let
     # SDPA build it only when the two agree (as many queries as keys) and no bias is added.
     builtin_causal = mask.is_causal and mask.bias is None and n_queries == n_keys
-    attn_mask = None if builtin_causal else mask.dense(n_queries, n_keys, q.device)
-    if mask.bias is not None:  # an additive float mask: the bias, with -inf where not allowed
-        bias = mask.bias.to(q.dtype)
-        attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float("-inf"))
+    if builtin_causal:
+        attn_mask = None
+    elif mask.bias is not None:  # an additive float mask: the bias, with -inf where not allowed
+        attn_mask = mask.additive(n_queries, n_keys, q.dtype, q.device)
+    else:
+        attn_mask = mask.dense(n_queries, n_keys, q.device)
     return F.scaled_dot_product_attention(
         q,
         k,
