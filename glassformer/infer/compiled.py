@@ -33,47 +33,11 @@ from glassformer.infer.sampling import (
     sample,
 )
 from glassformer.nn.attention import AttentionMask, attention_mask
+from glassformer.nn.kv_cache import CacheWrites, StaticKVCache
 
 # Capacities come in powers of two from this size up: attention reads the whole capacity every
 # step (about 0.26 ms per 256 fp32 positions on SmolLM2), and each new capacity is a new graph.
 MIN_CAPACITY = 256
-
-
-class StaticKVCache:
-    """gpt-fast's cache: one (1, Hkv, Tmax, D) tensor per layer for keys and one for values.
-
-    Each layer's tensors stand alone (not views of one (L, ...) block) so that a compiled step
-    writes its slot in place: torch.compile copies a whole input it cannot prove unaliased.
-    `length` is how many positions are filled."""
-
-    def __init__(self, cfg, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (1, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.capacity = capacity
-        self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
-
-    @property
-    def filled_bytes(self) -> int:
-        return self.nbytes * self.length // self.capacity
-
-
-class CacheWrites:
-    """What Attention calls as `cache.update`: write k, v (1, Hkv, T, D) at sequence
-    `positions` (T,) and return the layer's whole capacity (1, Hkv, Tmax, D)."""
-
-    def __init__(self, cache: StaticKVCache, positions: Tensor) -> None:
-        self.cache, self.positions = cache, positions
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
-        k_layer[:, :, self.positions] = k
-        v_layer[:, :, self.positions] = v
-        return k_layer, v_layer
 
 
 def capacity_for(n_positions: int, max_seq_len: int) -> int:

@@ -1,5 +1,6 @@
-"""A static, preallocated KV cache (seed 000 §2.5.1; seed 002's "0.5 MB per token"), and a
-rolling-buffer cache for sliding-window models (Mistral) whose memory stays at W positions.
+"""The KV caches (seed 000 §2.5.1; seed 002's "0.5 MB per token"): a preallocated cache, a
+rolling-buffer cache for sliding-window models (Mistral) whose memory stays at W positions, a
+static cache for compiled decode steps, and the encoder-decoder's cross-attention cache.
 
 Prefill writes the whole prompt's keys and values at once; each decode step appends one
 position in place. Memory is allocated once, up front, so the decode loop allocates nothing.
@@ -236,6 +237,44 @@ class SlidingWindowCache(_SlotCache):
             return ring[:, :, : self.length]
         oldest = self.length % self.window  # the slot written longest ago
         return torch.cat([ring[:, :, oldest:], ring[:, :, :oldest]], dim=2)
+
+
+class StaticKVCache:
+    """gpt-fast's cache, for a compiled decode step (infer/compiled.py): one (1, Hkv, Tmax, D)
+    tensor per layer for keys and one for values, written at explicit positions.
+
+    Each layer's tensors stand alone (not views of one (L, ...) block) so that a compiled step
+    writes its slot in place: torch.compile copies a whole input it cannot prove unaliased.
+    `length` is how many positions are filled."""
+
+    def __init__(self, cfg, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (1, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
+    def filled_bytes(self) -> int:
+        return self.nbytes * self.length // self.capacity
+
+
+class CacheWrites:
+    """What Attention calls as `cache.update`: write k, v (1, Hkv, T, D) at sequence
+    `positions` (T,) and return the layer's whole capacity (1, Hkv, Tmax, D)."""
+
+    def __init__(self, cache: StaticKVCache, positions: Tensor) -> None:
+        self.cache, self.positions = cache, positions
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
+        k_layer[:, :, self.positions] = k
+        v_layer[:, :, self.positions] = v
+        return k_layer, v_layer
 
 
 class CrossAttentionCache:
