@@ -79,6 +79,18 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
     p.add_argument("--seed", type=seed, help="seed for reproducible sampling")
 
 
+def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
+    """The generation keywords that add_sampling_flags' flags set, for every generate path."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "eos_token_id": eos_token_id,
+    }
+
+
 def add_decode_flags(p: argparse.ArgumentParser) -> None:
     """The flags shared by generate and chat: threads, device, precision and kernels."""
     add_threads_flag(p)

@@ -14,6 +14,7 @@ from glassformer.cli.common import (
     add_decode_flags,
     add_sampling_flags,
     load_for_decode,
+    sampling_kwargs,
 )
 from glassformer.cli.stats import format_batch_stats, format_stats
 
@@ -38,12 +39,7 @@ def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
     prompt = args.prompt[0]
     stream = engine.stream(
         tokenizer.encode(prompt),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_token_id=tokenizer.eos_token_id,
+        **sampling_kwargs(args, tokenizer.eos_token_id),
         on_full_context=args.on_full_context,
     )
     decoder = IncrementalDecoder(tokenizer)
@@ -67,12 +63,7 @@ def _generate_compiled(args: argparse.Namespace, model: nn.Module, tokenizer) ->
     print("compiling the decode step (once per process)...", file=sys.stderr)
     result = CompiledDecoder(model).generate(
         tokenizer.encode(args.prompt[0]),
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_token_id=tokenizer.eos_token_id,
+        **sampling_kwargs(args, tokenizer.eos_token_id),
     )
     ids = [t for t in result.token_ids if t != tokenizer.eos_token_id]
     print(args.prompt[0] + tokenizer.decode(ids))
@@ -85,12 +76,7 @@ def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
     continuation on a line of its own, numbered from 1 (a batch does not stream)."""
     results = engine.generate_batch(
         [tokenizer.encode(prompt) for prompt in args.prompt],
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_token_id=tokenizer.eos_token_id,
+        **sampling_kwargs(args, tokenizer.eos_token_id),
     )
     for number, (prompt, result) in enumerate(zip(args.prompt, results, strict=True), start=1):
         # The end-of-sequence marker is a stop signal, not text.
