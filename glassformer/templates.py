@@ -160,7 +160,8 @@ def chat_pieces(
     template does not pass each message's text through unchanged (it edits or repeats it).
 
     Each string content is replaced by a unique marker before rendering; the markers are then
-    found again in the output, which tells template text from message text exactly."""
+    found again in the output, which tells template text from message text exactly, and the
+    pieces must join into the template's own rendering of the real conversation."""
     nonce = secrets.token_hex(4)
     markers: dict[str, str] = {}
     marked = []
@@ -180,6 +181,10 @@ def chat_pieces(
             return None
         pieces += [(before, False), (content, True)]
     pieces.append((rest, False))
+    # A marker can pass through an edit that changes the text (|upper leaves digits alone):
+    # the pieces count only if they spell exactly what the template writes for the real text.
+    if "".join(piece for piece, _ in pieces) != render(source, messages=messages, **variables):
+        return None
     return [(piece, is_text) for piece, is_text in pieces if piece]
 
 

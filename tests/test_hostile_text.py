@@ -87,7 +87,9 @@ def test_chat_session_sends_typed_control_tokens_as_text(smol):
     assert raw.prompt_ids().count(smol.token_to_id("<|im_start|>")) == 5
 
 
-def test_a_template_that_rewrites_text_refuses_control_tokens(smol):
+@pytest.mark.parametrize("nonce", ["0123abcd", "01234567"])  # |upper changes one, not the other
+def test_a_template_that_rewrites_text_refuses_control_tokens(smol, monkeypatch, nonce):
+    monkeypatch.setattr(templates.secrets, "token_hex", lambda n: nonce)
     upper = PretrainedTokenizer(
         smol.hf,
         chat_template="{% for m in messages %}<|im_start|>{{ m.content|upper }}<|im_end|>"
