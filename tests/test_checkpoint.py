@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from glassformer.config import ModelConfig
+from glassformer.files import atomic_write_text
 from glassformer.models import build_model
 from glassformer.tokenizers import CharTokenizer
 from glassformer.train.checkpoint import (
     CheckpointError,
-    atomic_write_text,
     list_checkpoints,
     load,
     load_model_weights,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.files import atomic_write_text, fsync_dir, fsync_tree
 from glassformer.interop.integrity import (
     UNREADABLE_SAFETENSORS,
     count_values,
@@ -53,48 +54,6 @@ class CheckpointError(ValueError):
 def few(names: list[str], shown: int = 5) -> str:
     head = ", ".join(names[:shown])
     return f"{head} and {len(names) - shown} more" if len(names) > shown else head
-
-
-# --- atomic files -----------------------------------------------------------------------------
-
-
-def _fsync_dir(directory: Path) -> None:
-    # A rename is only durable once the directory entry itself reaches the disk. Windows cannot
-    # open a directory for fsync, and NTFS journals renames anyway.
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a reader sees the old file or the new one, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; checkpoints are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -256,13 +215,6 @@ def _is_complete(step_dir: Path) -> bool:
     return all((step_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def _fsync_tree(directory: Path) -> None:
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            _fsync_file(Path(root) / name)
-        _fsync_dir(Path(root))
-
-
 def _write_step_dir(
     directory: Path,
     model: torch.nn.Module,
@@ -279,7 +231,7 @@ def _write_step_dir(
     if train_tensors is not None:
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in train_tensors.items()}
         safetensors.torch.save_file(cpu, str(directory / TRAIN_TENSORS_FILE))
-    _fsync_tree(directory)
+    fsync_tree(directory)
 
 
 def _train_state_json(step: int, train_state: dict[str, Any] | None) -> str:
@@ -362,7 +314,7 @@ def save_checkpoint(
             aside = out_dir / f".old-{name}-{secrets.token_hex(4)}"
             os.replace(final, aside)
         os.replace(tmp, final)
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
         atomic_write_text(out_dir / LATEST_FILE, name + "\n")
     except BaseException:
         if aside is not None and not final.exists():
