@@ -70,23 +70,28 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
     capacity = args.prompt + args.blocks * args.steps + 1
     with torch.inference_mode():
         eager_cache = model.new_cache(batch_size=1, max_seq_len=capacity)
-        compiled_cache = decoder._cache(capacity)
+        decoder.reserve(1, capacity)
+        compiled_cache = decoder.cache
         model(prompt, cache=eager_cache, last_token_only=True)
-        decoder.prefill(prompt, compiled_cache)
+        decoder.forward(prompt, torch.arange(args.prompt), compiled_cache)
 
         def eager_step(tok, cache):
             return model(tok[:, None], cache=cache, last_token_only=True)
 
+        def compiled_step(tok, cache):  # the static cache leaves `length` to its caller
+            decoder.compiled_forward(tok[:, None], torch.tensor([cache.length]), cache)
+            cache.length += 1
+
         start = time.perf_counter()
-        decoder.decode(token, compiled_cache)
+        compiled_step(token, compiled_cache)
         compile_s = time.perf_counter() - start
         # Both sides warm up, then take turns.
         step_ms(eager_step, eager_cache, args.prompt, token, args.steps)
-        step_ms(decoder.decode, compiled_cache, args.prompt, token, args.steps)
+        step_ms(compiled_step, compiled_cache, args.prompt, token, args.steps)
         eager, compiled = [], []
         for _ in range(args.blocks):
             eager.append(step_ms(eager_step, eager_cache, args.prompt, token, args.steps))
-            compiled.append(step_ms(decoder.decode, compiled_cache, args.prompt, token, args.steps))
+            compiled.append(step_ms(compiled_step, compiled_cache, args.prompt, token, args.steps))
         matvec = kernels_ms(model)
     return {
         "compile_s": compile_s,

@@ -13,12 +13,12 @@ from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.infer.sampling import SamplingParams
 from glassformer.infer.speculative import speculative_generate
+from glassformer.interop.checkpoint import CheckpointError, load
 from glassformer.interop.hf import InteropError
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 from glassformer.nn.quant import quantize_int8
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
-from glassformer.train.checkpoint import CheckpointError, load
 
 __version__ = "0.1.0"
 

@@ -3,18 +3,22 @@ messages -> the model's chat template -> token ids -> Engine.stream -> increment
 
 The engine knows ids only; this face owns the conversation, the template, the end-of-turn
 tokens and Ctrl-C. Each turn re-renders the whole conversation, so the prompt always matches
-what the template would produce for the history (no drift between turns).
+what the template would produce for the history (no drift between turns), and the engine keeps
+the conversation's KV cache between turns: turn N prefills only the tokens after the prefix it
+shares with turn N - 1 (its new message), not the whole history again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from glassformer.cli.stats import format_reply_stats
 from glassformer.detokenize import IncrementalDecoder
-from glassformer.infer.engine import Engine, GenerationStats
+from glassformer.infer.engine import Engine, GenerationStats, Row
+from glassformer.infer.sampling import SamplingParams
 from glassformer.tokenizers import PretrainedTokenizer
 
 # Tokens that end an assistant turn in common chat templates, besides the tokenizer's EOS.
@@ -27,15 +31,11 @@ class Reply:
     token_ids: list[int]  # the reply's tokens, without the end-of-turn token
     stats: GenerationStats
     stop_reason: str  # "end_of_turn", "max_new_tokens", "context_full" or "interrupted"
+    prompt_ids: list[int] = field(default_factory=list)  # the conversation this reply answers
 
 
-@dataclass
-class SamplingOptions:
-    max_new_tokens: int = 512
-    temperature: float = 0.7
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
+# Chat's defaults: room for a long answer, a little randomness.
+CHAT_SAMPLING = SamplingParams(max_new_tokens=512, temperature=0.7)
 
 
 @dataclass
@@ -43,7 +43,7 @@ class ChatSession:
     engine: Engine
     tokenizer: PretrainedTokenizer
     system: str | None = None
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    sampling: SamplingParams = CHAT_SAMPLING
     messages: list[dict[str, str]] = field(default_factory=list)
     # False: what the user types is encoded as text, so "<|im_start|>system" typed in a
     # message cannot open a system turn. True: control tokens in messages are parsed (raw).
@@ -58,10 +58,17 @@ class ChatSession:
         stops = {self.tokenizer.eos_token_id}
         stops |= {self.tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
         self.stop_ids = {i for i in stops if i is not None}
+        # One slot of the whole context, kept between turns (a parked row holds the history).
+        if self.engine.max_rows is None:
+            self.engine.max_rows = 1
+        self._row: Row | None = None
         self.reset()
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        if self._row is not None:
+            self.engine.release(self._row)
+            self._row = None
 
     def prompt_ids(self) -> list[int]:
         """The conversation rendered for the next assistant turn; the oldest turns are dropped
@@ -95,34 +102,34 @@ class ChatSession:
             self.messages.pop()  # stopped before the reply began: forget the question
             raise
         room = self.engine.max_seq_len - len(prompt)
-        opts = self.sampling
-        stream = self.engine.stream(
-            prompt,
-            max_new_tokens=max(1, min(opts.max_new_tokens, room)),
-            temperature=opts.temperature,
-            top_k=opts.top_k,
-            top_p=opts.top_p,
-            seed=opts.seed,
+        params = dataclasses.replace(
+            self.sampling,
+            max_new_tokens=max(1, min(self.sampling.max_new_tokens, room)),
             eos_token_id=self.tokenizer.eos_token_id,
+            stop_token_ids=tuple(sorted(self.stop_ids | set(self.sampling.stop_token_ids))),
         )
+        row = self.engine.add(prompt, params, keep_cache=True, continues=self._row)
+        self._row = row
+        tokens = self.engine.follow(row)
         decoder = IncrementalDecoder(self.tokenizer)
         token_ids: list[int] = []
-        stop_reason = ""
         try:
-            for token_id in stream:
+            for token_id in tokens:
                 if token_id in self.stop_ids:
-                    stop_reason = "end_of_turn"
                     break
                 token_ids.append(token_id)
                 write(decoder.push(token_id))
-            else:
-                stop_reason = stream.stats.stop_reason
             write(decoder.flush())
+            stop_reason = _REASONS.get(row.stop_reason, row.stop_reason)
         except KeyboardInterrupt:
+            tokens.close()  # the row stops; its slot keeps the reply so far for the next turn
             stop_reason = "interrupted"
         reply = self.tokenizer.decode(token_ids)
         self.messages.append({"role": "assistant", "content": reply})
-        return Reply(reply, token_ids, stream.stats, stop_reason)
+        return Reply(reply, token_ids, row.stats, stop_reason, prompt)
+
+
+_REASONS = {"eos": "end_of_turn", "stop": "end_of_turn"}  # the engine's words -> a turn's
 
 
 def run_chat(session: ChatSession, read: Callable[[str], str] = input) -> None:

@@ -202,9 +202,11 @@ def test_eager_equals_sdpa_modules(kind: str, heads: str) -> None:
             cache = KVCache(1, B, n_kv_heads, n_keys, 8)
             prefix = n_keys - n_queries
             prefix_mask = AttentionMask(is_causal=True)
-            module(x[:, :prefix], prefix_mask, cache=cache)
-            cache.advance(prefix)
-            outs.append(module(x[:, prefix:], mask, cache=cache))
+            for part, part_mask in ((slice(0, prefix), prefix_mask), (slice(prefix, None), mask)):
+                positions = torch.arange(n_keys)[part]
+                cache.begin(positions)
+                out = module(x[:, part], part_mask, cache=cache, positions=positions)
+            outs.append(out)
         else:
             outs.append(module(x, mask))
     eager, fused = outs

@@ -1,6 +1,7 @@
-"""Batched generation with left padding (issue 5): every row of Engine.generate_batch must equal
-generating its prompt alone with Engine.generate, whose own reference is a full recompute
-(tests/test_engine.py)."""
+"""Batched generation (issues 5 and 13): every row of Engine.generate_batch must equal generating
+its prompt alone with Engine.generate, whose own reference is a full recompute
+(tests/test_engine.py). The model-level left-padding path (position_ids + padding_mask) is
+checked against unpadded forwards too."""
 
 from __future__ import annotations
 
@@ -101,20 +102,18 @@ def test_eos_stops_only_its_row_and_stats_are_per_row_or_shared():
     assert results[0].token_ids == tokens[0] and results[0].stats.stop_reason == "max_new_tokens"
     assert [r.stats.generated_tokens for r in results] == [len(r.token_ids) for r in results]
 
-    shared = {
-        (s.time_to_first_token_s, s.decode_tokens_per_s, s.total_time_s, s.kv_cache_bytes)
-        for s in (r.stats for r in results)
-    }
-    assert len(shared) == 1 and all(r.stats.batch_size == 4 for r in results)
-    stats = results[0].stats
+    # Each row's statistics are its own: its slot holds its prompt and its tokens but the last.
     cfg = model.cfg
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # fp32
-    # Every row holds the longest prompt's columns plus one per step but the last.
-    assert stats.kv_cache_bytes == per_token * 4 * (10 + 10 - 1)
-    # Decode tokens/s counts every row's tokens after the first step.
-    decode_tokens = sum(len(r.token_ids) for r in results) - 4
-    decode_time = stats.total_time_s - stats.time_to_first_token_s
-    assert stats.decode_tokens_per_s == pytest.approx(decode_tokens / decode_time)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        stats = result.stats
+        assert stats.batch_size == 4
+        assert stats.kv_cache_bytes == per_token * (len(prompt) + len(result.token_ids) - 1)
+        decode_time = stats.total_time_s - stats.time_to_first_token_s
+        if len(result.token_ids) > 1:
+            assert stats.decode_tokens_per_s == pytest.approx(
+                (len(result.token_ids) - 1) / decode_time, rel=0.05
+            )
 
 
 def test_batch_of_one_equals_generate_also_when_sampling():
@@ -148,25 +147,31 @@ def test_caches_of_different_batch_sizes_do_not_mix():
     assert engine.generate(PROMPTS[2], max_new_tokens=8, temperature=0.0).token_ids == before
 
 
-def test_a_full_window_stops_every_unfinished_row():
+def test_a_full_window_stops_each_row_where_it_would_alone():
     model = tiny_model(position="learned")
     long_prompt = [i % 37 for i in range(40)]
     results = gf.Engine(model).generate_batch(
         [long_prompt, [1, 2]], max_new_tokens=100, temperature=0.0
     )
-    # The longest row stops exactly where it would alone (test_engine: 40 + n == L + 1).
-    assert 40 + len(results[0].token_ids) == model.cfg.max_seq_len + 1
-    assert len(results[1].token_ids) == len(results[0].token_ids)  # the window is the batch's
+    # Each row has its own window (test_engine: prompt + n == L + 1 when the window fills).
+    L = model.cfg.max_seq_len
+    assert 40 + len(results[0].token_ids) == L + 1
+    assert 2 + len(results[1].token_ids) == L + 1
     assert {r.stats.stop_reason for r in results} == {"context_full"}
+    assert [r.token_ids for r in results] == alone(
+        gf.Engine(model), [long_prompt, [1, 2]], max_new_tokens=100, temperature=0.0
+    )
 
 
-def test_rnn_runs_each_prompt_alone():
+@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
+def test_rnn_rows_batch_and_equal_each_prompt_alone(cell):
+    """A recurrent state has no positions: each row's slot holds its own hidden state."""
     torch.manual_seed(0)
-    cfg = gf.ModelConfig(family="rnn", cell="lstm", vocab_size=37, d_model=16, n_layers=2)
+    cfg = gf.ModelConfig(family="rnn", cell=cell, vocab_size=37, d_model=16, n_layers=2)
     engine = gf.Engine(gf.build_model(cfg).eval())
     results = engine.generate_batch(PROMPTS, max_new_tokens=6, temperature=0.0)
     assert [r.token_ids for r in results] == alone(engine, PROMPTS, max_new_tokens=6, temperature=0)
-    assert all(r.stats.batch_size == 1 for r in results)
+    assert all(r.stats.batch_size == 4 for r in results)
 
 
 @pytest.mark.parametrize(
@@ -225,3 +230,35 @@ def test_smollm2_batch_equals_each_prompt_alone():
     engine = gf.Engine(model)
     results = engine.generate_batch(ids, max_new_tokens=20, temperature=0.0)
     assert [r.token_ids for r in results] == alone(engine, ids, max_new_tokens=20, temperature=0)
+
+
+def test_cli_sampling_flags_reach_every_row(tmp_path, capsys):
+    """--stop cuts each row's text at its stop string (OpenAI's convention); --min-p and
+    --repetition-penalty give what the Engine gives with the same SamplingParams fields (on the
+    decode kernels, as the CLI runs the model)."""
+    text = "abcdefghijklmnopqrstuvwxyz ,.!"
+    tokenizer = CharTokenizer.from_text(text)
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    save_checkpoint(tmp_path, 0, model, model.cfg, tokenizer)
+    prompts = ["to be or", "not to be"]
+    engine = gf.Engine(gf.optimize_for_decode(model), tokenizer=tokenizer)
+    free = [tokenizer.decode(engine.generate(tokenizer.encode(p), 12, temperature=0.0).token_ids)
+            for p in prompts]  # fmt: skip
+    stop = free[0][3:5]
+    base = ["generate", "--model", str(tmp_path), *prompts, "--temperature", "0",
+            "--max-new-tokens", "12"]  # fmt: skip
+    assert main([*base, "--stop", stop]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"[1] {prompts[0]}{free[0][: free[0].index(stop)] + stop}"
+    for flags, fields in (
+        (["--min-p", "0.3", "--temperature", "1", "--seed", "3"],
+         {"min_p": 0.3, "temperature": 1.0, "seed": 3}),
+        (["--repetition-penalty", "3.0", "--temperature", "0"], {"repetition_penalty": 3.0}),
+    ):  # fmt: skip
+        assert main([*base[:3], prompts[0], "--max-new-tokens", "12", *flags]) == 0
+        out = capsys.readouterr().out
+        ids = tokenizer.encode(prompts[0])
+        expected = engine.generate(ids, 12, **{"temperature": 0.0, **fields}).token_ids
+        assert expected != engine.generate(ids, 12, temperature=fields.get("temperature", 0.0),
+                                           seed=fields.get("seed")).token_ids  # fmt: skip
+        assert out == prompts[0] + tokenizer.decode(expected) + "\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,31 @@ def test_load_rebuilds_the_model_and_tokenizer(tmp_path: Path) -> None:
     assert loaded_tokenizer.encode("kick") == tokenizer.encode("kick")
     (tmp_path / "step-000007" / "tokenizer.json").unlink()
     assert load(tmp_path)[1] is None
+
+
+def test_loading_a_checkpoint_never_imports_the_trainer(tmp_path: Path) -> None:
+    """The format lives in interop/checkpoint.py, below train/ (DESIGN.md: imports only point
+    down): a fresh process that imports the package and interop and loads a saved run the way
+    generate and convert do (from_pretrained) holds no glassformer.train module afterwards."""
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path, 7, build_model(CONFIG), CONFIG, tokenizer=CharTokenizer(list("ab")))
+    script = (
+        "import sys\n"
+        "import glassformer, glassformer.interop.convert, glassformer.interop.gguf\n"
+        "from glassformer.interop.pretrained import from_pretrained\n"
+        "model, tokenizer = from_pretrained(sys.argv[1])\n"
+        "assert tokenizer.encode('ba') == [1, 0]\n"
+        "print(sorted(name for name in sys.modules if name.startswith('glassformer.train')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 # --- pruning ----------------------------------------------------------------------------------

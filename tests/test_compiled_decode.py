@@ -41,11 +41,15 @@ def eager_step_logits(model, prompt: list[int], continuation: list[int]) -> list
 
 
 def decoder_step_logits(decoder, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
-    cache = decoder._cache(len(prompt) + len(continuation))
-    with torch.no_grad():
-        logits = [decoder.prefill(torch.tensor([prompt]), cache)]
-        for token in continuation:
-            logits.append(decoder.decode(torch.tensor([token]), cache))
+    """The decoder's logits: the prompt through the model eagerly, then one (compiled) step per
+    token, over the decoder's static cache."""
+    decoder.reserve(1, len(prompt) + len(continuation))
+    cache = decoder.cache
+    with torch.inference_mode():
+        logits = [decoder.forward(torch.tensor([prompt]), torch.arange(len(prompt)), cache)]
+        for i, token in enumerate(continuation):
+            position = torch.tensor([len(prompt) + i])
+            logits.append(decoder.compiled_forward(torch.tensor([[token]]), position, cache))
     return logits
 
 

@@ -31,9 +31,10 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from glassformer.chat import ChatSession, SamplingOptions
+from glassformer.chat import ChatSession
 from glassformer.cli import main
 from glassformer.infer.engine import Engine
+from glassformer.infer.sampling import SamplingParams
 from glassformer.interop.gguf import load_gguf
 from glassformer.interop.hf import InteropError
 from glassformer.interop.pretrained import from_pretrained, resolve
@@ -343,7 +344,10 @@ def test_from_pretrained_reads_gguf_and_chat_stops_and_survives_ctrl_c(tmp_path,
     model, tokenizer = from_pretrained(write_gguf(tmp_path / "c.gguf", hf, vocab))
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template == CHATML
     session = ChatSession(
-        Engine(model), tokenizer, system="Be brief.", sampling=SamplingOptions(max_new_tokens=20)
+        Engine(model),
+        tokenizer,
+        system="Be brief.",
+        sampling=SamplingParams(max_new_tokens=20, temperature=0.7),
     )
     pieces: list[str] = []
 
@@ -561,3 +565,23 @@ def test_cli_chat_streams_replies_and_ctrl_c_stops_only_the_reply():
     assert "[stopped]" in out.text[start:stopped]
     answer = out.text[out.wait_for("(conversation cleared)", after=stopped) : stats]
     assert "4" in answer and "time to first token" in answer and "tok/s" in answer
+
+
+def test_chat_keeps_the_conversation_cache_and_equals_a_full_prefill(tmp_path, vocab):
+    """Turn N prefills only what follows the prefix it shares with turn N - 1; every reply is
+    still token for token what a fresh engine prefilling the whole conversation produces."""
+    hf = tiny_hf_model(num_key_value_heads=2)
+    model, tokenizer = from_pretrained(write_gguf(tmp_path / "c.gguf", hf, vocab))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    session = ChatSession(Engine(model), tokenizer, system="Be brief.", sampling=greedy)
+    for turn, text in enumerate(["hi there", "and again", "one more", "a fourth"]):
+        reply = session.send(text, write=lambda _: None)
+        prompt = reply.prompt_ids
+        fresh = Engine(model).generate(
+            prompt, 8, temperature=0.0, eos_token_id=tokenizer.eos_token_id,
+            stop_token_ids=sorted(session.stop_ids),
+        )  # fmt: skip
+        expected = [t for t in fresh.token_ids if t not in session.stop_ids]
+        assert reply.token_ids == expected, f"turn {turn}"
+        cached = reply.stats.cached_prompt_tokens
+        assert (cached == 0) if turn == 0 else (0 < cached < len(prompt)), f"turn {turn}"

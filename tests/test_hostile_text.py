@@ -75,6 +75,7 @@ def test_raw_control_tokens_are_an_explicit_choice(smol):
 
 class _Engine:
     max_seq_len = 2048
+    max_rows = 1
 
 
 def test_chat_session_sends_typed_control_tokens_as_text(smol):

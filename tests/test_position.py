@@ -333,8 +333,8 @@ def test_gpt_alibi_mask_carries_the_bias() -> None:
     slopes = _press_get_slopes(4)
     # a decode step: 2 new queries after 3 cached keys, masked as the model masks them
     cache = model.new_cache(max_seq_len=8)
-    cache.advance(3)
-    mask = model._attention_mask(2, cache, None, None, torch.device("cpu"))
+    positions = torch.tensor([3, 4])
+    mask = model._attention_mask(positions, cache.begin(positions), None, None)
     for h in range(4):
         for i, qi in enumerate((3, 4)):
             for j in range(qi + 1):

@@ -253,3 +253,51 @@ def test_tiny_temperature_stays_finite_and_approaches_greedy() -> None:
 def test_sample_rejects_3d_logits() -> None:
     with pytest.raises(ValueError, match=r"logits\[:, -1, :\]"):
         sample(torch.zeros(1, 2, 3), SamplingParams())
+
+
+# --- min-p and the repetition penalty, against transformers' own processors -------------------
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.2, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_min_p_after_temperature_equals_transformers(min_p, temperature):
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50) * 3
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    expected = MinPLogitsWarper(min_p)(ids, TemperatureLogitsWarper(temperature)(ids, logits))
+    expected = torch.softmax(expected, dim=-1)
+    got = sampling_distribution(logits, SamplingParams(temperature=temperature, min_p=min_p))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.0, 1.3, 2.0])
+def test_repetition_penalty_equals_transformers(penalty):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from glassformer.infer.sampling import penalize_repetition
+
+    torch.manual_seed(4)
+    logits = torch.randn(2, 30) * 4  # positive and negative logits among the seen tokens
+    seen = torch.tensor([[1, 5, 5, 7, 29], [0, 2, 4, 6, 8]])
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone())
+    torch.testing.assert_close(penalize_repetition(logits, seen, penalty), expected)
+
+
+def test_the_engine_applies_the_repetition_penalty_to_the_rows_own_tokens():
+    """A greedy row with a huge penalty never repeats a token of its prompt or its own."""
+    import glassformer as gf
+
+    torch.manual_seed(0)
+    cfg = gf.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
+    model = gf.build_model(cfg).eval()
+    prompt = [1, 2, 3]
+    plain = gf.Engine(model).generate(prompt, 20, temperature=0.0, eos_token_id=-1).token_ids
+    assert len(set(prompt + plain)) < len(prompt + plain)  # the plain model repeats itself
+    penalized = (
+        gf.Engine(model)
+        .generate(prompt, 20, temperature=0.0, eos_token_id=-1, repetition_penalty=1e6)
+        .token_ids
+    )
+    assert len(set(prompt + penalized)) == len(prompt + penalized)

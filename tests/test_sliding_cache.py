@@ -168,7 +168,7 @@ def test_left_padded_batch_with_the_ring_equals_each_row_alone() -> None:
 
 def test_ring_slots_hold_the_full_caches_keys_at_key_positions() -> None:
     """After every step, slot s holds the same rotated key and value as a full KVCache at
-    position key_positions(1)[s]: the write-at-position-mod-W bookkeeping, checked directly."""
+    position key_positions(t, 1)[s]: the write-at-position-mod-W bookkeeping, checked directly."""
     model = _model(5)
     ids = torch.randint(0, VOCAB, (1, 23))
     ring, full = model.new_cache(1, kind="sliding"), model.new_cache(1, kind="full")
@@ -179,9 +179,7 @@ def test_ring_slots_hold_the_full_caches_keys_at_key_positions() -> None:
         for t in range(8, 23):
             for cache in (ring, full):
                 model(ids[:, t : t + 1], cache=cache)
-            ring.length -= 1  # the positions the slots held after this step's write
-            positions = ring.key_positions(1)
-            ring.length += 1
+            positions = ring.key_positions(t, 1)  # the positions the slots hold after step t
             assert sorted(positions.tolist()) == list(range(t + 1 - 5, t + 1))
             n = len(positions)
             torch.testing.assert_close(ring.k[..., :n, :], full.k[..., positions, :])

@@ -2,8 +2,9 @@
 `python -m glassformer`).
 
 One module per command group; each registers its commands with `add_parser(subparsers)`, and
-each command is a typed handler that takes the parsed flags. Errors a user can fix print one
-clear line (--debug or GLASSFORMER_DEBUG=1 for the traceback).
+each command is a typed handler that takes the parsed flags and whose docstring is its help
+(common.add_command). Errors a user can fix print one clear line (--debug or GLASSFORMER_DEBUG=1
+for the traceback).
 """
 
 from __future__ import annotations

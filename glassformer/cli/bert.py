@@ -7,7 +7,13 @@ import argparse
 import json
 from pathlib import Path
 
-from glassformer.cli.common import add_threads_flag, load_with_tokenizer, positive_int, set_threads
+from glassformer.cli.common import (
+    add_command,
+    add_threads_flag,
+    load_with_tokenizer,
+    positive_int,
+    set_threads,
+)
 
 
 def encode_with_cls_sep(tokenizer, text: str) -> list[int]:
@@ -22,6 +28,11 @@ def encode_with_cls_sep(tokenizer, text: str) -> list[int]:
 
 
 def cmd_fill_mask(args: argparse.Namespace) -> None:
+    """top candidates for each [MASK] from a BERT (e.g. an mlm-trained checkpoint)
+
+    Encode TEXT as [CLS] TEXT [SEP], run the encoder once (both directions) and print the most
+    probable tokens with their probabilities at every [MASK].
+    """
     from glassformer.infer.fill_mask import fill_mask
 
     set_threads(args.threads)
@@ -42,7 +53,13 @@ def cmd_fill_mask(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from glassformer.train.checkpoint import load, resolve_checkpoint
+    """score a trained run on its task (genre: held-out accuracy vs majority baseline)
+
+    Rebuild the run's task from its run_config.json and the checkpoint's tokenizer, then print
+    the task's scores (genre: accuracy on the held-out plays next to always guessing the
+    majority class; mlm: val loss vs unigram entropy).
+    """
+    from glassformer.interop.checkpoint import load, resolve_checkpoint
     from glassformer.train.config import RunConfig
     from glassformer.train.tasks import make_task
 
@@ -74,27 +91,14 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "fill-mask",
-        help="top candidates for each [MASK] from a BERT (e.g. an mlm-trained checkpoint)",
-        description="Encode TEXT as [CLS] TEXT [SEP], run the encoder once (both directions) and "
-        "print the most probable tokens with their probabilities at every [MASK].",
-    )
+    p = add_command(sub, "fill-mask", cmd_fill_mask)
     p.add_argument("text", metavar="TEXT", help='e.g. "To be or not to [MASK]"')
     p.add_argument(
         "--model", required=True, help="mlm checkpoint directory or BertForMaskedLM folder"
     )
     p.add_argument("--top-k", type=positive_int, default=5, help="candidates per [MASK] (5)")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_fill_mask)
 
-    p = sub.add_parser(
-        "evaluate",
-        help="score a trained run on its task (genre: held-out accuracy vs majority baseline)",
-        description="Rebuild the run's task from its run_config.json and the checkpoint's "
-        "tokenizer, then print the task's scores (genre: accuracy on the held-out plays next "
-        "to always guessing the majority class; mlm: val loss vs unigram entropy).",
-    )
+    p = add_command(sub, "evaluate", cmd_evaluate)
     p.add_argument("--model", required=True, help="a run directory (its out_dir) or step-*")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_evaluate)

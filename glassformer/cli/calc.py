@@ -16,7 +16,7 @@ from glassformer.calc import (
     preset_names,
     resolve_preset,
 )
-from glassformer.cli.common import positive_int
+from glassformer.cli.common import add_command_group, positive_int
 from glassformer.cli.models import format_model_parameters
 
 
@@ -73,16 +73,17 @@ def cmd_calc_flops(args: argparse.Namespace) -> None:
     print(format_flops(cfg, name, args.context or cfg.max_seq_len))
 
 
+GROUP_HELP = """parameters, KV-cache bytes and FLOPs of a preset, run config or checkpoint
+
+Calculators from a config, no weights needed (seed 000 §2.1, seed 002): params (the parameter
+table, MoE total vs active), kv-cache (bytes per token and in all; what GQA/MQA and a sliding
+window change), flops (per token: matmuls and the attention part that grows with the context;
+training = 3 x forward).
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "calc",
-        help="parameters, KV-cache bytes and FLOPs of a preset, run config or checkpoint",
-        description="Calculators from a config, no weights needed (seed 000 §2.1, seed 002): "
-        "params (the parameter table, MoE total vs active), kv-cache (bytes per token and in "
-        "all; what GQA/MQA and a sliding window change), flops (per token: matmuls and the "
-        "attention part that grows with the context; training = 3 x forward).",
-    )
-    calc = p.add_subparsers(dest="calc_command", required=True, metavar="WHAT")
+    calc = add_command_group(sub, "calc", GROUP_HELP, dest="calc_command")
     commands = {
         "params": ("the parameter table by component, per layer and in all", cmd_calc_params),
         "kv-cache": ("KV-cache bytes per token and for --tokens tokens", cmd_calc_kv_cache),

@@ -9,43 +9,40 @@ import sys
 
 from glassformer.cli.common import (
     DecodeOptions,
+    add_command,
     add_decode_flags,
     add_sampling_flags,
     load_for_decode,
+    sampling_kwargs,
 )
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
-    from glassformer.chat import ChatSession, SamplingOptions, run_chat
+    """interactive chat with a pretrained model (e.g. --model smollm2)
+
+    Chat in the terminal: each turn is rendered with the model's chat template, the reply
+    streams as it is generated, and time to first token and tokens/s follow it. /reset clears
+    the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply.
+    """
+    from glassformer.chat import ChatSession, run_chat
     from glassformer.infer.engine import Engine
+    from glassformer.infer.sampling import SamplingParams
 
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "chat needs one with a chat template")
-    sampling = SamplingOptions(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    sampling = SamplingParams(**sampling_kwargs(args, eos_token_id=None))
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")
     session = ChatSession(
-        Engine(model), tokenizer, system=args.system, sampling=sampling,
+        Engine(model, tokenizer=tokenizer), tokenizer, system=args.system, sampling=sampling,
         parse_special=args.parse_special,
     )  # fmt: skip
     run_chat(session)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "chat",
-        help="interactive chat with a pretrained model (e.g. --model smollm2)",
-        description="Chat in the terminal: each turn is rendered with the model's chat template, "
-        "the reply streams as it is generated, and time to first token and tokens/s follow it. "
-        "/reset clears the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply.",
-    )
+    p = add_command(sub, "chat", cmd_chat)
     p.add_argument(
         "--model", required=True, help="alias (smollm2), Hugging Face folder or .gguf file"
     )
@@ -58,4 +55,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_sampling_flags(p, max_new_tokens=512, temperature=0.7)
     add_decode_flags(p)
-    p.set_defaults(func=cmd_chat)

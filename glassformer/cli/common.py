@@ -1,9 +1,12 @@
-"""What several commands share: argument types, the sampling and device flags, threads, and
-loading a model with its tokenizer, ready to decode on the chosen device."""
+"""What several commands share: registering a command with its help, argument types, the
+sampling and device flags, threads, and loading a model with its tokenizer, ready to decode on
+the chosen device."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +17,45 @@ from glassformer.devices import DEVICES, resolve_device
 
 if TYPE_CHECKING:
     from glassformer.tokenizers import Tokenizer
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+Handler = Callable[[argparse.Namespace], None]
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, handler: Handler
+) -> argparse.ArgumentParser:
+    """Register the command NAME, which runs handler(args). The handler's docstring is its help,
+    so the words a user reads stand beside the code they describe (see _help_and_description;
+    `python -OO` strips docstrings, and with them the help, as with click or typer)."""
+    p = sub.add_parser(name, **_help_and_description(handler.__doc__ or ""))
+    p.set_defaults(func=handler)
+    return p
+
+
+def add_command_group(
+    sub: argparse._SubParsersAction, name: str, about: str, dest: str
+) -> argparse._SubParsersAction:
+    """Register NAME as a group of commands (`NAME WHAT`, WHAT required, stored as args.DEST),
+    described by `about` as a command is by its handler's docstring; add the group's commands
+    to what this returns."""
+    p = sub.add_parser(name, **_help_and_description(about))
+    return p.add_subparsers(dest=dest, required=True, metavar="WHAT")
+
+
+def _help_and_description(text: str) -> dict[str, str | None]:
+    """The first paragraph is the help: NAME's line in the parent's --help. The rest is the
+    description that `NAME --help` opens with (none if there is no rest)."""
+    summary, *rest = re.split(r"\n\s*\n", text.strip(), maxsplit=1)
+    return {
+        "help": " ".join(summary.split()),
+        "description": " ".join(rest[0].split()) if rest else None,
+    }
+
+
+# --- argument types ---------------------------------------------------------------------------
 
 
 def positive_int(text: str) -> int:
@@ -76,6 +118,24 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
         type=float,
         help="sample from the smallest set of tokens whose probability is >= p",
     )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        help="keep only tokens at least this fraction as likely as the most likely one (e.g. 0.05)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="make tokens already in the text less likely: >1 penalizes repeats (default 1, off)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop once the generated text contains TEXT (repeat the flag for several)",
+    )
     p.add_argument("--seed", type=seed, help="seed for reproducible sampling")
 
 
@@ -86,6 +146,9 @@ def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": tuple(args.stop),
         "seed": args.seed,
         "eos_token_id": eos_token_id,
     }

@@ -11,6 +11,7 @@ from torch import nn
 
 from glassformer.cli.common import (
     DecodeOptions,
+    add_command,
     add_decode_flags,
     add_sampling_flags,
     load_for_decode,
@@ -20,16 +21,22 @@ from glassformer.cli.stats import format_batch_stats, format_stats
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    """generate text from a checkpoint
+
+    Prefill the prompt, then decode token by token with a KV cache, streaming. Several prompts
+    are generated together, each a row of the engine at its own position, and printed numbered
+    when all are done.
+    """
     from glassformer.infer.engine import Engine
 
     options = DecodeOptions.from_args(args, compile=args.compile)
     model, tokenizer = load_for_decode(args.model, options, "generate needs one to encode text")
     if len(args.prompt) > 1:
-        _generate_batch(args, Engine(model), tokenizer)
+        _generate_batch(args, Engine(model, tokenizer=tokenizer), tokenizer)
     elif args.compile:
         _generate_compiled(args, model, tokenizer)
     else:
-        _generate_stream(args, Engine(model), tokenizer)
+        _generate_stream(args, Engine(model, tokenizer=tokenizer), tokenizer)
 
 
 def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
@@ -61,7 +68,7 @@ def _generate_compiled(args: argparse.Namespace, model: nn.Module, tokenizer) ->
     from glassformer.infer.compiled import CompiledDecoder
 
     print("compiling the decode step (once per process)...", file=sys.stderr)
-    result = CompiledDecoder(model).generate(
+    result = CompiledDecoder(model, tokenizer=tokenizer).generate(
         tokenizer.encode(args.prompt[0]),
         **sampling_kwargs(args, tokenizer.eos_token_id),
     )
@@ -72,11 +79,12 @@ def _generate_compiled(args: argparse.Namespace, model: nn.Module, tokenizer) ->
 
 
 def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
-    """Several prompts: generate them as one left-padded batch, then print each prompt and its
+    """Several prompts: generate them together (a row each), then print each prompt and its
     continuation on a line of its own, numbered from 1 (a batch does not stream)."""
     results = engine.generate_batch(
         [tokenizer.encode(prompt) for prompt in args.prompt],
         **sampling_kwargs(args, tokenizer.eos_token_id),
+        on_full_context=args.on_full_context,
     )
     for number, (prompt, result) in enumerate(zip(args.prompt, results, strict=True), start=1):
         # The end-of-sequence marker is a stop signal, not text.
@@ -87,13 +95,7 @@ def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate text from a checkpoint",
-        description="Prefill the prompt, then decode token by token with a KV cache, streaming. "
-        "Several prompts are generated together as one left-padded batch and printed numbered "
-        "when all are done.",
-    )
+    p = add_command(sub, "generate", cmd_generate)
     p.add_argument(
         "prompt",
         nargs="+",
@@ -119,11 +121,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("shift", "stop"),
         default="shift",
         help="when the context window fills up: keep its second half and go on (shift, the "
-        "default), or stop (a batch of several prompts always stops)",
+        "default), or stop",
     )
     p.add_argument(
         "--stats",
         action="store_true",
         help="print time to first token, decode tokens/s and KV-cache bytes",
     )
-    p.set_defaults(func=cmd_generate)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from glassformer.cli.common import (
+    add_command,
+    add_command_group,
     add_device_flag,
     add_threads_flag,
     load_with_tokenizer,
@@ -18,6 +20,13 @@ from glassformer.devices import resolve_device
 
 
 def cmd_inspect_attention(args: argparse.Namespace) -> None:
+    """which tokens a token attends to, per layer and head, plus heatmaps
+
+    Run TEXT through the model with attention capture on (seed 000 §3.3, §4.2). For the chosen
+    token print, per layer, the keys it attends to most (mean over heads) and the single head
+    that attends most to each; write a PNG with one heatmap per layer (mean over heads) and one
+    with every head of --layer (or only --head).
+    """
     from glassformer.inspect import attention_view, plots, top_attended
 
     device = resolve_device(args.device)
@@ -88,22 +97,16 @@ def cmd_inspect_attention(args: argparse.Namespace) -> None:
     print("wrote " + " and ".join(str(p) for p in written))
 
 
+GROUP_HELP = """look inside a model: attention maps (inspect attention)
+
+Look inside a model. `inspect attention` shows which tokens a token attends to in every layer and
+plots the attention matrices.
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="look inside a model: attention maps (inspect attention)",
-        description="Look inside a model. `inspect attention` shows which tokens a token "
-        "attends to in every layer and plots the attention matrices.",
-    )
-    inspect_sub = p.add_subparsers(dest="what", required=True, metavar="WHAT")
-    p = inspect_sub.add_parser(
-        "attention",
-        help="which tokens a token attends to, per layer and head, plus heatmaps",
-        description="Run TEXT through the model with attention capture on (seed 000 §3.3, "
-        "§4.2). For the chosen token print, per layer, the keys it attends to most (mean over "
-        "heads) and the single head that attends most to each; write a PNG with one heatmap "
-        "per layer (mean over heads) and one with every head of --layer (or only --head).",
-    )
+    inspect_sub = add_command_group(sub, "inspect", GROUP_HELP, dest="what")
+    p = add_command(inspect_sub, "attention", cmd_inspect_attention)
     p.add_argument("text", metavar="TEXT", help="e.g. \"The animal didn't cross the street "
                    "because it was too tired\"")  # fmt: skip
     p.add_argument(
@@ -148,4 +151,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "where the model runs: auto (a CUDA GPU, then Apple's MPS, then the CPU), cpu, cuda "
         "or mps (default auto); the weights come back to the CPU for printing and plots",
     )
-    p.set_defaults(func=cmd_inspect_attention)

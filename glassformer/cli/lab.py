@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from glassformer.cli.common import positive_int, seed
+from glassformer.cli.common import add_command, add_command_group, positive_int, seed
 
 
 def cmd_lab_list(args: argparse.Namespace) -> None:
+    """the experiments, their claims and sources"""
     from glassformer.lab.base import discover
 
     for exp in discover().values():
@@ -18,6 +19,11 @@ def cmd_lab_list(args: argparse.Namespace) -> None:
 
 
 def cmd_lab_run(args: argparse.Namespace) -> None:
+    """run one experiment (NAME) or all (--all)
+
+    Run experiments; write OUT/NAME.json and OUT/NAME.png and print the table, the checks and
+    the verdict.
+    """
     from glassformer.lab.base import RunContext
     from glassformer.lab.runner import run_many
 
@@ -32,26 +38,23 @@ def cmd_lab_run(args: argparse.Namespace) -> None:
 
 
 def cmd_lab_report(args: argparse.Namespace) -> None:
+    """write docs/claims.md from the results folder"""
     from glassformer.lab.report import write_report
 
     print(f"wrote {write_report(args.out, args.to)}")
 
 
+GROUP_HELP = """the claims lab: run the tutorials' checkable claims (lab list | run | report)
+
+Each experiment tests one claim quoted from the tutorials: it prints the numbers, writes a figure
+and a JSON, and says whether the claim holds here.
+"""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "lab",
-        help="the claims lab: run the tutorials' checkable claims (lab list | run | report)",
-        description="Each experiment tests one claim quoted from the tutorials: it prints the "
-        "numbers, writes a figure and a JSON, and says whether the claim holds here.",
-    )
-    lab_sub = p.add_subparsers(dest="lab_command", required=True, metavar="WHAT")
-    q = lab_sub.add_parser("list", help="the experiments, their claims and sources")
-    q.set_defaults(func=cmd_lab_list)
-    q = lab_sub.add_parser(
-        "run", help="run one experiment (NAME) or all (--all)",
-        description="Run experiments; write OUT/NAME.json and OUT/NAME.png and print the table, "
-        "the checks and the verdict.",
-    )  # fmt: skip
+    lab_sub = add_command_group(sub, "lab", GROUP_HELP, dest="lab_command")
+    add_command(lab_sub, "list", cmd_lab_list)
+    q = add_command(lab_sub, "run", cmd_lab_run)
     q.add_argument("name", nargs="?", metavar="NAME", help="an experiment (see lab list)")
     q.add_argument("--all", action="store_true", help="run every experiment")
     q.add_argument("--quick", action="store_true", help="small sizes: under 3 min on 2 cores")
@@ -59,8 +62,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--out", default="docs/lab", help="results folder (default docs/lab)")
     q.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
     q.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
-    q.set_defaults(func=cmd_lab_run)
-    q = lab_sub.add_parser("report", help="write docs/claims.md from the results folder")
+    q = add_command(lab_sub, "report", cmd_lab_report)
     q.add_argument("--out", default="docs/lab", help="results folder to read (default docs/lab)")
     q.add_argument("--to", default="docs/claims.md", help="markdown file (default docs/claims.md)")
-    q.set_defaults(func=cmd_lab_report)

@@ -15,7 +15,7 @@ from glassformer.calc import (
     parameter_table,
     rnn_state_bytes,
 )
-from glassformer.cli.common import load_with_tokenizer, positive_int
+from glassformer.cli.common import add_command, load_with_tokenizer, positive_int
 from glassformer.config import ModelConfig
 
 # --- info -------------------------------------------------------------------------------------
@@ -47,6 +47,10 @@ def format_model_parameters(model: nn.Module, name: str) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
+    """parameters by component and KV-cache bytes of a checkpoint
+
+    Show a model's shape, its parameter table and its KV-cache cost per token.
+    """
     from glassformer.interop.pretrained import from_pretrained
 
     model, _ = from_pretrained(args.model)
@@ -72,6 +76,12 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
+    """sentence embeddings from an encoder (e.g. --model minilm)
+
+    Encode each sentence, mean-pool the encoder's hidden states over its tokens and
+    L2-normalize (the sentence-transformers recipe). Prints each embedding and, with
+    --similarity, the cosine similarity matrix.
+    """
     from glassformer.infer.embed import cosine_similarity_matrix, embed
 
     model, tokenizer = load_with_tokenizer(args.model, "embed needs one to encode text")
@@ -110,6 +120,12 @@ def print_similarity(matrix: list[list[float]]) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
+    """write a model as a Hugging Face folder (safetensors + config.json + tokenizer)
+
+    Convert SRC (an alias such as smollm2, a Hugging Face folder, a GGUF file or a glassformer
+    checkpoint) into a folder that transformers loads with AutoModelForCausalLM
+    (AutoModelForSeq2SeqLM for bart, t5).from_pretrained and runs with the same logits.
+    """
     from glassformer.interop.convert import convert_to_hf
 
     report = convert_to_hf(args.src, args.out, model_type=args.model_type, overwrite=args.overwrite)
@@ -127,25 +143,14 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "info",
-        help="parameters by component and KV-cache bytes of a checkpoint",
-        description="Show a model's shape, its parameter table and its KV-cache cost per token.",
-    )
+    p = add_command(sub, "info", cmd_info)
     p.add_argument(
         "--model",
         required=True,
         help="checkpoint directory, alias (smollm2), Hugging Face folder or .gguf file",
     )
-    p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser(
-        "embed",
-        help="sentence embeddings from an encoder (e.g. --model minilm)",
-        description="Encode each sentence, mean-pool the encoder's hidden states over its tokens "
-        "and L2-normalize (the sentence-transformers recipe). Prints each embedding and, with "
-        "--similarity, the cosine similarity matrix.",
-    )
+    p = add_command(sub, "embed", cmd_embed)
     p.add_argument("sentences", nargs="+", metavar="SENTENCE", help="the texts to embed")
     p.add_argument("--model", required=True, help="alias (minilm) or a Hugging Face BERT folder")
     p.add_argument("--similarity", action="store_true", help="print the cosine matrix")
@@ -156,16 +161,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="cut longer inputs to this many tokens (default: the model's max_seq_len; "
         "sentence-transformers uses 256 for MiniLM)",
     )
-    p.set_defaults(func=cmd_embed)
 
-    p = sub.add_parser(
-        "convert",
-        help="write a model as a Hugging Face folder (safetensors + config.json + tokenizer)",
-        description="Convert SRC (an alias such as smollm2, a Hugging Face folder, a GGUF file "
-        "or a glassformer checkpoint) into a folder that transformers loads with "
-        "AutoModelForCausalLM (AutoModelForSeq2SeqLM for bart, t5).from_pretrained and runs "
-        "with the same logits.",
-    )
+    p = add_command(sub, "convert", cmd_convert)
     p.add_argument("src", metavar="SRC", help="alias, Hugging Face folder, .gguf or checkpoint")
     p.add_argument("out", metavar="OUT", help="folder to write")
     p.add_argument(
@@ -182,4 +179,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="replace the model files in OUT if it already holds a model (never allowed for "
         "the folders the source itself lives in)",
     )
-    p.set_defaults(func=cmd_convert)

@@ -29,16 +29,18 @@ def format_stats(stats: GenerationStats) -> str:
 
 
 def format_batch_stats(rows: Sequence[GenerationStats]) -> str:
-    """A batch: each row's tokens and stop reason; the times, rates and cache bytes are the
-    batch's, shared by all rows (the first row's copy stands for them)."""
-    batch = rows[0]
+    """A batch: each row's tokens and stop reason; the rows decode side by side, so their
+    decode rates add up, and each holds its own slot of the KV cache."""
+    first_token_ms = [s.time_to_first_token_s * 1e3 for s in rows]
+    in_use = sum(s.kv_cache_bytes for s in rows) / 1024
+    allocated = sum(s.kv_cache_capacity_bytes for s in rows) / 1024
     return (
         f"[batch of {len(rows)}: {sum(s.prompt_tokens for s in rows)} prompt tokens, "
         f"{sum(s.generated_tokens for s in rows)} generated, stop: "
         f"{', '.join(s.stop_reason for s in rows)}] time to first token "
-        f"{batch.time_to_first_token_s * 1e3:.1f} ms | decode {batch.decode_tokens_per_s:.1f}"
-        f" tok/s (all rows) | prefill {batch.prefill_tokens_per_s:.0f} tok/s | "
-        f"{_kv_cache(batch)}"
+        f"{min(first_token_ms):.1f}-{max(first_token_ms):.1f} ms | decode "
+        f"{sum(s.decode_tokens_per_s for s in rows):.1f} tok/s (all rows) | KV cache "
+        f"{in_use:.1f} KiB in use of {allocated:.1f} KiB allocated"
     )
 
 
@@ -48,5 +50,6 @@ def format_reply_stats(stats: GenerationStats, reply_tokens: int, stop_reason: s
     return (
         f"[{reply_tokens} tokens | time to first token "
         f"{stats.time_to_first_token_s * 1e3:.0f} ms | {stats.decode_tokens_per_s:.1f} tok/s | "
-        f"prompt {stats.prompt_tokens} tokens | stop: {stop_reason}]"
+        f"prompt {stats.prompt_tokens} tokens ({stats.cached_prompt_tokens} cached) | "
+        f"stop: {stop_reason}]"
     )

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from glassformer.cli.common import add_command
 from glassformer.devices import DEVICES
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    """train a model from a TOML config
+
+    Train a model. The TOML file has [model], [data] and [train] tables; see configs/ for
+    examples.
+    """
     from glassformer.train.config import load_run_config
     from glassformer.train.trainer import train
 
@@ -25,12 +31,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train a model from a TOML config",
-        description="Train a model. The TOML file has [model], [data] and [train] tables; see "
-        "configs/ for examples.",
-    )
+    p = add_command(sub, "train", cmd_train)
     p.add_argument("--config", help="TOML run config, e.g. configs/shakespeare-char.toml")
     p.add_argument(
         "--set",
@@ -59,4 +60,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "early loses nothing (without --resume or --overwrite such a folder is refused)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    p.set_defaults(func=cmd_train)

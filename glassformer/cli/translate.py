@@ -6,10 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glassformer.cli.common import add_threads_flag, positive_int, set_threads
+from glassformer.cli.common import add_command, add_threads_flag, positive_int, set_threads
 
 
 def cmd_translate(args: argparse.Namespace) -> None:
+    """modernize First Folio spelling with an encoder-decoder checkpoint
+
+    Translate TEXT (or stdin lines) with a seq2seq checkpoint trained on the Folio -> modern
+    spelling task (configs/folio2modern.toml). --eval instead decodes the held-out plays'
+    aligned pairs and prints chrF and BLEU (sacrebleu) for the model and for copying the input
+    unchanged.
+    """
     from glassformer.train import translation
 
     set_threads(args.threads)
@@ -32,14 +39,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "translate",
-        help="modernize First Folio spelling with an encoder-decoder checkpoint",
-        description="Translate TEXT (or stdin lines) with a seq2seq checkpoint trained on the "
-        "Folio -> modern spelling task (configs/folio2modern.toml). --eval instead decodes the "
-        "held-out plays' aligned pairs and prints chrF and BLEU (sacrebleu) for the model and "
-        "for copying the input unchanged.",
-    )
+    p = add_command(sub, "translate", cmd_translate)
     p.add_argument("texts", nargs="*", metavar="TEXT", help='e.g. "Long liue the King"')
     p.add_argument("--model", required=True, help="checkpoint directory (a run's out_dir)")
     p.add_argument(
@@ -63,4 +63,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--examples", type=int, default=3, help="example pairs --eval prints")
     add_threads_flag(p)
-    p.set_defaults(func=cmd_translate)

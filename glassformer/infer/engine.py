@@ -1,125 +1,303 @@
-"""The generation engine (seed 000 §2.5.1): prefill the prompt in one parallel pass into a
+"""The generation engine (seed 000 §2.5.1): prefill a prompt in one parallel pass into a
 preallocated KV cache, then decode one token at a time, sampling each from the logits.
 
-The engine knows token ids, not text: tokenizing and detokenizing happen at the face (CLI,
-server). Every generation reports time to first token, decode tokens/s and KV-cache bytes.
+The engine owns a cache of R row slots. `add` puts a prompt into a free slot (its prefill runs
+at once, its first token is sampled); `step` decodes one token for every active row in one
+batched forward, each row at its own position with its own SamplingParams and generator; a
+row that stops (eos, stop token or string, max_new_tokens, full context, cancel) leaves and
+its slot is free for the next `add`. This is continuous batching (vLLM's scheduler in
+miniature): a row that joins while others are mid-generation produces exactly the tokens it
+produces alone. `generate`, `stream` and `generate_batch` are thin loops over add and step.
+
+Live rows always fill the first slots, so a step reads one contiguous block of the cache. A
+row added with keep_cache=True is parked when it finishes (its slot keeps its keys/values)
+and the next turn of a conversation continues it, prefilling only the new tokens.
+
+The engine knows token ids, not text: given a tokenizer it also follows each row's text, for
+stop strings. Every row reports time to first token, decode tokens/s and KV-cache bytes.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from numbers import Integral
 
 import torch
 from torch import Tensor, nn
 
-from glassformer.infer.sampling import (
-    SamplingParams,
-    check_max_new_tokens,
-    make_generator,
-    resolve_eos,
-    sample,
+from glassformer.infer.rows import (
+    GenerationResult,
+    GenerationStats,
+    Row,
+    TokenStream,
+    check_integer_ids,
+    prompt_tensor,
 )
+from glassformer.infer.sampling import MAX_SEED, SamplingParams, resolve_eos
 from glassformer.models.common import check_token_ids
 
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "GenerationStats",
+    "Row",
+    "TokenStream",
+    "check_integer_ids",
+    "prompt_tensor",
+]
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    time_to_first_token_s: float = 0.0  # prefill + sampling the first new token
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0  # tokens after the first, per second of decoding
-    total_time_s: float = 0.0
-    kv_cache_bytes: int = 0  # bytes of keys/values held for the final context
-    kv_cache_capacity_bytes: int = 0  # bytes allocated for the whole cache
-    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
-    context_shifts: int = 0  # times a full context window was cut to its second half
-    # Rows generated together (Engine.generate_batch); above 1, the times, tokens/s and
-    # KV-cache bytes are the whole batch's, shared by its rows.
-    batch_size: int = 1
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]  # the new tokens only
-    stats: GenerationStats
-
-
-@dataclass
-class TokenStream:
-    """An iterator of new token ids; `stats` is complete once the iterator is exhausted."""
-
-    _tokens: Iterator[int]
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    def __iter__(self) -> Iterator[int]:
-        return self._tokens
-
-    def __next__(self) -> int:
-        return next(self._tokens)
-
-
-def check_integer_ids(ids: Sequence[int] | Tensor) -> None:
-    """Token ids are whole numbers: 1.5 or True would otherwise be cast to 1 without a word."""
-    if isinstance(ids, Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"token ids must be an integer tensor, got dtype {ids.dtype}")
-        return
-    for position, token_id in enumerate(ids):
-        if isinstance(token_id, Sequence):
-            check_integer_ids(token_id)
-        elif isinstance(token_id, bool) or not isinstance(token_id, (int, Integral)):
-            raise ValueError(
-                f"token id {token_id!r} at position {position} is not a whole number: token ids "
-                "are integers from the tokenizer"
-            )
-
-
-def prompt_tensor(
-    prompt_ids: Sequence[int] | Tensor, max_seq_len: int, device: torch.device | None = None
-) -> Tensor:
-    """One prompt as a (1, T) long tensor, with one-line errors for a batch, an empty prompt or
-    one longer than the context window. Shared by every generation loop."""
-    check_integer_ids(prompt_ids)
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-    if ids.dim() == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.dim() != 1:
-        raise ValueError(
-            f"prompt_ids must be one sequence of token ids, got shape {tuple(ids.shape)}"
-        )
-    if ids.numel() == 0:
-        raise ValueError("the prompt is empty: give at least one token id")
-    if ids.numel() > max_seq_len:
-        raise ValueError(
-            f"the prompt has {ids.numel()} tokens but the context window is "
-            f"max_seq_len={max_seq_len}: shorten the prompt"
-        )
-    return ids[None]  # (1, T)
+ON_FULL_CONTEXT = ("stop", "shift")
 
 
 class Engine:
-    """Generates from any model that offers `new_cache(batch_size, max_seq_len)` and
-    `model(ids, cache=cache, last_token_only=True) -> logits`."""
+    """Generates from any model that offers `new_cache(batch_size, max_seq_len)` (a cache with
+    rows/move_row/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
-    def __init__(self, model: nn.Module) -> None:
+    max_rows: the row slots; None lets generate/generate_batch size the cache to each call.
+    max_seq_len: positions per slot (default: the model's context window).
+    tokenizer: lets rows stop at stop strings and follow their text (row.text).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_rows: int | None = None,
+        max_seq_len: int | None = None,
+        tokenizer=None,
+    ) -> None:
         self.model = model.eval()
         self.max_seq_len: int = model.cfg.max_seq_len
-        self._cache = None
-        self._batch_cache = None  # generate_batch's cache for batches of more than one row
+        for name, value in (("max_rows", max_rows), ("max_seq_len", max_seq_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1 (or None)")
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1 (or None)")
+        self.max_rows, self.slot_len = (
+            max_rows,
+            min(max_seq_len or self.max_seq_len, self.max_seq_len),
+        )
+        self.tokenizer = tokenizer
+        self.cache = None
+        self.rows: list[Row] = []  # by slot: live rows first, then parked ones
+        self.n_live = 0
 
-    def _prompt_tensor(self, prompt_ids: Sequence[int] | Tensor) -> Tensor:
-        return prompt_tensor(prompt_ids, self.max_seq_len, self.model.device)
+    # --- slots --------------------------------------------------------------------------------
 
-    def _fresh_cache(self, capacity: int):
-        cache = self._cache
-        if cache is None or cache.max_seq_len < capacity:
-            cache = self._cache = self.model.new_cache(batch_size=1, max_seq_len=capacity)
-        cache.reset()
-        return cache
+    def reserve(self, n_rows: int, n_positions: int) -> None:
+        """Make sure the cache has n_rows slots of n_positions; a larger cache is allocated only
+        while no row holds a slot (one that is large enough is reused)."""
+        cache = self.cache
+        if cache is not None and cache.batch_size >= n_rows and cache.max_seq_len >= n_positions:
+            return
+        if self.rows:
+            raise ValueError(
+                f"the Engine's cache ({cache.batch_size} rows x {cache.max_seq_len} positions) "
+                f"cannot grow to {n_rows} x {n_positions} while {len(self.rows)} rows hold "
+                "slots: finish or release them first, or create the Engine with larger "
+                "max_rows/max_seq_len"
+            )
+        self.cache = self.model.new_cache(batch_size=n_rows, max_seq_len=n_positions)
+
+    def _place(self, row: Row, slot: int) -> None:
+        self.rows[slot], row.slot = row, slot
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange two slots' rows and their keys/values."""
+        if a == b:
+            return
+        row_a, row_b = self.rows[a], self.rows[b]
+        self.cache.swap_rows(a, b, max(row_a.length, row_b.length))
+        self._place(row_a, b)
+        self._place(row_b, a)
+
+    def _leave(self, row: Row) -> None:
+        """A finished row leaves the live slots: parked (keep_cache) or freed."""
+        last_live = self.n_live - 1
+        self._swap(row.slot, last_live)  # now the last live slot; live rows stay contiguous
+        self.n_live -= 1
+        if not row.keep_cache:
+            self.release(row)
+
+    def release(self, row: Row) -> None:
+        """Free a parked row's slot (a conversation that will not continue)."""
+        if row not in self.rows[self.n_live :]:
+            return
+        last = len(self.rows) - 1
+        self._swap(row.slot, last)
+        self.rows.pop()
+        row.slot = -1
+
+    # --- rows ---------------------------------------------------------------------------------
+
+    def add(
+        self,
+        prompt_ids: Sequence[int] | Tensor,
+        params: SamplingParams | None = None,
+        *,
+        on_full_context: str = "stop",
+        keep_cache: bool = False,
+        continues: Row | None = None,
+    ) -> Row:
+        """Prefill a prompt into a free slot and sample its first token; returns its Row.
+
+        keep_cache: when the row finishes, park its slot with its keys/values for a next turn.
+        continues: such a parked Row whose conversation the prompt continues: only the
+            tokens after the prefix they share are prefilled.
+        on_full_context: when a row fills its slot, "stop", or "shift" (keep the window's
+            second half as context and go on).
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if on_full_context not in ON_FULL_CONTEXT:
+            raise ValueError(
+                f"on_full_context={on_full_context!r} is not known: pick 'stop' or 'shift'"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"stop={list(params.stop)!r} needs the text: create the Engine with "
+                "tokenizer=..., or stop at token ids with stop_token_ids"
+            )
+        prompt = self._checked_prompt(prompt_ids)
+        eos = resolve_eos(params.eos_token_id, self.model.cfg)
+        row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
+        row.keep_cache = keep_cache
+        if continues is not None:
+            cached = self._resume(row, continues)
+        else:
+            self._take_slot(row, len(prompt) + params.max_new_tokens)
+            cached = 0
+        row.stats.cached_prompt_tokens = cached
+        row.stats.kv_cache_capacity_bytes = self.cache.nbytes // self.cache.batch_size
+        with torch.inference_mode():
+            logits = self._prefill(row, prompt[cached:], cached)
+            row.accept(row.sample(logits), rows_in_step=1)
+        self._update_bytes(row)
+        if row.finished:
+            self._leave(row)
+        return row
+
+    def _checked_prompt(self, prompt_ids: Sequence[int] | Tensor) -> list[int]:
+        ids = prompt_tensor(prompt_ids, self.max_seq_len, self.model.device)  # (1, T)
+        check_token_ids(ids, self.model.cfg.vocab_size)
+        return ids[0].tolist()
+
+    def _take_slot(self, row: Row, wanted: int) -> None:
+        """Put a new row into the first free slot (right after the live ones)."""
+        if self.max_rows is not None:
+            self.reserve(self.max_rows, self.slot_len)
+        elif not self.rows:
+            self.reserve(1, min(self.slot_len, wanted))
+        cache = self.cache
+        if len(self.rows) >= cache.batch_size:
+            raise ValueError(
+                f"all {cache.batch_size} row slots are busy ({self.n_live} generating, "
+                f"{len(self.rows) - self.n_live} parked): step() until a row finishes, "
+                "release() a parked one, or create the Engine with a larger max_rows"
+            )
+        if len(row.prompt) > cache.max_seq_len:
+            raise ValueError(
+                f"the prompt has {len(row.prompt)} tokens but a row slot holds "
+                f"{cache.max_seq_len} positions: shorten the prompt, or create the Engine "
+                "with a larger max_seq_len"
+            )
+        self.rows.append(row)
+        row.slot = len(self.rows) - 1
+        self._swap(row.slot, self.n_live)  # the first parked row (if any) moves behind it
+        self.n_live += 1
+
+    def _resume(self, row: Row, parked: Row) -> int:
+        """Hand a parked row's slot to the row continuing it; returns how many of its prompt's
+        positions the slot already holds: the longest prefix the two share (a chat template
+        may render the last reply in other tokens than were sampled), always leaving one
+        token to prefill. A ring or recurrent cache cannot forget its newest positions, so
+        it keeps them only when the prompt continues all of them."""
+        if parked not in self.rows[self.n_live :]:
+            raise ValueError(
+                "continues= must be a finished row added with keep_cache=True whose slot is "
+                "still parked: add the whole conversation as a new row instead"
+            )
+        held, shared = parked.context[: parked.length], 0
+        limit = min(len(held), len(row.prompt) - 1)
+        while shared < limit and held[shared] == row.prompt[shared]:
+            shared += 1
+        if shared < len(held) and not hasattr(self.cache, "truncate"):
+            shared = 0
+        if len(row.prompt) > self.cache.max_seq_len:
+            raise ValueError(
+                f"the prompt has {len(row.prompt)} tokens but a row slot holds "
+                f"{self.cache.max_seq_len} positions: shorten the prompt"
+            )
+        self._swap(parked.slot, self.n_live)
+        self._place(row, self.n_live)
+        parked.slot = -1
+        self.n_live += 1
+        return shared
+
+    def _prefill(self, row: Row, new_ids: list[int], start: int) -> Tensor:
+        """Run a row's new tokens (positions start..) through its slot -> logits (1, V)."""
+        slot = self.cache.rows(row.slot, row.slot + 1)
+        if start == 0:
+            slot.reset()  # a recurrent state must start from zero; a KV cache just overwrites
+        ids = torch.tensor([new_ids], device=self.model.device)  # (1, T)
+        positions = torch.arange(start, start + len(new_ids), device=ids.device)
+        return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
+
+    def step(self) -> list[Row]:
+        """Decode one token for every live row; returns the rows that got one (rows that
+        finish leave their slots before step returns)."""
+        for row in self.rows[: self.n_live]:
+            if row.length >= self.cache.max_seq_len and row.on_full_context == "stop":
+                row.stop("context_full")
+        for row in [r for r in self.rows[: self.n_live] if r.finished]:
+            self._leave(row)
+        live = self.rows[: self.n_live]
+        if not live:
+            return []
+        with torch.inference_mode():
+            for row in live:
+                if row.length >= self.cache.max_seq_len:
+                    self._shift(row)
+            logits = self._decode(live)  # (n, V)
+            for i, row in enumerate(live):
+                row.accept(row.sample(logits[i : i + 1]), rows_in_step=len(live))
+        for row in live:
+            self._update_bytes(row)
+            if row.finished:
+                self._leave(row)
+        return live
+
+    def _decode(self, live: list[Row]) -> Tensor:
+        """One batched forward: each live row's last token at its own position."""
+        device = self.model.device
+        ids = torch.tensor([[row.context[-1]] for row in live], device=device)  # (n, 1)
+        lengths = [row.length for row in live]
+        if len(set(lengths)) == 1:  # one position for every row: plain slices and masks
+            positions = torch.tensor(lengths[:1], device=device)  # (1,)
+        else:
+            positions = torch.tensor(lengths, device=device)[:, None]  # (n, 1)
+        cache = self.cache.rows(0, len(live))
+        return self.model(ids, positions, cache=cache, last_token_only=True)[:, -1]
+
+    def _shift(self, row: Row) -> None:
+        """The row's slot is full: keep the window's second half and prefill it again, so the
+        model keeps seeing positions it was trained on (nanoGPT crops likewise)."""
+        del row.context[: len(row.context) - self.cache.max_seq_len // 2]
+        row.stats.context_shifts += 1
+        if len(row.context) > 1:
+            self._prefill(row, row.context[:-1], 0)
+        else:
+            self.cache.rows(row.slot, row.slot + 1).reset()
+
+    def _update_bytes(self, row: Row) -> None:
+        row.stats.kv_cache_bytes = self.cache.row_bytes(row.length)
+
+    def cancel(self, row: Row) -> None:
+        """Stop a live row now (a client went away); its slot is free at once."""
+        if not row.finished and row in self.rows[: self.n_live]:
+            row.stop("cancelled")
+            self._leave(row)
+
+    # --- thin uses: one prompt, or a batch, from start to finish ------------------------------
 
     def stream(
         self,
@@ -131,162 +309,72 @@ class Engine:
         seed: int | None = None,
         eos_token_id: int | None = None,
         on_full_context: str = "stop",
+        **sampling,
     ) -> TokenStream:
-        """Yield new token ids one by one as they are sampled.
+        """Yield new token ids one by one as they are sampled. Further keywords are
+        SamplingParams fields (min_p, repetition_penalty, stop, stop_token_ids)."""
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **sampling,
+        )  # fmt: skip
+        row = self.add(prompt_ids, params, on_full_context=on_full_context)
+        return TokenStream(self.follow(row), row.stats)
 
-        on_full_context: what to do when prompt + generated tokens fill max_seq_len: "stop",
-        or "shift" (keep the window's second half as context and go on)."""
-        check_max_new_tokens(max_new_tokens)
-        if on_full_context not in ("stop", "shift"):
-            raise ValueError(
-                f"on_full_context={on_full_context!r} is not known: pick 'stop' or 'shift'"
-            )
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        prompt = self._prompt_tensor(prompt_ids)
-        eos_token_id = resolve_eos(eos_token_id, self.model.cfg)
-        generator = make_generator(seed, prompt.device)
-        stats = GenerationStats(prompt_tokens=prompt.shape[1])
-        tokens = self._generate(
-            prompt, max_new_tokens, params, generator, eos_token_id, on_full_context, stats
-        )
-        return TokenStream(tokens, stats)
-
-    def _generate(
-        self,
-        prompt: Tensor,
-        max_new_tokens: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos_token_id: int | None,
-        on_full_context: str,
-        stats: GenerationStats,
-    ) -> Iterator[int]:
-        capacity = min(self.max_seq_len, prompt.shape[1] + max_new_tokens)
-        cache = self._fresh_cache(capacity)
-        stats.kv_cache_capacity_bytes = cache.nbytes
-        # Inference mode is entered per step, never across a yield: a caller between two
-        # tokens must find torch in its own mode (an abandoned stream would leave it on).
-        t0 = time.perf_counter()
-        token = self._next_token(prompt, cache, params, generator)  # (1,)
-        token_id = int(token)
-        t_first = time.perf_counter()
-        stats.time_to_first_token_s = t_first - t0
-        stats.prefill_tokens_per_s = prompt.shape[1] / stats.time_to_first_token_s
-        stats.total_time_s = stats.time_to_first_token_s
-        stats.stop_reason = "max_new_tokens"
-        context = prompt[0].tolist()  # the tokens whose keys/values the cache holds
-        while True:
-            stats.generated_tokens += 1
-            stats.kv_cache_bytes = cache.filled_bytes
-            yield token_id
-            if eos_token_id is not None and token_id == eos_token_id:
-                stats.stop_reason = "eos"
-                break
-            if stats.generated_tokens >= max_new_tokens:
-                break
-            context.append(token_id)
-            if cache.length < cache.max_seq_len:
-                step_ids = token[:, None]  # (1, 1)
-            elif on_full_context == "shift":
-                # The window is full: keep its second half and prefill it again, so the
-                # model keeps seeing positions it was trained on (nanoGPT crops likewise).
-                del context[: len(context) - self.max_seq_len // 2]
-                cache.reset()
-                stats.context_shifts += 1
-                step_ids = torch.tensor([context], device=prompt.device)
-            else:
-                stats.stop_reason = "context_full"
-                break
-            token = self._next_token(step_ids, cache, params, generator)
-            token_id = int(token)
-            now = time.perf_counter()
-            stats.total_time_s = now - t0
-            stats.decode_tokens_per_s = stats.generated_tokens / (now - t_first)
-
-    @torch.inference_mode()
-    def _next_token(
-        self,
-        ids: Tensor,
-        cache,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Tensor:
-        """Run `ids` (1, T) through the model into the cache and sample the next token (1,)."""
-        logits = self.model(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
-        return sample(logits, params, generator)
+    def follow(self, row: Row) -> Iterator[int]:
+        """A row's tokens as they come, stepping the engine while the row is live. Inference
+        mode is entered per step, never across a yield, and an abandoned stream cancels its row
+        (closing the generator runs the finally)."""
+        try:
+            sent = 0
+            while True:
+                while sent < len(row.tokens):
+                    sent += 1
+                    yield row.tokens[sent - 1]
+                if row.finished:
+                    return
+                self.step()
+        finally:
+            self.cancel(row)
 
     def generate(
-        self,
-        prompt_ids: Sequence[int] | Tensor,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
-        on_full_context: str = "stop",
+        self, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int = 64, *args, **kwargs
     ) -> GenerationResult:
-        """Generate up to max_new_tokens; temperature 0 means greedy."""
-        stream = self.stream(
-            prompt_ids,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            eos_token_id,
-            on_full_context,
-        )
-        token_ids = list(stream)
-        return GenerationResult(token_ids=token_ids, stats=stream.stats)
-
-    # --- batched generation: several prompts, left-padded into one batch (issue 5) ------------
+        """Generate up to max_new_tokens; temperature 0 means greedy. The other arguments are
+        stream's."""
+        stream = self.stream(prompt_ids, max_new_tokens, *args, **kwargs)
+        return GenerationResult(token_ids=list(stream), stats=stream.stats)
 
     def generate_batch(
         self,
         prompts: Sequence[Sequence[int] | Tensor],
         max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        *,
         seed: int | None = None,
-        eos_token_id: int | None = None,
+        on_full_context: str = "stop",
+        **kwargs,
     ) -> list[GenerationResult]:
-        """Generate for several prompts in one batch; one result per prompt, in order.
+        """Generate for several prompts at once; one result per prompt, in order.
 
-        The prompts are left-padded to the longest, so every row's last prompt token sits in
-        the same column and each decode step appends one column for all rows. A padding mask
-        hides the pad keys and position ids count real tokens only (each row's first token is
-        position 0), so every row computes what it would alone: greedy rows equal `generate`
-        token for token. Rows sample independently from one generator seeded once.
-
-        A row that samples eos_token_id is finished (its token_ids end with it): it is fed eos,
-        its outputs ignored, until every row is finished or max_new_tokens is reached. The
-        context window is the batch's: once the longest prompt plus the tokens so far fill
-        max_seq_len, the unfinished rows stop with "context_full" (a shorter row sooner than
-        alone; there is no "shift"). With dynamic-NTK RoPE the longest row sets the scaling.
-
-        Stats: prompt_tokens, generated_tokens and stop_reason are each row's own. The times,
-        prefill and decode tokens/s (every row's tokens counted) and the KV-cache bytes (every
-        row, padding included) are the batch's, shared by all rows; batch_size says how many.
-
-        family "rnn": a recurrent state accepts only right padding, so each prompt runs alone
-        through `generate` (each with the same seed) and every figure is that prompt's own.
+        Every prompt is a row of its own (its own slot, positions and stop), so each produces
+        exactly what it would alone. Row i samples with seed + i, so the rows draw differently
+        and a seed repeats the batch. The other keywords are SamplingParams fields.
         """
-        check_max_new_tokens(max_new_tokens)
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        rows = self._batch_rows(prompts)
-        eos_token_id = resolve_eos(eos_token_id, self.model.cfg)
-        if self.model.cfg.family == "rnn":
-            return [
-                self.generate(row, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
-                for row in rows
-            ]
-        generator = make_generator(seed, self.model.device)
-        return self._generate_batch(rows, max_new_tokens, params, generator, eos_token_id)
+        rows = self._batch_prompts(prompts)
+        SamplingParams(max_new_tokens=max_new_tokens, seed=seed, **kwargs)  # all checked first
+        longest = max(len(row) for row in rows)
+        if self.max_rows is None and not self.rows:
+            self.reserve(len(rows), min(self.slot_len, longest + max_new_tokens))
+        added = []
+        for i, prompt in enumerate(rows):
+            row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
+            params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
+            added.append(self.add(prompt, params, on_full_context=on_full_context))
+        while any(not row.finished for row in added):
+            self.step()
+        return [row.result() for row in added]
 
-    def _batch_rows(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
-        """Check every prompt like `_prompt_tensor`; errors name the prompt's number (from 1)."""
+    def _batch_prompts(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
+        """Check every prompt like `add`; errors name the prompt's number (from 1)."""
         if isinstance(prompts, str) or (isinstance(prompts, Tensor) and prompts.dim() != 2):
             raise ValueError(
                 "prompts must be a list of prompts, each a list of token ids: encode text "
@@ -305,127 +393,7 @@ class Engine:
             try:
                 if isinstance(row, str):
                     raise ValueError("got text: encode it with the tokenizer first")
-                ids = self._prompt_tensor(row)  # (1, T)
-                check_token_ids(ids, self.model.cfg.vocab_size)
+                checked.append(self._checked_prompt(row))
             except ValueError as error:
                 raise ValueError(f"prompt {number} of {len(rows)}: {error}") from None
-            checked.append(ids[0].tolist())
         return checked
-
-    @staticmethod
-    def _left_pad(
-        rows: list[list[int]], capacity: int, device: torch.device
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Left-pad the prompts to the longest: (B, T) ids, the key mask (B, capacity) for the
-        whole generation (True at real tokens, and at every generated column), and (B, T)
-        position ids counting real tokens only (pads get 0; their outputs are never used)."""
-        B, T = len(rows), max(len(row) for row in rows)
-        ids = torch.zeros(B, T, dtype=torch.long)  # pad id 0: any valid id, it is masked out
-        key_mask = torch.ones(B, capacity, dtype=torch.bool)
-        for b, row in enumerate(rows):
-            n_pads = T - len(row)
-            ids[b, n_pads:] = torch.tensor(row)
-            key_mask[b, :n_pads] = False
-        # Each real token's position is the number of real tokens before it in its row.
-        position_ids = (key_mask[:, :T].long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
-        return ids.to(device), key_mask.to(device), position_ids.to(device)
-
-    def _batch_kv_cache(self, batch_size: int, capacity: int):
-        """A reset cache for batch_size rows with room for capacity positions, reusing the last
-        one when its shape fits (batch 1 shares stream's cache)."""
-        if batch_size == 1:
-            return self._fresh_cache(capacity)
-        cache = self._batch_cache
-        if cache is None or cache.k.shape[1] != batch_size or cache.max_seq_len < capacity:
-            # (cache.k is (L, B, Hkv, Tmax, D))
-            cache = self._batch_cache = self.model.new_cache(
-                batch_size=batch_size, max_seq_len=capacity
-            )
-        cache.reset()
-        return cache
-
-    def _generate_batch(
-        self,
-        rows: list[list[int]],
-        max_new_tokens: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos_token_id: int | None,
-    ) -> list[GenerationResult]:
-        """Prefill the left-padded batch, then decode one column at a time for every row."""
-        B, T = len(rows), max(len(row) for row in rows)
-        capacity = min(self.max_seq_len, T + max_new_tokens)
-        device = self.model.device
-        ids, key_mask, position_ids = self._left_pad(rows, capacity, device)
-        padded = not bool(key_mask.all())  # equal lengths: no mask needed, SDPA's causal path
-        cache = self._batch_kv_cache(B, capacity)
-        new_tokens: list[list[int]] = [[] for _ in rows]
-        stats = [GenerationStats(prompt_tokens=len(row), batch_size=B) for row in rows]
-        unfinished = list(range(B))
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            logits = self.model(
-                ids,
-                position_ids=position_ids,
-                padding_mask=key_mask[:, :T] if padded else None,
-                cache=cache,
-                last_token_only=True,
-            )[:, -1]  # (B, V): left padding puts every row's last prompt token in column T-1
-            token = sample(logits, params, generator)  # (B,)
-            t_first = time.perf_counter()
-            next_position = torch.tensor([[len(row)] for row in rows], device=device)  # (B, 1)
-            while True:
-                token_ids = token.tolist()
-                for b in list(unfinished):
-                    new_tokens[b].append(token_ids[b])
-                    if eos_token_id is not None and token_ids[b] == eos_token_id:
-                        stats[b].stop_reason = "eos"
-                    elif len(new_tokens[b]) >= max_new_tokens:
-                        stats[b].stop_reason = "max_new_tokens"
-                    else:
-                        continue
-                    unfinished.remove(b)
-                if not unfinished:
-                    break
-                if cache.length >= capacity:  # the window is full for the whole batch
-                    for b in unfinished:
-                        stats[b].stop_reason = "context_full"
-                    break
-                if len(unfinished) < B:  # finished rows (only eos finishes early) are fed eos
-                    finished = torch.ones(B, dtype=torch.bool, device=device)
-                    finished[unfinished] = False
-                    token = token.masked_fill(finished, eos_token_id)
-                logits = self.model(
-                    token[:, None],  # (B, 1)
-                    position_ids=next_position,
-                    padding_mask=key_mask[:, : cache.length + 1] if padded else None,
-                    cache=cache,
-                    last_token_only=True,
-                )[:, -1]  # (B, V)
-                next_position = next_position + 1
-                token = sample(logits, params, generator)
-            t_end = time.perf_counter()
-        self._fill_batch_stats(stats, new_tokens, cache, t_first - t0, t_end - t_first)
-        pairs = zip(new_tokens, stats, strict=True)
-        return [GenerationResult(token_ids=tokens, stats=row_stats) for tokens, row_stats in pairs]
-
-    @staticmethod
-    def _fill_batch_stats(
-        stats: list[GenerationStats],
-        new_tokens: list[list[int]],
-        cache,
-        time_to_first_token_s: float,
-        decode_time_s: float,
-    ) -> None:
-        """Each row's own token count, and the batch's shared times, rates and cache bytes."""
-        prompt_tokens = sum(s.prompt_tokens for s in stats)
-        # Tokens sampled after the first step, summed over rows (a finished row adds none).
-        decode_tokens = sum(len(tokens) for tokens in new_tokens) - len(new_tokens)
-        for row_stats, tokens in zip(stats, new_tokens, strict=True):
-            row_stats.generated_tokens = len(tokens)
-            row_stats.time_to_first_token_s = time_to_first_token_s
-            row_stats.prefill_tokens_per_s = prompt_tokens / time_to_first_token_s
-            row_stats.decode_tokens_per_s = decode_tokens / decode_time_s if decode_tokens else 0.0
-            row_stats.total_time_s = time_to_first_token_s + decode_time_s
-            row_stats.kv_cache_bytes = cache.filled_bytes
-            row_stats.kv_cache_capacity_bytes = cache.nbytes

@@ -93,18 +93,87 @@ def resolve_eos(eos_token_id: int | None, cfg) -> int | None:
     return eos_token_id
 
 
+def _check_min_p(min_p: float | None) -> None:
+    if min_p is None:
+        return
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+        raise ValueError(
+            f"min_p={min_p!r} is not allowed: use a number in [0, 1] such as 0.05 (keep tokens "
+            "at least that fraction as likely as the most likely one), or None"
+        )
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` as a tuple of non-empty strings (one string is one stop string, as in OpenAI's
+    API); anything else is an error naming the entry and where token ids go."""
+    entries = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(
+            f"stop={stop!r} is not allowed: give a string or a list of strings; stop token "
+            "ids go in stop_token_ids"
+        )
+    for entry in entries:
+        if not isinstance(entry, str):
+            hint = "put token ids in stop_token_ids" if _whole(entry) else "use strings"
+            raise ValueError(
+                f"stop entry {entry!r} ({type(entry).__name__}) is not a stop string: {hint}"
+            )
+        if not entry:
+            raise ValueError("stop entry '' would stop at once: give non-empty strings")
+    return tuple(entries)
+
+
+def _stop_token_ids(ids: object) -> tuple[int, ...]:
+    entries = (ids,) if _whole(ids) else ids
+    if not isinstance(entries, (list, tuple)) or not all(_whole(i) and i >= 0 for i in entries):
+        raise ValueError(
+            f"stop_token_ids={ids!r} is not allowed: give a list of token ids (whole numbers "
+            ">= 0); stop strings go in stop"
+        )
+    return tuple(entries)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. Temperature is applied first, then top-k, then top-p (as HF)."""
+    """How one row picks its tokens and when it stops (vLLM's SamplingParams in miniature).
+
+    Each logits row goes through repetition_penalty (on the raw logits), then temperature,
+    top-k, top-p and min-p, in transformers' order. A row stops at its end-of-sequence id
+    (eos_token_id: None for the model's own, NO_EOS for none), at any of stop_token_ids, once
+    its text contains a stop string (needs the Engine's tokenizer), or after max_new_tokens.
+    seed: the row's own generator, so its draws do not depend on the rows beside it.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
         _check_top_k(self.top_k)
         _check_top_p(self.top_p)
+        _check_min_p(self.min_p)
+        penalty = self.repetition_penalty
+        if (
+            isinstance(penalty, bool)
+            or not isinstance(penalty, (int, float))
+            or not (math.isfinite(penalty) and penalty > 0)
+        ):
+            raise ValueError(
+                f"repetition_penalty={penalty!r} is not allowed: use a number > 0 (1 = off, "
+                "1.1-1.3 discourages repeats)"
+            )
+        check_max_new_tokens(self.max_new_tokens)
+        make_generator(self.seed)  # checks the seed
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -113,8 +182,21 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Set the logits that top-k and then top-p cut away to -inf; returns a new tensor [B, V].
+def penalize_repetition(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019), as transformers applies it: the logit of
+    every token already in the sequence seen (B, S) is divided by `penalty` when positive and
+    multiplied by it when negative, so a penalty > 1 always makes a repeat less likely."""
+    if penalty == 1.0:
+        return logits
+    scores = logits.gather(-1, seen)
+    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits.scatter(-1, seen, scores)
+
+
+def filter_logits(
+    logits: Tensor, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
+) -> Tensor:
+    """Set the logits that top-k, then top-p, then min-p cut away to -inf; a new tensor [B, V].
 
     top-k keeps every token whose logit is >= the k-th largest, so a tie at the k-th place
     keeps all tied tokens (more than k). top-p keeps the smallest set of most likely tokens
@@ -123,6 +205,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     """
     _check_top_k(top_k)
     _check_top_p(top_p)
+    _check_min_p(min_p)
     vocab_size = logits.shape[-1]
     if top_k is not None and top_k < vocab_size:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
@@ -138,6 +221,12 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         logits = logits.masked_fill(logits < least_kept, float("-inf"))
     elif top_k is None or top_k >= vocab_size:
         logits = logits.clone()  # always a new tensor, so callers may modify it in place
+    if min_p is not None and min_p > 0:
+        # Keep the tokens at least min_p times as likely as the most likely one (the top token
+        # always survives: its ratio is 1).
+        probs = torch.softmax(logits.float(), dim=-1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
@@ -150,7 +239,7 @@ def sampling_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
     # overflowing the scaled logits to inf (inf - inf would turn softmax into NaN).
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     scaled = shifted / params.temperature
-    return torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+    return torch.softmax(filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)
 
 
 def sample(

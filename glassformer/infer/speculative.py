@@ -18,11 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glassformer.infer.engine import prompt_tensor
+from glassformer.infer.rows import GenerationStats, Row, prompt_tensor
 from glassformer.infer.sampling import (
     SamplingParams,
-    check_max_new_tokens,
-    make_generator,
     resolve_eos,
     sample,
     sampling_distribution,
@@ -30,21 +28,17 @@ from glassformer.infer.sampling import (
 
 
 @dataclass
-class SpeculativeStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+class SpeculativeStats(GenerationStats):
+    """The Engine's statistics plus the rounds. time_to_first_token_s is the target's prefill
+    and the first token; decode_tokens_per_s counts the draft's prefill of the prompt, which
+    happens in the first round."""
+
     k: int = 0  # proposals asked of the draft per round (fewer near the end)
     rounds: int = 0  # verification passes of the target after the prefill
     proposed: int = 0  # draft tokens the target checked
     accepted: int = 0  # draft tokens the target agreed with
-    time_to_first_token_s: float = 0.0  # the target's prefill + the first token
-    # Tokens after the first, per second of decoding (the draft's prefill of the prompt
-    # happens in the first round, so it counts here).
-    decode_tokens_per_s: float = 0.0
     draft_time_s: float = 0.0  # time spent in draft forward passes
     target_time_s: float = 0.0  # time spent in target verification passes
-    total_time_s: float = 0.0
-    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_full"
 
     @property
     def acceptance_rate(self) -> float:
@@ -176,42 +170,39 @@ def speculative_generate(
 
     temperature 0 (the default) gives exactly Engine(target).generate(temperature=0)'s tokens;
     temperature > 0 (with top_k/top_p) samples from the same distribution as the target alone.
-    Stops at eos_token_id (default: the target config's), max_new_tokens or the context end.
+    Stops at eos_token_id (default: the target config's), max_new_tokens or the context end:
+    the Engine's Row applies the stop rules and keeps the statistics.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be an integer >= 1: the draft tokens proposed per round")
-    check_max_new_tokens(max_new_tokens)
     check_draft(target, draft)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+    )  # fmt: skip
     target_max, draft_max = target.cfg.max_seq_len, draft.cfg.max_seq_len
-    context = prompt_tensor(prompt_ids, target_max)[0].tolist()
-    eos_token_id = resolve_eos(eos_token_id, target.cfg)
-    generator = make_generator(seed, target.device)
+    prompt = prompt_tensor(prompt_ids, target_max)[0].tolist()
+    row = Row(prompt, params, resolve_eos(eos_token_id, target.cfg), target.device)
+    stats = row.stats = SpeculativeStats(prompt_tokens=len(prompt), k=k)
+    generator, context = row.generator, row.context  # context grows as the row accepts tokens
     target.eval()
     draft.eval()
-    n_prompt = len(context)
     # Full caches even for sliding-window models: a ring buffer overwrites the slot of the key
     # leaving the window, so rejected proposals could not be rolled back; the mask still
     # limits attention to the window.
-    target_cache = target.new_cache(1, min(target_max, n_prompt + max_new_tokens), kind="full")
-    draft_cache = draft.new_cache(1, min(draft_max, n_prompt + max_new_tokens), kind="full")
-    stats = SpeculativeStats(prompt_tokens=n_prompt, k=k)
+    n_positions = len(prompt) + max_new_tokens
+    target_cache = target.new_cache(1, min(target_max, n_positions), kind="full")
+    draft_cache = draft.new_cache(1, min(draft_max, n_positions), kind="full")
 
-    t0 = time.perf_counter()
-    prompt = torch.tensor([context], device=target.device)  # (1, T)
-    logits = target(prompt, cache=target_cache, last_token_only=True)[:, -1]  # (1, V)
-    new_tokens = [int(sample(logits, params, generator))]
-    context.append(new_tokens[0])
-    t_first = time.perf_counter()
-    stats.time_to_first_token_s = t_first - t0
-    done = eos_token_id is not None and new_tokens[0] == eos_token_id
-    stats.stop_reason = "eos" if done else "max_new_tokens"
+    ids = torch.tensor([prompt], device=target.device)  # (1, T)
+    logits = target(ids, cache=target_cache, last_token_only=True)[:, -1]  # (1, V)
+    row.accept(int(sample(logits, params, generator)), rows_in_step=1)
     # Invariant between rounds: both caches hold at most context[:-1]; the target's exactly.
-    while not done and len(new_tokens) < max_new_tokens:
+    while not row.finished:
         if target_cache.length >= target_max:
-            stats.stop_reason = "context_full"
+            row.stop("context_full")
             break
-        remaining = max_new_tokens - len(new_tokens)
+        remaining = max_new_tokens - len(row.tokens)
         # Propose no more than fits: a round emits up to n_proposals + 1 tokens, the target's
         # pass writes positions len(context) - 1 ... + n_proposals, the draft's one fewer.
         n_proposals = min(k, remaining - 1, target_max - len(context), draft_max - len(context) + 1)
@@ -233,24 +224,13 @@ def speculative_generate(
         # Roll back the rejected proposals' keys/values: the caches hold context[:-1] again.
         rollback(target_cache, n_cached + 1 + n_accepted)
         rollback(draft_cache, min(draft_cache.length, len(context) + n_accepted))
-        now = time.perf_counter()
         stats.draft_time_s += t_target - t_draft
-        stats.target_time_s += now - t_target
+        stats.target_time_s += time.perf_counter() - t_target
         stats.rounds += 1
         stats.proposed += n_proposals
         stats.accepted += n_accepted
-
         for token in emitted:
-            new_tokens.append(token)
-            context.append(token)
-            if eos_token_id is not None and token == eos_token_id:
-                stats.stop_reason = "eos"
-                done = True
+            row.accept(token, rows_in_step=1)
+            if row.finished:
                 break
-
-    t_end = time.perf_counter()
-    stats.generated_tokens = len(new_tokens)
-    stats.total_time_s = t_end - t0
-    if len(new_tokens) > 1:
-        stats.decode_tokens_per_s = (len(new_tokens) - 1) / (t_end - t_first)
-    return SpeculativeResult(token_ids=new_tokens, stats=stats)
+    return SpeculativeResult(token_ids=row.tokens, stats=stats)

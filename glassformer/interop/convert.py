@@ -13,10 +13,10 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
+from glassformer.interop.checkpoint import LATEST_FILE, resolve_checkpoint
 from glassformer.interop.hf import InteropError, default_model_type, save_hf_model
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, PretrainedTokenizer
-from glassformer.train.checkpoint import LATEST_FILE, resolve_checkpoint
 
 # Files whose presence means a folder already holds a model (Hugging Face or glassformer).
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", LATEST_FILE)

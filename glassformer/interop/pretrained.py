@@ -132,7 +132,7 @@ def _load_float(name_or_path: str | Path, dtype: torch.dtype):
             )
             return model, tokenizer
     # Anything else is a glassformer checkpoint (a run folder or one step of it).
-    from glassformer.train.checkpoint import load
+    from glassformer.interop.checkpoint import load
 
     model, tokenizer = load(path)
     return model.to(dtype), tokenizer

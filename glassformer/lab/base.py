@@ -6,14 +6,21 @@ imports them all, so adding one never edits a shared list.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.resources
 import math
 import pkgutil
+import tomllib
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 VERDICTS = ("holds", "holds partly", "does not hold here")
 MODES = ("tiny", "quick", "full")  # tiny: the tests' smallest run; quick: < 3 min on 2 cores
@@ -119,13 +126,14 @@ class RunContext:
 @dataclass
 class Result:
     """Rows (the table), the checks the verdict follows from, the verdict and one sentence of
-    why, the figure and extra data for the JSON."""
+    why, the figure and extra data for the JSON. An experiment hands back its Figure;
+    Experiment.run saves it as out_dir/NAME.png and puts the path in its place."""
 
     rows: list[dict[str, Any]]
     checks: list[Check]
     verdict: str
     why: str
-    figure: Path | None = None
+    figure: Figure | Path | None = None
     data: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # e.g. rows skipped and why
 
@@ -161,23 +169,44 @@ class Experiment:
     def run(self, ctx: RunContext) -> Result:
         with cjk_text():
             result = self.fn(ctx)
-        if not isinstance(result, Result):
-            raise TypeError(f"experiment {self.name} returned {type(result).__name__}, not Result")
+            if not isinstance(result, Result):
+                name = type(result).__name__
+                raise TypeError(f"experiment {self.name} returned {name}, not Result")
+            # Saved here, so the figure is always named after its experiment; inside cjk_text
+            # because matplotlib lays the text out (and picks its font) when the figure is drawn.
+            if result.figure is not None and not isinstance(result.figure, Path):
+                result.figure = save_figure(result.figure, ctx.figure_path(self.name))
         return result
 
 
 REGISTRY: dict[str, Experiment] = {}
 
 
+@functools.cache
+def claims() -> dict[str, dict]:
+    """lab/claims.toml: each experiment's claim, source, title and number, by name."""
+    text = importlib.resources.files("glassformer.lab").joinpath("claims.toml").read_text("utf-8")
+    return tomllib.loads(text)
+
+
 def register(
-    name: str, title: str, claim: str, source: str, number: int = 0
+    name: str,
 ) -> Callable[[Callable[[RunContext], Result]], Callable[[RunContext], Result]]:
-    """Decorator for an experiment's run function: @register("gqa-cache", title=..., ...)."""
+    """Decorator for an experiment's run function: @register("gqa-cache"); what the experiment
+    tests (claim, source, title, number) is the table of that name in lab/claims.toml."""
+    if name not in claims():
+        raise ValueError(
+            f"experiment {name!r} has no table in glassformer/lab/claims.toml: add [{name}] "
+            "with its number, title, source and claim"
+        )
+    about = claims()[name]
 
     def wrap(fn: Callable[[RunContext], Result]) -> Callable[[RunContext], Result]:
         if name in REGISTRY and REGISTRY[name].fn.__module__ != fn.__module__:
             raise ValueError(f"experiment name {name!r} is registered twice: rename one")
-        REGISTRY[name] = Experiment(name, title, claim, source, fn, number)
+        REGISTRY[name] = Experiment(
+            name, about["title"], about["claim"], about["source"], fn, about["number"]
+        )
         return fn
 
     return wrap
@@ -231,6 +260,19 @@ def new_figure(width: float, height: float, ncols: int = 1):
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols)
     return fig, axes
+
+
+def grouped_bars(
+    ax: Axes, categories: Sequence[str], series: dict[str, Sequence[float]], **tick_style: Any
+) -> None:
+    """The lab's "ours vs theirs" chart: over each category, one bar per series side by side,
+    labelled with the series' name for the legend. tick_style goes to the category labels."""
+    width = 0.8 / len(series)  # a group fills 0.8 of the space between two categories
+    x = range(len(categories))
+    for i, (label, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width  # centres the group on its category
+        ax.bar([j + offset for j in x], values, width, label=label)
+    ax.set_xticks(x, categories, **tick_style)
 
 
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:

@@ -45,6 +45,11 @@ class CharGPTRecipe:
                            n_heads=self.n_heads, max_seq_len=self.context,
                            position="rope")  # fmt: skip
 
+    @property
+    def shape(self) -> str:
+        """The model's size in words, for the experiments' notes."""
+        return f"{self.n_layers} layers x {self.n_heads} heads, d_model {self.d_model}"
+
 
 def recipe_for(ctx: RunContext) -> CharGPTRecipe:
     """The model of each mode. quick: 2 layers x 8 heads of 16 dims (~0.4M parameters) on
@@ -72,6 +77,10 @@ class CharGPT:
     train_losses: list[float]
     cached: bool  # loaded from the cache rather than trained in this call
     seconds: float  # wall time of this call (training or loading)
+
+    @property
+    def origin(self) -> str:
+        return "loaded from the cache" if self.cached else "trained in this run"
 
 
 def cache_dir() -> Path:

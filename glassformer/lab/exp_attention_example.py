@@ -7,15 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from glassformer import numpy_ref
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 
 TOKENS = ("猫", "累", "它")
 PRINTED_WEIGHTS = (0.503, 0.237, 0.260)  # the tutorial's print, 3 decimals
@@ -29,20 +21,8 @@ D_K = 64
 PRINTED_TOL, OUTPUT_TOL, ROUGH_TOL = 0.0005, 0.005, 0.02
 
 
-@register(
-    "attention-example",
-    title="The 猫/累/它 worked attention example",
-    claim=(
-        'print("注意力权重：", weights.round(3))   # ≈ [0.503 0.237 0.260]\n'
-        "第一步 /√d 缩放（假设 d=64，√d=8）：1.0 / 0.25 / 0.375。 第二步 softmax（把它们压成加起来"
-        '=1 的权重），大致得到：关注 "猫": 0.60 关注 "累": 0.16 关注 "它": 0.24'
-    ),
-    source=(
-        "seed 002 「上手算一遍：三个词的注意力（带数字）」 and 「不信手算？20 行 numpy 自己跑一遍」"
-    ),
-    number=1,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("attention-example")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     example = numpy_ref.worked_example()
     scaled = np.array(PROSE_SCORES) / np.sqrt(D_K)
     prose = numpy_ref.softmax(scaled)
@@ -58,17 +38,19 @@ def run(ctx: RunContext) -> Result:
                 "prose claims": PROSE_WEIGHTS[i],
             }
         )
-        checks.append(approx(f"numpy weight {token}", example.weights[i], PRINTED_WEIGHTS[i],
-                             PRINTED_TOL))  # fmt: skip
+        checks.append(lab.approx(f"numpy weight {token}", example.weights[i], PRINTED_WEIGHTS[i],
+                                 PRINTED_TOL))  # fmt: skip
     for i, printed in enumerate(PRINTED_OUTPUT):
-        checks.append(approx(f"output[{i}]", example.output[i], printed, OUTPUT_TOL))
+        checks.append(lab.approx(f"output[{i}]", example.output[i], printed, OUTPUT_TOL))
     for i, token in enumerate(TOKENS):
-        checks.append(approx(f"prose scaled score {token}", scaled[i], PROSE_SCALED[i], 1e-12))
+        checks.append(lab.approx(f"prose scaled score {token}", scaled[i], PROSE_SCALED[i], 1e-12))
     for i, token in enumerate(TOKENS):
-        checks.append(approx(f"prose weight {token}", prose[i], PROSE_WEIGHTS[i], ROUGH_TOL))
+        checks.append(lab.approx(f"prose weight {token}", prose[i], PROSE_WEIGHTS[i], ROUGH_TOL))
     # The qualitative point of both: 猫 takes the largest share.
-    checks.append(at_least("猫's lead over the next weight (numpy)", _lead(example.weights), 0.0))
-    checks.append(at_least("猫's lead over the next weight (prose)", _lead(prose), 0.0))
+    checks.append(
+        lab.at_least("猫's lead over the next weight (numpy)", _lead(example.weights), 0.0)
+    )
+    checks.append(lab.at_least("猫's lead over the next weight (prose)", _lead(prose), 0.0))
 
     # Which divisor would the prose's 0.60/0.16/0.24 need? Each pair of weights implies one.
     implied = {
@@ -77,7 +59,7 @@ def run(ctx: RunContext) -> Result:
         "猫 vs 它": (PROSE_SCORES[0] - PROSE_SCORES[2])
         / np.log(PROSE_WEIGHTS[0] / PROSE_WEIGHTS[2]),
     }
-    figure = _plot(example.weights, prose, ctx)
+    figure = _plot(example.weights, prose)
     numpy_ok = all(c.passed for c in checks[:7])
     prose_ok = all(c.passed for c in checks[10:13])
     why = (
@@ -89,7 +71,7 @@ def run(ctx: RunContext) -> Result:
         if not prose_ok
         else None
     )
-    return Result.from_checks(
+    return lab.Result.from_checks(
         rows,
         checks,
         why=why,
@@ -109,20 +91,15 @@ def _lead(weights: np.ndarray) -> float:
     return float(weights[0] - rest.max())
 
 
-def _plot(numpy_weights: np.ndarray, prose: np.ndarray, ctx: RunContext):
-    fig, ax = new_figure(6.4, 3.4)
-    x = np.arange(len(TOKENS))
-    bars = [
-        ("numpy run (ours)", numpy_weights),
-        ("printed ≈[0.503 0.237 0.260]", PRINTED_WEIGHTS),
-        ("softmax(8,2,3 / √64) (ours)", prose),
-        ("prose claims 0.60/0.16/0.24", PROSE_WEIGHTS),
-    ]
-    width = 0.2
-    for i, (label, values) in enumerate(bars):
-        ax.bar(x + (i - 1.5) * width, values, width, label=label)
-    ax.set_xticks(x, [f"「它」→「{t}」" for t in TOKENS])
+def _plot(numpy_weights: np.ndarray, prose: np.ndarray):
+    fig, ax = lab.new_figure(6.4, 3.4)
+    lab.grouped_bars(ax, [f"「它」→「{t}」" for t in TOKENS], {
+        "numpy run (ours)": numpy_weights,
+        "printed ≈[0.503 0.237 0.260]": PRINTED_WEIGHTS,
+        "softmax(8,2,3 / √64) (ours)": prose,
+        "prose claims 0.60/0.16/0.24": PROSE_WEIGHTS,
+    })  # fmt: skip
     ax.set_ylabel("attention weight")
     ax.set_title("seed 002: 它 attends to 猫 / 累 / 它")
     ax.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("attention-example"))
+    return fig

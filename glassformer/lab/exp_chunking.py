@@ -21,15 +21,7 @@ import torch.nn.functional as F
 
 from glassformer.data.chunking import pack, window_starts
 from glassformer.data.corpus import shakespeare_plays, split_paragraphs
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 
 PLAY = "hamlet"
 # Thresholds, stated once. Packing with the mask equals separate processing up to float32
@@ -125,22 +117,8 @@ def short_documents(tokenizer, text: str, n_docs: int, shortest: int, longest: i
     raise ValueError(f"only {len(docs)} paragraphs of {shortest}..{longest} tokens, not {n_docs}")
 
 
-@register(
-    "chunking",
-    title="Packing with a document mask equals separate runs; sliding windows keep context",
-    claim=(
-        "滑动窗口	块大小 = max_len，步长 stride < max_len，相邻块重叠	"
-        "语言模型预训练、长文理解（主流）\n"
-        "结构化切分 + Packing	按句子/段落边界切，多个短样本拼进同一个 max_len 块，"
-        "attention mask 隔离	提高块利用率，现代预训练标配\n"
-        "滑动窗口的直觉：stride 的重叠区（如 512 窗口、256 步长）保证跨块边界的信息在至少一个块里是"
-        '完整的；代价是重叠部分被重复计算，是"信息完整 vs 计算量"的折中。Packing 解决的是另一头：'
-        "大量短样本（比如聊天记录）各自成块太浪费——拼起来一次算，块内用掩码互不可见。"
-    ),
-    source="seed 000 §2.4",
-    number=18,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("chunking")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     from glassformer.interop.pretrained import from_pretrained
 
     model, tokenizer = from_pretrained("smollm2")
@@ -185,14 +163,14 @@ def run(ctx: RunContext) -> Result:
                      f"boundary loss (first {boundary})": boundary_loss[scheme],
                      "mean loss (all)": overall_loss[scheme]})  # fmt: skip
     checks = [
-        at_most("packed with document mask vs alone: max |Δ logit|", max(with_mask),
-                MAX_PACKED_DIFF),
-        at_least("packed without the mask vs alone: max |Δ logit|", max(without_mask),
-                 MIN_UNMASKED_DIFF),
-        at_least(f"boundary loss (first {boundary} tokens of each chunk): truncation - sliding",
-                 boundary_loss["truncation"] - boundary_loss["sliding"], MIN_BOUNDARY_GAIN),
-        at_least("mean loss over all tokens: truncation - sliding",
-                 overall_loss["truncation"] - overall_loss["sliding"], MIN_OVERALL_GAIN),
+        lab.at_most("packed with document mask vs alone: max |Δ logit|", max(with_mask),
+                    MAX_PACKED_DIFF),
+        lab.at_least("packed without the mask vs alone: max |Δ logit|", max(without_mask),
+                     MIN_UNMASKED_DIFF),
+        lab.at_least(f"boundary loss (first {boundary} tokens of each chunk): truncation - sliding",
+                     boundary_loss["truncation"] - boundary_loss["sliding"], MIN_BOUNDARY_GAIN),
+        lab.at_least("mean loss over all tokens: truncation - sliding",
+                     overall_loss["truncation"] - overall_loss["sliding"], MIN_OVERALL_GAIN),
     ]  # fmt: skip
     n_windows = {k: len(set(v)) for k, v in (("truncation", truncation), ("sliding", sliding))}
     notes = [
@@ -210,31 +188,24 @@ def run(ctx: RunContext) -> Result:
         "of truncation's excess on the very first tokens may be the cut itself, not only the "
         "lost context",
     ]
-    figure = _plot(lengths, with_mask, without_mask, by_position, boundary, ctx)
+    figure = _plot(lengths, with_mask, without_mask, by_position, boundary)
     data = {"documents": {"tokens": lengths, "max_diff_masked": with_mask,
                           "max_diff_unmasked": without_mask},
             "loss_by_position": by_position, "boundary_loss": boundary_loss,
             "overall_loss": overall_loss, "max_len": max_len, "stride": stride,
             "boundary_tokens": boundary, "n_targets": len(ids) - 1}  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(lengths, with_mask, without_mask, by_position, boundary, ctx: RunContext):
-    fig, (left, right) = new_figure(10.0, 3.6, ncols=2)
-    docs = range(len(lengths))
-    width = 0.4
-    left.bar(
-        [d - width / 2 for d in docs],
-        [max(v, 1e-9) for v in with_mask],
-        width,
-        label="packed, document mask",
-    )
-    left.bar([d + width / 2 for d in docs], [max(v, 1e-9) for v in without_mask], width,
-             label="packed, no mask")  # fmt: skip
+def _plot(lengths, with_mask, without_mask, by_position, boundary):
+    fig, (left, right) = lab.new_figure(10.0, 3.6, ncols=2)
+    lab.grouped_bars(left, [str(d) for d in range(len(lengths))], {  # log axis: floor at 1e-9
+        "packed, document mask": [max(v, 1e-9) for v in with_mask],
+        "packed, no mask": [max(v, 1e-9) for v in without_mask],
+    })  # fmt: skip
     left.axhline(MAX_PACKED_DIFF, color="grey", linestyle=":", label="threshold (mask)")
     left.set(yscale="log", xlabel="document in the packed block",
              ylabel="max |logit difference| vs alone", title="A: packing")  # fmt: skip
-    left.set_xticks(list(docs))
     left.legend(fontsize=7, loc="center left")
     for scheme, values in by_position.items():
         right.plot(range(1, len(values) + 1), values, label=scheme, linewidth=1)
@@ -242,4 +213,4 @@ def _plot(lengths, with_mask, without_mask, by_position, boundary, ctx: RunConte
     right.set(xscale="log", xlabel="position of the target within its non-overlapping chunk",
               ylabel="mean loss (nats)", title="B: truncation vs sliding window")  # fmt: skip
     right.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("chunking"))
+    return fig

@@ -9,7 +9,7 @@ import torch
 
 from glassformer import calc
 from glassformer.config import ModelConfig
-from glassformer.lab.base import Result, RunContext, approx, new_figure, register, save_figure
+from glassformer.lab import base as lab
 from glassformer.models import build_model
 
 N_HEADS = 8
@@ -17,7 +17,7 @@ N_HEADS = 8
 RATIO_TOL = 1e-9
 
 
-def _config(n_kv_heads: int, ctx: RunContext) -> ModelConfig:
+def _config(n_kv_heads: int, ctx: lab.RunContext) -> ModelConfig:
     return ModelConfig(
         family="gpt", vocab_size=256, d_model=ctx.pick(512, 256, 64), n_layers=ctx.pick(8, 4, 1),
         n_heads=N_HEADS, n_kv_heads=n_kv_heads, max_seq_len=1024, position="rope", norm="rms",
@@ -35,20 +35,8 @@ def filled_cache_bytes(cfg: ModelConfig, n_tokens: int, seed: int) -> tuple[int,
     return cache.filled_bytes, cache.kv_bytes_per_token
 
 
-@register(
-    "gqa-cache",
-    title="GQA/MQA shrink the KV cache by n_heads / n_kv_heads",
-    claim=(
-        "KV cache 是按头缓存的——形状约为 [层数, h, L,"
-        " d_k]，每个头各存各的 K/V，头数越多 cache 越大。"
-        "现代推理优化的 MQA / GQA（多查询 / 分组查询注意力"
-        "，Llama-2-70B 采用 GQA）正是把多个头的 K/V "
-        "合并共享，直接压缩 cache 显存"
-    ),
-    source="seed 000 §4.2",
-    number=8,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("gqa-cache")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     n_tokens = ctx.pick(512, 256, 16)
     rows, checks = [], []
     mha_calc = mha_filled = None
@@ -72,10 +60,10 @@ def run(ctx: RunContext) -> Result:
                 "n_heads/n_kv_heads": N_HEADS / n_kv,
             }
         )
-        checks.append(approx(f"{kind} n_kv={n_kv}: filled == calc bytes", filled - from_calc,
-                             0, 0))  # fmt: skip
-        checks.append(approx(f"{kind} n_kv={n_kv}: shrink of the filled cache",
-                             mha_filled / filled, N_HEADS / n_kv, RATIO_TOL))  # fmt: skip
+        checks.append(lab.approx(f"{kind} n_kv={n_kv}: filled == calc bytes", filled - from_calc,
+                                 0, 0))  # fmt: skip
+        checks.append(lab.approx(f"{kind} n_kv={n_kv}: shrink of the filled cache",
+                                 mha_filled / filled, N_HEADS / n_kv, RATIO_TOL))  # fmt: skip
     # The seed's own example, from the calculator: Llama-2-70B (64 heads, 8 KV heads) at 4096.
     llama = ModelConfig.preset("llama-2-70b")
     gqa = calc.kv_cache_bytes(llama, 4096, "fp16")
@@ -90,22 +78,20 @@ def run(ctx: RunContext) -> Result:
             "n_heads/n_kv_heads": llama.n_heads / llama.n_kv_heads,
         }
     )
-    checks.append(approx("Llama-2-70B: MHA / GQA cache (calc)", mha / gqa,
-                         llama.n_heads / llama.n_kv_heads, RATIO_TOL))  # fmt: skip
-    figure = _plot(rows[:-1], ctx)
+    checks.append(lab.approx("Llama-2-70B: MHA / GQA cache (calc)", mha / gqa,
+                             llama.n_heads / llama.n_kv_heads, RATIO_TOL))  # fmt: skip
+    figure = _plot(rows[:-1])
     data = {"n_tokens": n_tokens, "llama2_70b_gqa_bytes": gqa, "llama2_70b_mha_bytes": mha}
-    return Result.from_checks(rows, checks, figure=figure, data=data)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data)
 
 
-def _plot(rows: list[dict], ctx: RunContext):
-    fig, ax = new_figure(6.0, 3.4)
-    x = list(range(len(rows)))
-    calc_bytes = [r["calc bytes/token"] / 1024 for r in rows]
-    filled = [r["filled bytes/token"] / 1024 for r in rows]
-    ax.bar([i - 0.2 for i in x], calc_bytes, 0.4, label="calc.kv_bytes_per_token")
-    ax.bar([i + 0.2 for i in x], filled, 0.4, label="filled cache / tokens")
-    ax.set_xticks(x, [f"{r['attention']}\nn_kv_heads={r['n_kv_heads']}" for r in rows])
+def _plot(rows: list[dict]):
+    fig, ax = lab.new_figure(6.0, 3.4)
+    lab.grouped_bars(ax, [f"{r['attention']}\nn_kv_heads={r['n_kv_heads']}" for r in rows], {
+        "calc.kv_bytes_per_token": [r["calc bytes/token"] / 1024 for r in rows],
+        "filled cache / tokens": [r["filled bytes/token"] / 1024 for r in rows],
+    })  # fmt: skip
     ax.set_ylabel("KiB per token (fp32)")
     ax.set_title(f"KV cache per token, {N_HEADS} query heads: shrinks by n_heads / n_kv_heads")
     ax.legend(fontsize=8)
-    return save_figure(fig, ctx.figure_path("gqa-cache"))
+    return fig

@@ -13,15 +13,7 @@ from __future__ import annotations
 import torch
 
 from glassformer.inspect.ablate import ablate_heads, all_heads, as_spec
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.lab.char_gpt import char_gpt
 from glassformer.lab.fit import random_windows
 
@@ -56,17 +48,8 @@ def removal_curve(evaluate: FixedEval, order: list[tuple[int, int]]) -> list[flo
     return [evaluate(order[:k]) for k in range(len(order) + 1)]
 
 
-@register(
-    "head-pruning",
-    title="Many heads of a trained model can be removed with little loss increase",
-    claim=(
-        "冗余与鲁棒\t多套视角覆盖同一信息\t"
-        "头剪枝研究：剪掉相当比例的头模型性能几乎不掉——重要头集中，其余是冗余备份"
-    ),
-    source="seed 000 §4.2",
-    number=13,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("head-pruning")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     gpt = char_gpt(ctx)
     evaluate = FixedEval(gpt.model, gpt.val_ids, gpt.recipe.context,
                          ctx.pick(64, 32, 4), ctx.seed)  # fmt: skip
@@ -99,20 +82,19 @@ def run(ctx: RunContext) -> Result:
     gains = sorted((max(v, 0.0) for v in importance.values()), reverse=True)
     top_share = sum(gains[:k_pruned]) / sum(gains) if sum(gains) > 0 else float("nan")
     checks = [
-        at_most(f"val loss increase with the {k_pruned} least important of {n} heads removed",
-                greedy[k_pruned] / base - 1, MAX_PRUNED_INCREASE),
-        at_least(f"share of the summed single-head loss increases in the top {k_pruned} heads",
-                 top_share, MIN_TOP_SHARE),
-        at_least("val loss increase with every head removed", greedy[-1] / base - 1,
-                 MIN_ALL_REMOVED_INCREASE),
+        lab.at_most(f"val loss increase with the {k_pruned} least important of {n} heads removed",
+                    greedy[k_pruned] / base - 1, MAX_PRUNED_INCREASE),
+        lab.at_least(f"share of the summed single-head loss increases in the top {k_pruned} heads",
+                     top_share, MIN_TOP_SHARE),
+        lab.at_least("val loss increase with every head removed", greedy[-1] / base - 1,
+                     MIN_ALL_REMOVED_INCREASE),
     ]  # fmt: skip
     recipe = gpt.recipe
     notes = [
-        f"model: {recipe.n_layers} layers x {recipe.n_heads} heads, d_model {recipe.d_model}, "
-        f"{recipe.schedule.max_steps} training steps on Shakespeare characters "
-        f"({'loaded from the cache' if gpt.cached else 'trained in this run'}); final training "
-        f"loss {gpt.train_losses[-1]:.3f}, val loss {base:.3f} on "
-        f"{len(evaluate.windows['input_ids'])} fixed windows of {recipe.context} characters",
+        f"model: {recipe.shape}, {recipe.schedule.max_steps} training steps on Shakespeare "
+        f"characters ({gpt.origin}); final training loss {gpt.train_losses[-1]:.3f}, val loss "
+        f"{base:.3f} on {len(evaluate.windows['input_ids'])} fixed windows of {recipe.context} "
+        "characters",
         "heads are removed without any fine-tuning afterwards; the order is fixed by each "
         "head's own importance measured alone, so interactions between heads are not searched",
         f"single-head importance ranges {min(importance.values()):+.4f} .. "
@@ -121,7 +103,7 @@ def run(ctx: RunContext) -> Result:
     if min(importance.values()) < 0:
         notes.append("a negative importance: the model does slightly better without that head "
                      "on these windows")  # fmt: skip
-    figure = _plot(gpt.model, heads, importance, greedy, random_curves, base, ctx)
+    figure = _plot(gpt.model, heads, importance, greedy, random_curves, base)
     data = {
         "base_loss": base,
         "importance": {f"{layer}.{head}": v for (layer, head), v in importance.items()},
@@ -129,11 +111,11 @@ def run(ctx: RunContext) -> Result:
         "greedy_curve": greedy,
         "random_curves": random_curves,
     }
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(model, heads, importance, greedy, random_curves, base, ctx: RunContext):
-    fig, (left, right) = new_figure(10.0, 3.6, ncols=2)
+def _plot(model, heads, importance, greedy, random_curves, base):
+    fig, (left, right) = lab.new_figure(10.0, 3.6, ncols=2)
     ks = list(range(len(heads) + 1))
     for i, curve in enumerate(random_curves):
         left.plot(
@@ -153,4 +135,4 @@ def _plot(model, heads, importance, greedy, random_curves, base, ctx: RunContext
     right.set(xlabel="head", ylabel="layer", title="loss increase with one head removed",
               xticks=range(n_heads), yticks=range(n_layers))  # fmt: skip
     fig.colorbar(image, ax=right, label="Δ val loss (nats)")
-    return save_figure(fig, ctx.figure_path("head-pruning"))
+    return fig

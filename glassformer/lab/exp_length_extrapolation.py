@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.lab import base as lab
 from glassformer.lab.fit import Schedule, fit, random_windows, shakespeare_chars, window_batches
 from glassformer.models import build_model
 
@@ -92,21 +92,8 @@ def with_scaling(model: nn.Module, scaling: dict) -> nn.Module:
     return scaled.eval()
 
 
-@register(
-    "length-extrapolation",
-    title="Beyond the training length: learned positions collapse, RoPE (+NTK/YaRN) degrades less",
-    claim=(
-        "后续演化一行看完：GPT/BERT 改用可学习的位置嵌入（训练学出来，但长度不能外推）；Llama 系用 "
-        "RoPE（把位置作为旋转角乘进 Q/K，相对位置直接体现在打分里，外推性好）\n"
-        "长度外推（最直接的关联）：训练只见过 [0, max_len) 的位置，推理超出这个范围，绝对位置编码的"
-        "性能会崩塌；RoPE 配合缩放技巧（NTK / YaRN 等）能把窗口外推到训练长度的数十倍\n"
-        "位置编码长度	训练时见过的位置范围，超出则外推崩坏（绝对位置编码尤甚）	"
-        "RoPE 等相对编码缓解"
-    ),
-    source="seed 000 §4.3, §2.3",
-    number=12,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("length-extrapolation")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     train_len = ctx.pick(64, 64, 8)
     eval_len = EVAL_FACTOR * train_len
     steps = ctx.pick(2000, 800, 3)
@@ -149,21 +136,21 @@ def run(ctx: RunContext) -> Result:
     scaled = {n: float(curves[n][train_len:].mean()) for n in rope_scalings(train_len, eval_len)}
     best_scaled = min(scaled, key=scaled.get)
     checks = [
-        at_least(
+        lab.at_least(
             "learned: loss beyond L − loss within L (nats)", rise("learned"), MIN_LEARNED_RISE
         ),
-        at_least(
+        lab.at_least(
             "rise beyond L: learned − RoPE (nats)",
             rise("learned") - rise("rope"),
             MIN_ROPE_ADVANTAGE,
         ),
-        at_least(
+        lab.at_least(
             f"RoPE loss beyond L: plain − {best_scaled} (nats)",
             rope_beyond - scaled[best_scaled],
             MIN_SCALING_GAIN,
         ),
     ]
-    figure = _plot(curves, train_len, ctx)
+    figure = _plot(curves, train_len)
     notes = [
         f"trained {steps} steps on {train_len}-char windows (batch 32, same batches for every "
         f"model), evaluated on {n_eval} held-out windows of {eval_len} chars in one forward each",
@@ -187,7 +174,7 @@ def run(ctx: RunContext) -> Result:
         "loss_per_position": {k: [round(float(x), 4) for x in v] for k, v in curves.items()},
         "final_train_loss": train_loss,
     }
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def smooth(curve: Tensor, width: int) -> Tensor:
@@ -200,8 +187,8 @@ def smooth(curve: Tensor, width: int) -> Tensor:
     return (F.conv1d(padded, kernel) / F.conv1d(counts, kernel))[0, 0]
 
 
-def _plot(curves: dict[str, Tensor], train_len: int, ctx: RunContext):
-    fig, ax = new_figure(7.0, 3.8)
+def _plot(curves: dict[str, Tensor], train_len: int):
+    fig, ax = lab.new_figure(7.0, 3.8)
     width = max(1, train_len // 8)
     for name, curve in curves.items():
         style = "--" if "+" in name else "-"
@@ -213,4 +200,4 @@ def _plot(curves: dict[str, Tensor], train_len: int, ctx: RunContext):
         title="Loss per position, trained at L, evaluated at 4L",
     )
     ax.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("length-extrapolation"))
+    return fig

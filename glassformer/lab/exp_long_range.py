@@ -16,16 +16,8 @@ from collections.abc import Callable
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
-from glassformer.lab.fit import Batch, Schedule, fit
+from glassformer.lab import base as lab
+from glassformer.lab.fit import Batch, Schedule, fit, step_generator
 from glassformer.models import build_model
 
 VOCAB = 16  # random symbols; chance accuracy 1/16
@@ -53,14 +45,13 @@ def recall_batches(batch_size: int, length: int, delay: int, seed: int) -> Calla
     """batch(step) for fit(): a pure function of (seed, step), the same for every model."""
 
     def batch(step: int) -> Batch:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        return recall_batch(batch_size, length, delay, generator)
+        return recall_batch(batch_size, length, delay, step_generator(seed, step))
 
     return batch
 
 
 def evaluation(delay: int) -> torch.Generator:
-    """The fresh sequences' generator, far from every training step's (seed * 1_000_003 + step)."""
+    """The fresh sequences' generator, far from every training step's (fit.step_generator)."""
     return torch.Generator().manual_seed(2**62 + delay)
 
 
@@ -73,7 +64,7 @@ def recall_accuracy(model: torch.nn.Module, batch: Batch) -> float:
     return (predicted[scored] == batch["targets"][scored]).float().mean().item()
 
 
-def _configs(ctx: RunContext, length: int) -> dict[str, ModelConfig]:
+def _configs(ctx: lab.RunContext, length: int) -> dict[str, ModelConfig]:
     width = ctx.pick(64, 64, 16)
     # The LSTM is a bit wider so that both have about the same parameter count.
     lstm_width = ctx.pick(96, 96, 24)
@@ -89,18 +80,8 @@ def _configs(ctx: RunContext, length: int) -> dict[str, ModelConfig]:
     }  # fmt: skip
 
 
-@register(
-    "long-range",
-    title="An LSTM forgets what it saw d steps ago; attention reads it directly",
-    claim=(
-        "梯度消失/爆炸	反向传播沿时间连乘同一 Jacobian（≈ W_hh 的 t 次幂）	远距离的词元（token）"
-        "学不到（LSTM/GRU 的门控只是缓解，没有根治）\n"
-        '长程依赖弱	上述两者叠加	句首的主语传到句尾早就"失真"了'
-    ),
-    source="seed 000 §1.3",
-    number=5,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("long-range")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     delays = ctx.pick([2, 4, 8, 16, 32, 64, 128], [2, 4, 8, 16, 32, 64], [2, 8])
     length = ctx.pick(192, 96, 16)  # one length for every delay: the same cost per step
     steps = ctx.pick(400, 200, 5)
@@ -130,9 +111,9 @@ def run(ctx: RunContext) -> Result:
     lstm_drop = accuracy["LSTM"][0] - accuracy["LSTM"][-1]
     gpt_drop = accuracy["GPT"][0] - accuracy["GPT"][-1]
     checks = [
-        at_least(f"GPT accuracy at d={last}", accuracy["GPT"][-1], MIN_GPT_ACCURACY),
-        at_most(f"GPT accuracy drop, d={first} -> d={last}", gpt_drop, MAX_GPT_DROP),
-        at_least(f"LSTM accuracy drop, d={first} -> d={last}", lstm_drop, MIN_LSTM_DROP),
+        lab.at_least(f"GPT accuracy at d={last}", accuracy["GPT"][-1], MIN_GPT_ACCURACY),
+        lab.at_most(f"GPT accuracy drop, d={first} -> d={last}", gpt_drop, MAX_GPT_DROP),
+        lab.at_least(f"LSTM accuracy drop, d={first} -> d={last}", lstm_drop, MIN_LSTM_DROP),
     ]
     notes = [
         f"parameters: LSTM {params['LSTM']:,}, GPT {params['GPT']:,}; {steps} steps of "
@@ -143,14 +124,14 @@ def run(ctx: RunContext) -> Result:
         "gradient that would teach it to do so crosses d steps; more steps or a wider state "
         "push its limit further out (the gates mitigate, as the seed says), not away",
     ]
-    figure = _plot(delays, accuracy, ctx)
+    figure = _plot(delays, accuracy)
     data = {"delays": delays, "accuracy": accuracy, "final_train_loss": final_loss,
             "params": params, "steps": steps, "length": length}  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(delays: list[int], accuracy: dict[str, list[float]], ctx: RunContext):
-    fig, ax = new_figure(6.0, 3.4)
+def _plot(delays: list[int], accuracy: dict[str, list[float]]):
+    fig, ax = lab.new_figure(6.0, 3.4)
     for name, values in accuracy.items():
         ax.plot(delays, values, marker="o", label=name)
     ax.axhline(1 / VOCAB, color="grey", linestyle=":", label=f"chance (1/{VOCAB})")
@@ -160,4 +141,4 @@ def _plot(delays: list[int], accuracy: dict[str, list[float]], ctx: RunContext):
     ax.minorticks_off()
     ax.set_xticks(delays, [str(d) for d in delays])
     ax.legend(fontsize=8)
-    return save_figure(fig, ctx.figure_path("long-range"))
+    return fig

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.lab import base as lab
 
 NAMES = ("Alice", "Bruno", "Chen", "Dmitri", "Elena", "Farah", "Goran", "Hana", "Ivan", "Julia",
          "Kenji", "Lena", "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara",
@@ -38,20 +38,21 @@ class Fact:
     number: int
 
     @property
-    def sentence(self) -> str:
-        return f"The secret number of {self.name} is {self.number}."
-
-    @property
-    def question(self) -> str:
-        return f"What is the secret number of {self.name}?"
-
-    @property
     def answer_prefix(self) -> str:
         return f"The secret number of {self.name} is"
 
     @property
     def answer(self) -> str:
         return f" {self.number}"
+
+    @property
+    def sentence(self) -> str:
+        # the notes state the fact in the very words the answer is scored on
+        return f"{self.answer_prefix}{self.answer}."
+
+    @property
+    def question(self) -> str:
+        return f"What is the secret number of {self.name}?"
 
 
 def make_facts(n_facts: int, rng: random.Random) -> list[Fact]:
@@ -135,17 +136,8 @@ def run_trial(model, tokenizer, facts: list[Fact], fillers: list[str]) -> list[t
     return scores
 
 
-@register(
-    "lost-in-the-middle",
-    title="A fact in the middle of a long prompt vs near its end (SmolLM2-135M)",
-    claim=(
-        "找一段 500 字资料，把一个关键结论分别放在正中间和结尾，各问一次模型，观察哪次答得准——"
-        '亲手复现"中间遗忘"。'
-    ),
-    source="seed 002 练习 2.3",
-    number=19,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("lost-in-the-middle")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     from glassformer.data.corpus import corpus_text
     from glassformer.interop.pretrained import from_pretrained
 
@@ -183,13 +175,13 @@ def run(ctx: RunContext) -> Result:
     middle, end = n_facts // 2, n_facts - 1
     chance = 1 / n_facts
     checks = [
-        at_least("accuracy: end − middle", accuracy[end] - accuracy[middle], MIN_ACCURACY_GAP),
-        at_least(
+        lab.at_least("accuracy: end − middle", accuracy[end] - accuracy[middle], MIN_ACCURACY_GAP),
+        lab.at_least(
             "mean log p(answer): end − middle (nats)",
             mean_logprob[end] - mean_logprob[middle],
             MIN_LOGPROB_GAP,
         ),
-        at_least(f"best accuracy − chance (1/{n_facts})", max(accuracy) - chance, 0.0),
+        lab.at_least(f"best accuracy − chance (1/{n_facts})", max(accuracy) - chance, 0.0),
     ]
     mean_tokens = sum(prompt_tokens) / len(prompt_tokens)
     notes = [
@@ -221,8 +213,8 @@ def run(ctx: RunContext) -> Result:
         "hits": hits,
         "context_tokens": prompt_tokens,
     }
-    figure = _plot(fractions, accuracy, mean_logprob, n_trials, chance, ctx)
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    figure = _plot(fractions, accuracy, mean_logprob, n_trials, chance)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _label(i: int, n: int) -> str:
@@ -235,8 +227,8 @@ def _label(i: int, n: int) -> str:
     return ""
 
 
-def _plot(fractions, accuracy, mean_logprob, n_trials: int, chance: float, ctx: RunContext):
-    fig, (left, right) = new_figure(9.0, 3.4, ncols=2)
+def _plot(fractions, accuracy, mean_logprob, n_trials: int, chance: float):
+    fig, (left, right) = lab.new_figure(9.0, 3.4, ncols=2)
     left.plot(fractions, accuracy, marker="o")
     left.axhline(chance, color="gray", linestyle=":", label=f"chance (1/{round(1 / chance)})")
     left.set(xlabel="position of the fact (0 = start, 1 = end of context)",
@@ -247,4 +239,4 @@ def _plot(fractions, accuracy, mean_logprob, n_trials: int, chance: float, ctx: 
     right.set(xlabel="position of the fact (0 = start, 1 = end of context)",
               ylabel="mean log p(answer digits) (nats)",
               title="SmolLM2-135M: log-prob of the right number")  # fmt: skip
-    return save_figure(fig, ctx.figure_path("lost-in-the-middle"))
+    return fig

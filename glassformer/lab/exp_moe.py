@@ -20,17 +20,7 @@ import torch
 
 from glassformer.calc import parameter_counts, resolve_preset
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-    trailing_mean,
-)
+from glassformer.lab import base as lab
 from glassformer.lab.fit import Schedule, eval_loss, fit, shakespeare_chars, window_batches
 from glassformer.models import build_model
 from glassformer.nn.ffn import MoE
@@ -88,22 +78,8 @@ def expert_load(model) -> tuple[list[list[float]], list[float]]:
     return shares, [float(m.aux_loss) for m in layers]
 
 
-@register(
-    "moe",
-    title="MoE: 671B total / 37B active, and a small MoE against a dense model of equal compute",
-    claim=(
-        "2.5.3 MoE 与非 MoE：激活范围的区别\n"
-        "非 MoE（dense 稠密） | MoE（混合专家）\n"
-        'FFN 结构 | 一整块 FFN，每个 token 过全部参数 | 一层内放 N 个"专家"FFN + 一个路由器，每个 '
-        "token 只激活 top-k 个专家（如 DeepSeek-V3：256 选 8）\n"
-        "参数与算力 | 参数量 = 激活量 | 总参数 ≫ 激活参数（671B 总 / 37B 激活）："
-        "知识容量按总参数算，推理成本按激活参数算\n"
-        "优点 | 结构简单、行为稳定 | 同等算力下容量更大；训练和推理都更省"
-    ),
-    source="seed 000 §2.5.3",
-    number=10,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("moe")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     deepseek = deepseek_counts()
     steps = ctx.pick(1200, 500, 4)
     batch_size, length = ctx.pick(16, 16, 2), ctx.pick(64, 64, 16)
@@ -157,13 +133,13 @@ def run(ctx: RunContext) -> Result:
 
     largest = max(max(s) for s in shares)
     checks = [
-        approx("DeepSeek-V3 total / 671B", deepseek["total"] / PUBLISHED_TOTAL, 1.0,
-               COUNT_TOLERANCE),
-        approx("DeepSeek-V3 active / 37B", deepseek["active"] / PUBLISHED_ACTIVE, 1.0,
-               COUNT_TOLERANCE),
-        at_least("dense val loss - MoE val loss (nats)", dense["val"] - moe["val"], 0.0),
-        at_most("largest expert share x E (1 = uniform)", largest * N_EXPERTS,
-                MAX_SHARE_OVER_UNIFORM),
+        lab.approx("DeepSeek-V3 total / 671B", deepseek["total"] / PUBLISHED_TOTAL, 1.0,
+                   COUNT_TOLERANCE),
+        lab.approx("DeepSeek-V3 active / 37B", deepseek["active"] / PUBLISHED_ACTIVE, 1.0,
+                   COUNT_TOLERANCE),
+        lab.at_least("dense val loss - MoE val loss (nats)", dense["val"] - moe["val"], 0.0),
+        lab.at_most("largest expert share x E (1 = uniform)", largest * N_EXPERTS,
+                    MAX_SHARE_OVER_UNIFORM),
     ]  # fmt: skip
     notes = [
         f"MoE: {N_EXPERTS} SwiGLU experts of width {ffn_width // TOP_K}, top-{TOP_K}; dense: one "
@@ -183,7 +159,7 @@ def run(ctx: RunContext) -> Result:
         "Expert shares are the fractions of the val windows' token-to-expert assignments "
         f"(uniform = 1/{N_EXPERTS} = {1 / N_EXPERTS:.3f}).",
     ]
-    figure = _plot(runs, ctx)
+    figure = _plot(runs)
     data = {
         "deepseek_v3": deepseek,
         "dense": {k: v for k, v in dense.items()},
@@ -192,14 +168,14 @@ def run(ctx: RunContext) -> Result:
         "batch_size": batch_size,
         "length": length,
     }
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(runs: dict, ctx: RunContext):
-    fig, (left, right) = new_figure(10.0, 3.6, ncols=2)
+def _plot(runs: dict):
+    fig, (left, right) = lab.new_figure(10.0, 3.6, ncols=2)
     window = max(1, len(runs["dense"]["losses"]) // 25)
     for name, r in runs.items():
-        left.plot(trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.3f})")
+        left.plot(lab.trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.3f})")
     left.set(xlabel="step", ylabel=f"train loss (nats, mean of {window} steps)",
              title="dense vs MoE, same active FFN weights")  # fmt: skip
     left.legend(fontsize=8)
@@ -214,4 +190,4 @@ def _plot(runs: dict, ctx: RunContext):
     ):
         right.text(expert, layer, f"{share:.2f}", ha="center", va="center", fontsize=7, color="w")
     fig.colorbar(image, ax=right)
-    return save_figure(fig, ctx.figure_path("moe"))
+    return fig

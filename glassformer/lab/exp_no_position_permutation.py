@@ -13,15 +13,7 @@ import numpy as np
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.models import build_model
 from glassformer.tokenizers import CharTokenizer
 
@@ -32,7 +24,7 @@ LONG_SENTENCE = "那只猫没跳上桌子因为它太累了"
 SAME_TOL, DIFFERENT_MIN = 1e-5, 1e-3
 
 
-def _model(family: str, position: str, vocab_size: int, ctx: RunContext) -> torch.nn.Module:
+def _model(family: str, position: str, vocab_size: int, ctx: lab.RunContext) -> torch.nn.Module:
     torch.manual_seed(ctx.seed)
     cfg = ModelConfig(
         family=family, vocab_size=vocab_size, d_model=ctx.pick(64, 64, 32),
@@ -56,18 +48,8 @@ def permutation_gap(model: torch.nn.Module, ids: list[int], order: list[int]) ->
     return float((out[order] - out_permuted).abs().max())
 
 
-@register(
-    "no-position-permutation",
-    title="Without positions, attention cannot tell 我爱她 from 她爱我",
-    claim=(
-        "自注意力对输入是置换等变的：把 token 顺序打乱，输出跟着同样打乱。换个说法——在注意力眼里，"
-        '输入是"词的集合"而不是"词的序列"。"我爱她"和"她爱我"送进去，每个词得到的表示完全相同，'
-        "模型分不出差别。"
-    ),
-    source="seed 000 §4.3",
-    number=3,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("no-position-permutation")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     tok = CharTokenizer.from_text(SENTENCE + LONG_SENTENCE)
     ids = tok.encode(SENTENCE)
     swap = [2, 1, 0]  # 她爱我 is 我爱她 reversed
@@ -95,11 +77,11 @@ def run(ctx: RunContext) -> Result:
                 continue  # the causal rows explain; the claim is about attention without a mask
             label = f"bert, position={position}"
             if position == "none":
-                checks.append(at_most(f"{label}: 我爱她/她爱我 gap", gap, SAME_TOL))
-                checks.append(at_most(f"{label}: shuffled-sentence gap", long_gap, SAME_TOL))
+                checks.append(lab.at_most(f"{label}: 我爱她/她爱我 gap", gap, SAME_TOL))
+                checks.append(lab.at_most(f"{label}: shuffled-sentence gap", long_gap, SAME_TOL))
             else:
-                checks.append(at_least(f"{label}: 我爱她/她爱我 gap", gap, DIFFERENT_MIN))
-    figure = _plot(rows, ctx)
+                checks.append(lab.at_least(f"{label}: 我爱她/她爱我 gap", gap, DIFFERENT_MIN))
+    figure = _plot(rows)
     gpt_none = next(r for r in rows if r["family"] == "gpt" and r["position"] == "none")
     notes = [
         "GPT rows (causal mask) are not part of the verdict: with position='none' a causal "
@@ -107,11 +89,11 @@ def run(ctx: RunContext) -> Result:
         "because the mask itself makes position 0 see one token and position 2 see three; "
         "seed 002's 'without it GPT becomes a bag of words' is too strong for a causal GPT."
     ]
-    return Result.from_checks(rows, checks, figure=figure, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, notes=notes)
 
 
-def _plot(rows: list[dict], ctx: RunContext):
-    fig, ax = new_figure(6.4, 3.4)
+def _plot(rows: list[dict]):
+    fig, ax = lab.new_figure(6.4, 3.4)
     labels = [f"{r['family']}\n{r['position']}" for r in rows]
     gaps = [max(r["我爱她 vs 她爱我 max|Δ|"], 1e-9) for r in rows]  # log axis: floor at 1e-9
     colors = ["tab:green" if r["equivariant"] else "tab:red" for r in rows]
@@ -122,4 +104,4 @@ def _plot(rows: list[dict], ctx: RunContext):
     ax.set_ylabel("max |f(我爱她) permuted − f(她爱我)|")
     ax.set_title("置换等变：没有位置编码时，双向注意力分不出 我爱她 / 她爱我")
     ax.legend(fontsize=8)
-    return save_figure(fig, ctx.figure_path("no-position-permutation"))
+    return fig

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 from glassformer import calc
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 
 # The seed's table, as written (per layer where it says 每层; the model has 32 layers).
 D, D_FF, V, LAYERS = 4096, 11008, 32000, 32
@@ -32,21 +25,8 @@ def _layer_row(rows: list[calc.Row], component: str) -> calc.Row:
     return next(r for r in rows if r.component == component and r.layers)
 
 
-@register(
-    "parameter-tables",
-    title="Llama-7B by component, and GPT-3 = 96 layers x 96 heads x 12288",
-    claim=(
-        "Embedding 表（词嵌入）[32000 × 4096] ≈ 1.3 亿；注"
-        "意力 W_Q/W_K/W_V/W_O 每层 4 个 [4096×4096] × "
-        "32 层；FFN（前馈网络）W_in/W_out 每层 [11008×"
-        "4096] × 2，参数量大头；LayerNorm（层归一化）γ/β "
-        '每层 2 个 4096 维向量。"7B"就是所有这些数字的总个数（fp16 存约 14GB 的 float 文件）。\n'
-        "GPT-3（175B 参数）= 96 层 × 96 头 × 12288 维隐藏层。"
-    ),
-    source="seed 000 §2.1; seed 002 「一个完整的 Transformer Block 里发生了什么」",
-    number=9,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("parameter-tables")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     llama = ModelConfig.preset("llama-7b")
     rows_calc = calc.parameter_rows(llama)
     counts = calc.parameter_counts(llama)
@@ -74,7 +54,9 @@ def run(ctx: RunContext) -> Result:
         )
         tol = EMBED_TOL if component == "embedding" else 0
         target = 1.3e8 if component == "embedding" else seed_count
-        checks.append(approx(f"Llama-7B {component} (per layer where 每层)", count, target, tol))
+        checks.append(
+            lab.approx(f"Llama-7B {component} (per layer where 每层)", count, target, tol)
+        )
     lm_head = next(r for r in rows_calc if r.component == "lm_head").count
     table.append(
         {
@@ -88,9 +70,9 @@ def run(ctx: RunContext) -> Result:
             "calc / seed": counts["total"] / 7e9,
         }
     )
-    checks.append(approx("Llama-7B total vs '7B'", counts["total"], 7e9, TOTAL_7B_TOL))
+    checks.append(lab.approx("Llama-7B total vs '7B'", counts["total"], 7e9, TOTAL_7B_TOL))
     fp16_gb = counts["total"] * calc.DTYPE_BYTES["fp16"] / 1e9
-    checks.append(approx("Llama-7B fp16 file size (GB)", fp16_gb, 14.0, FP16_GB_TOL))
+    checks.append(lab.approx("Llama-7B fp16 file size (GB)", fp16_gb, 14.0, FP16_GB_TOL))
     table.append({"model": "Llama-7B", "row": "fp16 bytes", "seed says": "约 14GB",
                   "seed count": 14e9, "calc count": fp16_gb * 1e9,
                   "calc / seed": fp16_gb / 14})  # fmt: skip
@@ -108,8 +90,8 @@ def run(ctx: RunContext) -> Result:
             "calc / seed": gpt3_total / 175e9,
         }
     )
-    checks.append(approx("GPT-3 total / 175B", gpt3_total / 175e9, 1.0, GPT3_REL_TOL))
-    figure = _plot(table[:4], ctx)
+    checks.append(lab.approx("GPT-3 total / 175B", gpt3_total / 175e9, 1.0, GPT3_REL_TOL))
+    figure = _plot(table[:4])
     failed = [c.what for c in checks if not c.passed]
     why = None
     if failed:
@@ -122,21 +104,18 @@ def run(ctx: RunContext) -> Result:
         )
     data = {"llama7b_components": counts["components"], "seed_rows_sum": seed_sum,
             "gpt3_total": gpt3_total}  # fmt: skip
-    return Result.from_checks(table, checks, why=why, figure=figure, data=data)
+    return lab.Result.from_checks(table, checks, why=why, figure=figure, data=data)
 
 
-def _plot(rows: list[dict], ctx: RunContext):
-    fig, ax = new_figure(6.4, 3.4)
-    x = list(range(len(rows)))
-    seed = [r["seed count"] / 1e6 for r in rows]
-    ours = [r["calc count"] / 1e6 for r in rows]
-    ax.bar([i - 0.2 for i in x], seed, 0.4, label="seed 000 §2.1 table")
-    ax.bar([i + 0.2 for i in x], ours, 0.4, label="glassformer.calc (llama-7b)")
+def _plot(rows: list[dict]):
+    fig, ax = lab.new_figure(6.4, 3.4)
+    components = ["embedding", "attention\n(per layer)", "FFN\n(per layer)", "norms\n(per layer)"]
+    lab.grouped_bars(ax, components, {
+        "seed 000 §2.1 table": [r["seed count"] / 1e6 for r in rows],
+        "glassformer.calc (llama-7b)": [r["calc count"] / 1e6 for r in rows],
+    })  # fmt: skip
     ax.set_yscale("log")
-    ax.set_xticks(
-        x, ["embedding", "attention\n(per layer)", "FFN\n(per layer)", "norms\n(per layer)"]
-    )
     ax.set_ylabel("parameters (millions, log)")
     ax.set_title("Llama-7B 参数表：教程 vs 计算")
     ax.legend(fontsize=8)
-    return save_figure(fig, ctx.figure_path("parameter-tables"))
+    return fig

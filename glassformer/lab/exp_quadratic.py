@@ -15,15 +15,7 @@ import torch
 
 from glassformer import calc
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.nn.attention import AttentionMask, eager_attention, sdpa_attention
 
 N_HEADS, HEAD_DIM = 8, 64
@@ -53,18 +45,8 @@ def attention_seconds(path: str, length: int, repeats: int, seed: int) -> tuple[
     return best, weights_bytes
 
 
-@register(
-    "quadratic",
-    title="Attention costs n²: ×10 length is ×100 work",
-    claim=(
-        "注意力要让每个词看所有词，n 个词就是 n×n 次比对。文本翻倍，计算量翻四倍（O(n²)）。"
-        "……10,000 token  →  1 亿次比对      （文本 ×10，计算 ×100）\n"
-        "注意力 O(n²)	计算量与显存随长度平方增长	512→8192，注意力开销 ×256"
-    ),
-    source="seed 002 「为什么长文本这么贵」; seed 000 §2.3",
-    number=6,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("quadratic")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     cfg = ModelConfig.preset("llama-7b")
     counted = {}
     for n in (1000, 10_000, 512, 8192):
@@ -81,24 +63,24 @@ def run(ctx: RunContext) -> Result:
     short, long = lengths[0], lengths[-1]
     growth = long / short
     checks = [
-        approx("Llama-7B attention FLOPs, 10,000 vs 1,000 tokens (calc)",
-               counted[10_000] / counted[1000], 100.0, 1e-9),
-        approx("Llama-7B attention FLOPs, 8192 vs 512 tokens (calc)",
-               counted[8192] / counted[512], 256.0, 1e-9),
-        approx(f"eager weights bytes, T={long} vs T={short}",
-               timings[long][2] / timings[short][2], growth**2, 1e-9),
-        at_least(f"eager time, T={long} vs T={short} (x{growth:g} length)",
-                 timings[long][0] / timings[short][0], MIN_TIME_GROWTH),
+        lab.approx("Llama-7B attention FLOPs, 10,000 vs 1,000 tokens (calc)",
+                   counted[10_000] / counted[1000], 100.0, 1e-9),
+        lab.approx("Llama-7B attention FLOPs, 8192 vs 512 tokens (calc)",
+                   counted[8192] / counted[512], 256.0, 1e-9),
+        lab.approx(f"eager weights bytes, T={long} vs T={short}",
+                   timings[long][2] / timings[short][2], growth**2, 1e-9),
+        lab.at_least(f"eager time, T={long} vs T={short} (x{growth:g} length)",
+                     timings[long][0] / timings[short][0], MIN_TIME_GROWTH),
     ]  # fmt: skip
     rows.append({"T": "calc: Llama-7B, 1,000 → 10,000 tokens",
                  "eager ms": counted[10_000] / counted[1000]})  # fmt: skip
-    figure = _plot(lengths, timings, ctx)
+    figure = _plot(lengths, timings)
     data = {"attention_flops_llama7b": counted, "heads": N_HEADS, "head_dim": HEAD_DIM}
-    return Result.from_checks(rows, checks, figure=figure, data=data)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data)
 
 
-def _plot(lengths: list[int], timings: dict, ctx: RunContext):
-    fig, (left, right) = new_figure(9.0, 3.4, ncols=2)
+def _plot(lengths: list[int], timings: dict):
+    fig, (left, right) = lab.new_figure(9.0, 3.4, ncols=2)
     left.plot(lengths, [1e3 * timings[t][0] for t in lengths], marker="o", label="eager")
     left.plot(lengths, [1e3 * timings[t][1] for t in lengths], marker="o", label="SDPA")
     base = 1e3 * timings[lengths[0]][0]
@@ -110,4 +92,4 @@ def _plot(lengths: list[int], timings: dict, ctx: RunContext):
     right.plot(lengths, [timings[t][2] / 2**20 for t in lengths], marker="o")
     right.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="MiB",
               title="the [H, T, T] weights eager attention builds")  # fmt: skip
-    return save_figure(fig, ctx.figure_path("quadratic"))
+    return fig

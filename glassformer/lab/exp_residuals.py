@@ -14,15 +14,7 @@ from __future__ import annotations
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    new_figure,
-    register,
-    save_figure,
-    trailing_mean,
-)
+from glassformer.lab import base as lab
 from glassformer.lab.fit import Schedule, eval_loss, fit, shakespeare_chars, window_batches
 from glassformer.models import build_model
 
@@ -69,21 +61,8 @@ def layer_gradient_norms(model, batch: dict[str, torch.Tensor]) -> list[float]:
     return norms
 
 
-@register(
-    "residuals",
-    title="Residuals and norm placement: Pre-LN trains deep stacks; Post-LN and no residual do not",
-    claim=(
-        '为什么这个"+"至关重要：\n'
-        '• 梯度视角：反向传播时 ∂(x+f(x))/∂x = 1 + ∂f/∂x——那个"1"给梯度修了一条不衰减的直达通道，'
-        "无论网络多深，梯度都能一路畅通回到浅层。没有它，几十层连乘的梯度会像 RNN "
-        "沿时间那样消失（这里是沿深度），深网络根本训不动（ResNet 2015 的核心发现）；\n"
-        "位置与演化：原论文 Post-LN（LN(x+f(x))）深层难训；现代模型一律 Pre-LN（x + f(LN(x))）——"
-        "归一化放在子层入口，训练稳定得多"
-    ),
-    source="seed 000 §5.2–5.3",
-    number=11,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("residuals")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     steps = ctx.pick(1000, 300, 3)
     n_layers, d_model = ctx.pick(12, 12, 2), ctx.pick(64, 64, 16)
     batch_size, length = ctx.pick(16, 16, 2), ctx.pick(64, 64, 16)
@@ -128,15 +107,15 @@ def run(ctx: RunContext) -> Result:
         })  # fmt: skip
     rows.append({"variant": "unigram entropy (no context)", "val loss": round(unigram, 4)})
     checks = [
-        at_least("unigram entropy - val loss, Pre-LN no warmup (nats)", unigram - pre,
-                 MIN_BELOW_UNIGRAM),
-        at_least("val loss, Post-LN no warmup - Pre-LN no warmup (nats)",
-                 runs["Post-LN, no warmup"]["val"] - pre, MIN_POST_LN_GAP),
-        at_least("val loss, Post-LN no warmup - Post-LN warmup (nats; warmup is the cure)",
-                 runs["Post-LN, no warmup"]["val"] - runs["Post-LN, warmup"]["val"],
-                 MIN_POST_LN_GAP),
-        at_least("val loss, no residual - Pre-LN no warmup (nats)",
-                 runs["Pre-LN, no residual, warmup"]["val"] - pre, MIN_NO_RESIDUAL_GAP),
+        lab.at_least("unigram entropy - val loss, Pre-LN no warmup (nats)", unigram - pre,
+                     MIN_BELOW_UNIGRAM),
+        lab.at_least("val loss, Post-LN no warmup - Pre-LN no warmup (nats)",
+                     runs["Post-LN, no warmup"]["val"] - pre, MIN_POST_LN_GAP),
+        lab.at_least("val loss, Post-LN no warmup - Post-LN warmup (nats; warmup is the cure)",
+                     runs["Post-LN, no warmup"]["val"] - runs["Post-LN, warmup"]["val"],
+                     MIN_POST_LN_GAP),
+        lab.at_least("val loss, no residual - Pre-LN no warmup (nats)",
+                     runs["Pre-LN, no residual, warmup"]["val"] - pre, MIN_NO_RESIDUAL_GAP),
     ]  # fmt: skip
     notes = [
         f"{n_layers} layers, d_model {d_model}, 4 heads, LayerNorm, GELU; {steps} steps of "
@@ -169,18 +148,18 @@ def run(ctx: RunContext) -> Result:
         "as growing toward the output layer and Pre-LN's as level; compare the figure's right "
         "panel with that direction."
     )
-    figure = _plot(runs, unigram, ctx)
+    figure = _plot(runs, unigram)
     data = {"unigram_entropy": unigram, "steps": steps, "learning_rate": LEARNING_RATE,
             "warmup_steps": warmup_steps, "runs": runs}  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(runs: dict, unigram: float, ctx: RunContext):
-    fig, (left, right) = new_figure(11.0, 3.8, ncols=2)
+def _plot(runs: dict, unigram: float):
+    fig, (left, right) = lab.new_figure(11.0, 3.8, ncols=2)
     window = max(1, len(next(iter(runs.values()))["losses"]) // 25)
     colors = {name: f"C{i}" for i, name in enumerate(runs)}  # the same colour in both panels
     for name, r in runs.items():
-        left.plot(trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.2f})",
+        left.plot(lab.trailing_mean(r["losses"], window), label=f"{name} (val {r['val']:.2f})",
                   color=colors[name])  # fmt: skip
     # warmup changes no initial weight: one line per architecture
     for name, label in (("Pre-LN, no warmup", "Pre-LN"), ("Post-LN, no warmup", "Post-LN"),
@@ -195,4 +174,4 @@ def _plot(runs: dict, unigram: float, ctx: RunContext):
     right.xaxis.get_major_locator().set_params(integer=True)
     left.legend(fontsize=7)
     right.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("residuals"))
+    return fig

@@ -16,7 +16,7 @@ import time
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.base import Result, RunContext, at_least, new_figure, register, save_figure
+from glassformer.lab import base as lab
 from glassformer.models import build_model
 
 VOCAB = 96
@@ -27,7 +27,7 @@ VOCAB = 96
 MIN_RNN_GROWTH = 2.0
 
 
-def _models(ctx: RunContext) -> dict[str, torch.nn.Module]:
+def _models(ctx: lab.RunContext) -> dict[str, torch.nn.Module]:
     width = ctx.pick(256, 192, 64)
     common = dict(vocab_size=VOCAB, d_model=width, n_layers=2, max_seq_len=1024)
     torch.manual_seed(ctx.seed)
@@ -54,17 +54,8 @@ def step_seconds(model: torch.nn.Module, ids: torch.Tensor, runs: int) -> float:
     return statistics.median(times)
 
 
-@register(
-    "rnn-parallel",
-    title="RNNs step through time; Transformers read the whole sequence at once",
-    claim=(
-        "无法并行	h(t) 依赖 h(t-1)，必须逐步串行计算	训练慢，序列越长越慢，GPU 大量算力闲置\n"
-        '……干脆不要循环，用注意力让每个词直接"看"到句子里所有其他词——一步到位、全程并行。'
-    ),
-    source="seed 000 §1.3, §2.2",
-    number=4,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("rnn-parallel")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     lengths = ctx.pick([64, 128, 256, 512], [64, 128, 256, 512], [16, 64])
     tokens = ctx.pick(4096, 2048, 256)
     runs = ctx.pick(3, 2, 1)
@@ -84,27 +75,28 @@ def run(ctx: RunContext) -> Result:
         rows.append(row)
     rnn = "RNN cell (tutorial, Python loop)"
     growth = seconds[rnn, lengths[-1]] / seconds[rnn, lengths[0]]
-    checks = [at_least(f"tutorial RNN cell: time at T={lengths[-1]} / T={lengths[0]}, "
-                       f"{tokens} tokens per step", growth, MIN_RNN_GROWTH)]  # fmt: skip
+    checks = [lab.at_least(f"tutorial RNN cell: time at T={lengths[-1]} / T={lengths[0]}, "
+                           f"{tokens} tokens per step", growth, MIN_RNN_GROWTH)]  # fmt: skip
     lstm_name, gpt_name = "LSTM (torch, fused)", "GPT (one pass)"
-    checks.append(at_least(f"LSTM / GPT time at T={lengths[-1]} (is the one-pass model faster?)",
-                           seconds[lstm_name, lengths[-1]] / seconds[gpt_name, lengths[-1]],
-                           1.0))  # fmt: skip
+    longest = lengths[-1]
+    checks.append(lab.at_least(f"LSTM / GPT time at T={longest} (is the one-pass model faster?)",
+                               seconds[lstm_name, longest] / seconds[gpt_name, longest],
+                               1.0))  # fmt: skip
     lstm, gpt = rows[1]["longest / shortest"], rows[2]["longest / shortest"]
     notes = [
         f"at {tokens} tokens per step the fused LSTM's time changes x{lstm:.2f} and the GPT's "
         f"x{gpt:.2f} from T={lengths[0]} to T={lengths[-1]} (the GPT's attention grows with T)"
     ]
-    figure = _plot(models, lengths, seconds, ctx)
+    figure = _plot(models, lengths, seconds)
     data = {"tokens_per_step": tokens, "seconds": {f"{n}|{t}": s for (n, t), s in seconds.items()}}
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(models, lengths, seconds, ctx: RunContext):
-    fig, ax = new_figure(6.0, 3.4)
+def _plot(models, lengths, seconds):
+    fig, ax = lab.new_figure(6.0, 3.4)
     for name in models:
         ax.plot(lengths, [1e3 * seconds[name, t] for t in lengths], marker="o", label=name)
     ax.set(xscale="log", yscale="log", xlabel="T (tokens per sequence)",
            ylabel="ms per training step", title="same tokens per step")  # fmt: skip
     ax.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("rnn-parallel"))
+    return fig

@@ -9,16 +9,7 @@ import torch
 
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import SamplingParams, sampling_distribution
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 
 PROMPT = "Write a one-line ad for these wireless headphones:"
 TEMPERATURES = (0.0, 0.5, 1.0, 1.5)
@@ -32,18 +23,8 @@ def entropy_bits(probs: torch.Tensor) -> float:
     return max(0.0, float(-(p * p.log2()).sum()))  # max: no "-0" for a one-hot
 
 
-@register(
-    "sampling",
-    title="Temperature 0 is deterministic; higher temperatures spread; top-k/top-p truncate",
-    claim=(
-        "输出层给出的是一串候选词的分数，怎么从里面挑一个，"
-        "就是采样策略——这正是你天天调的 API 参数……"
-        '所以"要稳定输出就 temperature=0"这句经验，在架构上就是"每步都选分数最高的词"。'
-    ),
-    source="seed 002 「第⑥步就是 temperature / top_p 在管的地方」",
-    number=16,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("sampling")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     model, tokenizer, name = _model(ctx)
     prompt = tokenizer.encode(PROMPT) if tokenizer else list(range(1, 9))
     with torch.no_grad():
@@ -82,23 +63,25 @@ def run(ctx: RunContext) -> Result:
     top_mass = float(full.sort(descending=True).values[:nucleus].sum())
     mass_before_last = float(full.sort(descending=True).values[: nucleus - 1].sum())
 
-    checks.append(approx("distinct continuations at temperature 0", distinct[0], 1, 0))
+    checks.append(lab.approx("distinct continuations at temperature 0", distinct[0], 1, 0))
     for i in range(1, len(TEMPERATURES)):
-        checks.append(at_least(f"entropy rise T={TEMPERATURES[i - 1]:g}->{TEMPERATURES[i]:g}",
-                               entropies[i] - entropies[i - 1], 0))  # fmt: skip
-    checks.append(at_least(f"distinct continuations at T={TEMPERATURES[-1]:g}", distinct[-1], 2))
-    checks.append(at_most(f"tokens kept by top-k {TOP_K}", rows[-2]["tokens kept"], TOP_K))
-    checks.append(at_least(f"mass of the top-p {TOP_P} nucleus", top_mass, TOP_P))
-    checks.append(at_most(f"mass without its least token (smallest set: < {TOP_P})",
-                          mass_before_last, TOP_P - 1e-9))  # fmt: skip
+        checks.append(lab.at_least(f"entropy rise T={TEMPERATURES[i - 1]:g}->{TEMPERATURES[i]:g}",
+                                   entropies[i] - entropies[i - 1], 0))  # fmt: skip
+    checks.append(
+        lab.at_least(f"distinct continuations at T={TEMPERATURES[-1]:g}", distinct[-1], 2)
+    )
+    checks.append(lab.at_most(f"tokens kept by top-k {TOP_K}", rows[-2]["tokens kept"], TOP_K))
+    checks.append(lab.at_least(f"mass of the top-p {TOP_P} nucleus", top_mass, TOP_P))
+    checks.append(lab.at_most(f"mass without its least token (smallest set: < {TOP_P})",
+                              mass_before_last, TOP_P - 1e-9))  # fmt: skip
     notes = [f"model: {name}; prompt: {PROMPT!r}; seeds 0..{n_samples - 1}"]
-    figure = _plot(logits, entropies, distinct, tokenizer, ctx)
+    figure = _plot(logits, entropies, distinct, tokenizer)
     data = {"entropies": entropies, "distinct": distinct, "vocab_size": int(logits.shape[-1]),
             "top_p_nucleus": nucleus}  # fmt: skip
-    return Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _model(ctx: RunContext):
+def _model(ctx: lab.RunContext):
     if ctx.tiny:
         from glassformer.config import ModelConfig
         from glassformer.models import build_model
@@ -118,27 +101,24 @@ def _text(tokenizer, ids) -> str:
     return tokenizer.decode(list(ids)).replace("\n", " ")[:40] if tokenizer else str(list(ids))
 
 
-def _plot(logits, entropies, distinct, tokenizer, ctx: RunContext):
-    fig, (left, right) = new_figure(8.4, 3.4, ncols=2)
+def _plot(logits, entropies, distinct, tokenizer):
+    fig, (left, right) = lab.new_figure(8.4, 3.4, ncols=2)
     left.plot(TEMPERATURES, entropies, "o-", label="next-token entropy (bits)")
     left.plot(TEMPERATURES, distinct, "s--", label="distinct continuations")
     left.set_xlabel("temperature")
     left.set_title("温度越高，分布越平")
     left.legend(fontsize=7)
     top = torch.topk(logits[0].float(), 10).indices
-    width = 0.8 / 3
-    for i, (label, params) in enumerate(
-        [("T=0.5", SamplingParams(0.5)), ("T=1", SamplingParams(1.0)),
-         (f"T=1, top-p {TOP_P}", SamplingParams(1.0, top_p=TOP_P))]
-    ):  # fmt: skip
-        probs = sampling_distribution(logits, params)[0][top]
-        right.bar([j + (i - 1) * width for j in range(10)], probs.tolist(), width, label=label)
-    labels = [_token_label(tokenizer, int(t)) for t in top]
-    right.set_xticks(range(10), labels, rotation=60, fontsize=7)
+    samplers = {"T=0.5": SamplingParams(0.5), "T=1": SamplingParams(1.0),
+                f"T=1, top-p {TOP_P}": SamplingParams(1.0, top_p=TOP_P)}  # fmt: skip
+    tokens = [_token_label(tokenizer, int(t)) for t in top]
+    lab.grouped_bars(right, tokens, {name: sampling_distribution(logits, params)[0][top].tolist()
+                                 for name, params in samplers.items()},
+                     rotation=60, fontsize=7)  # fmt: skip
     right.set_ylabel("probability")
     right.set_title("top 10 next tokens")
     right.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("sampling"))
+    return fig
 
 
 def _token_label(tokenizer, token_id: int) -> str:

@@ -15,16 +15,7 @@ import math
 import torch
 
 from glassformer import numpy_ref
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    approx,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 
 N_KEYS = 32  # keys per attention row
 # Thresholds, stated once: the variance ratio Var[q·k] / d_k within 15% of 1; with scaling, rows
@@ -74,20 +65,8 @@ def worked_example_without_scaling() -> tuple[list[float], list[float]]:
     return [float(w) for w in printed], [float(w) for w in blunt]
 
 
-@register(
-    "scaling",
-    title="Dividing by √d_k keeps softmax soft; without it, it saturates and gradients vanish",
-    claim=(
-        "为什么要除以 √d_k？ 点积的方差随维度线性增长（q、k 各分量近似独立时 Var[q·k] ≈ d_k）。"
-        "维度一大，点积动辄几十，softmax 直接被推进饱和区——输出接近 one-hot，梯度近乎为零，"
-        '训练不动。除以 √d_k 把方差拉回 1，softmax 保持在"软"的工作区。\n'
-        "练习：把 scores 那行的 / np.sqrt(4) 删掉，再把 K 的数值全体 ×10 重跑——观察 softmax 输出"
-        '变得多"非黑即白"，这就是公式里 /√d 存在的理由。'
-    ),
-    source="seed 000 §3.3; seed 002 练习 3",
-    number=2,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("scaling")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     dims = ctx.pick([4, 16, 64, 256, 1024], [4, 16, 64, 256, 1024], [4, 64, 256])
     n_rows = ctx.pick(4096, 1024, 128)
     rows, checks, stats = [], [], {}
@@ -109,21 +88,22 @@ def run(ctx: RunContext) -> Result:
                 "|∂L/∂q| raw": u["q_grad"],
             }
         )
-        checks.append(approx(f"d_k={d_k}: Var[q·k] / d_k", s["variance"] / d_k, 1.0,
-                             VARIANCE_TOLERANCE))  # fmt: skip
-        checks.append(at_least(f"d_k={d_k}: entropy with /√d_k (nats)", s["entropy"],
-                               MIN_SCALED_ENTROPY))  # fmt: skip
+        checks.append(lab.approx(f"d_k={d_k}: Var[q·k] / d_k", s["variance"] / d_k, 1.0,
+                                 VARIANCE_TOLERANCE))  # fmt: skip
+        checks.append(lab.at_least(f"d_k={d_k}: entropy with /√d_k (nats)", s["entropy"],
+                                   MIN_SCALED_ENTROPY))  # fmt: skip
     widest = dims[-1]
-    checks.append(at_least(f"d_k={widest}: mean largest weight without /√d_k",
-                           stats[widest, False]["max_weight"], MIN_SATURATED_WEIGHT))  # fmt: skip
+    saturated = stats[widest, False]["max_weight"]
+    checks.append(lab.at_least(f"d_k={widest}: mean largest weight without /√d_k", saturated,
+                               MIN_SATURATED_WEIGHT))  # fmt: skip
     ratio = stats[widest, False]["score_grad"] / stats[widest, True]["score_grad"]
-    checks.append(at_most(f"d_k={widest}: gradient through softmax, without / with /√d_k",
-                          ratio, MAX_GRADIENT_RATIO))  # fmt: skip
+    checks.append(lab.at_most(f"d_k={widest}: gradient through softmax, without / with /√d_k",
+                              ratio, MAX_GRADIENT_RATIO))  # fmt: skip
     printed, blunt = worked_example_without_scaling()
     rows.append({"d_k": "猫/累/它 (seed 002)", "max weight /√d_k": max(printed),
                  "max weight raw": max(blunt)})  # fmt: skip
-    checks.append(at_least("猫/累/它 without /√d, K ×10: largest weight", max(blunt), 0.99))
-    figure = _plot(dims, stats, ctx)
+    checks.append(lab.at_least("猫/累/它 without /√d, K ×10: largest weight", max(blunt), 0.99))
+    figure = _plot(dims, stats)
     data = {"n_rows": n_rows, "n_keys": N_KEYS, "worked_example": printed, "blunt": blunt}
     why = None
     failed = [c for c in checks if not c.passed]
@@ -136,11 +116,11 @@ def run(ctx: RunContext) -> Result:
             f"and the gradient reaching q grows ({q_ratio / stats[widest, True]['q_grad']:.1f}x: "
             "unscaled scores also carry the keys' full size)."
         )
-    return Result.from_checks(rows, checks, why=why, figure=figure, data=data)
+    return lab.Result.from_checks(rows, checks, why=why, figure=figure, data=data)
 
 
-def _plot(dims: list[int], stats: dict, ctx: RunContext):
-    fig, (left, right) = new_figure(9.0, 3.4, ncols=2)
+def _plot(dims: list[int], stats: dict):
+    fig, (left, right) = lab.new_figure(9.0, 3.4, ncols=2)
     for scaled, label in ((True, "QKᵀ / √d_k"), (False, "QKᵀ (no scaling)")):
         left.plot(dims, [stats[d, scaled]["entropy"] for d in dims], marker="o", label=label)
         right.plot(dims, [stats[d, scaled]["score_grad"] for d in dims], marker="o", label=label)
@@ -151,4 +131,4 @@ def _plot(dims: list[int], stats: dict, ctx: RunContext):
               title="gradient back through softmax")  # fmt: skip
     left.legend(fontsize=7)
     right.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("scaling"))
+    return fig

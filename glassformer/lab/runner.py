@@ -1,5 +1,5 @@
-"""Run lab experiments: time each, print its table and verdict, write out_dir/NAME.json (and the
-figure the experiment saved as out_dir/NAME.png). The JSON is what `lab report` reads.
+"""Run lab experiments: time each, print its table and verdict, write out_dir/NAME.json (beside
+the figure Experiment.run saved as out_dir/NAME.png). The JSON is what `lab report` reads.
 """
 
 from __future__ import annotations

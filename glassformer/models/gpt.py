@@ -19,7 +19,7 @@ from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
-from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
+from glassformer.nn.kv_cache import KVCache, SlidingWindowCache, StaticKVCache
 from glassformer.nn.norm import make_norm
 from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
 
@@ -78,102 +78,106 @@ class GPT(nn.Module):
 
     def _attention_mask(
         self,
-        n_queries: int,
-        cache: KVCache | SlidingWindowCache | None,
+        positions: Tensor,
+        key_positions: Tensor,
         padding_mask: Tensor | None,
         document_ids: Tensor | None,
-        device: torch.device,
+        simplify: bool = True,
     ) -> AttentionMask:
-        """The one mask of this forward, for every layer: queries at the positions this call
-        fills, keys at the positions the cache returns (a ring cache's slots come in slot
-        order), or the queries' own positions without a cache."""
-        start = cache.length if cache is not None else 0
-        queries = torch.arange(start, start + n_queries, device=device)
-        if isinstance(cache, SlidingWindowCache):
-            if cache.window != self.cfg.sliding_window:
-                raise ValueError(
-                    f"a SlidingWindowCache of window={cache.window} does not fit this model's "
-                    f"sliding_window={self.cfg.sliding_window}: create it with model.new_cache()"
-                )
-            keys = cache.key_positions(n_queries, device)
-        else:
-            keys = torch.arange(start + n_queries, device=device)
+        """The one mask of this forward, for every layer: queries at `positions`, keys at the
+        positions the cache returns (a ring cache's slots come in slot order), or the queries'
+        own positions without a cache."""
         return attention_mask(
-            queries,
-            keys,
+            positions,
+            key_positions,
             causal=self.cfg.causal,
             sliding_window=self.cfg.sliding_window,
             padding_mask=padding_mask,
             document_ids=document_ids,
             alibi_slopes=getattr(self, "alibi_slopes", None),
+            simplify=simplify,
         )
+
+    def _check_inputs(self, input_ids: Tensor, position_ids: Tensor, cache) -> None:
+        """Token ids inside the vocabulary, positions the position table knows, a ring cache of
+        this model's window: one-line errors instead of an index error deep in a layer."""
+        check_token_ids(input_ids, self.cfg.vocab_size)
+        n_positions = int(position_ids.max()) + 1
+        if self.pos_emb is not None and n_positions > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {n_positions} tokens is longer than max_seq_len="
+                f"{self.cfg.max_seq_len}, the most positions a model with {self.cfg.position} "
+                "positions knows: shorten the input or use position='rope'/'alibi'"
+            )
+        window = getattr(cache, "window", None)
+        if window is not None and window != self.cfg.sliding_window:
+            raise ValueError(
+                f"a SlidingWindowCache of window={window} does not fit this model's "
+                f"sliding_window={self.cfg.sliding_window}: create it with model.new_cache()"
+            )
 
     # --- forward ------------------------------------------------------------------------------
 
     def hidden_states(
         self,
         input_ids: Tensor,
+        positions: Tensor | None = None,
         *,
+        cache: KVCache | SlidingWindowCache | StaticKVCache | None = None,
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
-        cache: KVCache | SlidingWindowCache | None = None,
     ) -> Tensor:
-        """(B, T) ids -> (B, T, C) final hidden states (after the final norm)."""
-        cfg = self.cfg
+        """(B, T) ids at `positions` -> (B, T, C) final hidden states (after the final norm).
+
+        positions: where the tokens sit in their sequence, (T,) for every row or (B, T) per
+            row: the slots the cache writes, the causal order, the angles RoPE turns. Default:
+            right after what the cache holds (0.. without a cache).
+        cache: from new_cache(); it holds positions 0..p-1 of each row the tokens continue.
+        position_ids: what the position encoding sees when it differs from `positions` (HF's
+            position_ids): packed documents restart at 0, left-padded rows count real tokens.
+        padding_mask: bool (B, cached + T), True for real tokens.
+        document_ids: (B, cached + T) ids of packed documents, like padding_mask; attention
+            stays inside each document.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
-        T = input_ids.shape[1]
-        start = cache.length if cache is not None else 0
-        check_token_ids(input_ids, cfg.vocab_size)
+        T, device = input_ids.shape[1], input_ids.device
+        if positions is None:
+            positions = cache.next_positions(T, device) if cache is not None else None
+            positions = torch.arange(T, device=device) if positions is None else positions
         if position_ids is None:
-            # (1, T): broadcasts over the batch, and the position table's gradient gathers
-            # T rows instead of B*T.
-            position_ids = torch.arange(start, start + T, device=input_ids.device)[None]
-        if self.pos_emb is not None and start + T > cfg.max_seq_len:
-            raise ValueError(
-                f"sequence of {start + T} tokens is longer than max_seq_len={cfg.max_seq_len}, "
-                f"the most positions a model with {cfg.position} positions knows: shorten the "
-                "input or use position='rope'/'alibi'"
-            )
+            # (1, T) broadcasts over the batch, so the position table's gradient gathers T rows.
+            position_ids = positions if positions.dim() == 2 else positions[None]
+        static = getattr(cache, "static", False)  # a compiled step: no host syncs, dense masks
+        if not static:
+            self._check_inputs(input_ids, position_ids, cache)
+        key_positions = cache.begin(positions) if cache is not None else positions
 
         x = self.tok_emb(input_ids)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(position_ids)
         x = self.drop(x)
         rope = self.rope(position_ids) if self.rope is not None else None
-        mask = self._attention_mask(T, cache, padding_mask, document_ids, x.device)
+        mask = self._attention_mask(
+            positions, key_positions, padding_mask, document_ids, simplify=not static
+        )
         for block in self.blocks:
-            x = block(x, mask, rope, cache)
-        if cache is not None:
-            cache.advance(T)
+            x = block(x, mask, rope, cache, positions=positions)
         return self.final_norm(x)
 
     def forward(
         self,
         input_ids: Tensor,
+        positions: Tensor | None = None,
         *,
-        position_ids: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-        document_ids: Tensor | None = None,
-        cache: KVCache | SlidingWindowCache | None = None,
+        cache: KVCache | SlidingWindowCache | StaticKVCache | None = None,
         last_token_only: bool = False,
+        **inputs: Tensor | None,
     ) -> Tensor:
-        """(B, T) token ids -> (B, T, V) next-token logits ((B, 1, V) with last_token_only).
-
-        cache: a KVCache or SlidingWindowCache from new_cache(); the input continues where
-            the cache ends.
-        padding_mask: bool (B, cached + T), True for real tokens.
-        document_ids: (B, cached + T) ids of packed documents, like padding_mask; attention
-            stays inside each document.
-        """
-        x = self.hidden_states(
-            input_ids,
-            position_ids=position_ids,
-            padding_mask=padding_mask,
-            document_ids=document_ids,
-            cache=cache,
-        )
+        """(B, T) token ids at `positions` -> (B, T, V) next-token logits ((B, 1, V) with
+        last_token_only). The arguments are hidden_states'."""
+        x = self.hidden_states(input_ids, positions, cache=cache, **inputs)
         if last_token_only:
             x = x[:, -1:]  # prefill needs only the last position's distribution
         return self.lm_head(x)

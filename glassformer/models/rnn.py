@@ -11,6 +11,7 @@ every token (seed 000 §2.5.1).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -65,10 +66,11 @@ class RNNLayer(nn.Module):
 class RNNState:
     """The RNN's generation cache: the hidden state of every layer (and the LSTM's cell state).
 
-    It plays the KV cache's part for the Engine (length, max_seq_len, nbytes, filled_bytes,
-    reset), but its size does not depend on the context length. max_seq_len is bookkeeping, not
-    memory: it defaults to the config's max_seq_len, the window the model was trained on, so the
-    Engine stops (or shifts its window) where the model's training experience ends, as for GPT.
+    It plays the KV cache's part for the Engine (length, max_seq_len, rows, swap_rows, reset,
+    row_bytes, nbytes), but its size does not depend on the context length. max_seq_len is
+    bookkeeping, not memory: it defaults to the config's max_seq_len, the window the model was
+    trained on, so the Engine stops (or shifts its window) where the model's training
+    experience ends, as for GPT.
     """
 
     def __init__(
@@ -98,6 +100,28 @@ class RNNState:
             self.h[layer] = state
         else:
             self.h[layer], self.c[layer] = state
+
+    def rows(self, start: int, stop: int) -> RNNState:
+        """The state of batch rows start..stop-1 only: a view, so its writes land here."""
+        view = copy.copy(self)
+        view.h = self.h[:, start:stop]
+        view.c = None if self.c is None else self.c[:, start:stop]
+        view.length = 0
+        return view
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
+        """Exchange two rows' states (n_positions: unused, a state has no positions)."""
+        for state in (self.h, self.c):
+            if state is not None:
+                state[:, [a, b]] = state[:, [b, a]]  # the right side is a copy
+
+    @property
+    def batch_size(self) -> int:
+        return self.h.shape[1]
+
+    def row_bytes(self, length: int) -> int:
+        """One row's state: the same bytes at every length (none before the first token)."""
+        return self.nbytes // self.batch_size if length else 0
 
     def advance(self, n_positions: int) -> None:
         self.length += n_positions
@@ -183,12 +207,24 @@ class RNNLM(nn.Module):
     def hidden_states(
         self,
         input_ids: Tensor,
+        positions: Tensor | None = None,
         *,
+        cache: RNNState | None = None,
+        position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
-        cache: RNNState | None = None,
     ) -> Tensor:
-        """(B, T) ids -> (B, T, C) final hidden states (after the final norm)."""
+        """(B, T) ids -> (B, T, C) final hidden states (after the final norm).
+
+        positions, position_ids: ignored: an RNN gets order for free by reading in order
+            (seed 000 §1.2).
+        cache: an RNNState from new_cache(); the input continues from its hidden state.
+        padding_mask: bool (B, cached + T), True for real tokens; only right padding is allowed
+            (pads after the real tokens cannot reach them in a causal recurrence).
+        document_ids: (B, cached + T) ids of packed documents; the state restarts at zero where
+            a new document begins.
+        """
+        del positions, position_ids
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
         check_token_ids(input_ids, self.cfg.vocab_size)
@@ -214,26 +250,15 @@ class RNNLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
+        positions: Tensor | None = None,
         *,
-        position_ids: Tensor | None = None,
-        padding_mask: Tensor | None = None,
-        document_ids: Tensor | None = None,
         cache: RNNState | None = None,
         last_token_only: bool = False,
+        **inputs: Tensor | None,
     ) -> Tensor:
         """(B, T) token ids -> (B, T, V) next-token logits ((B, 1, V) with last_token_only).
-
-        cache: an RNNState from new_cache(); the input continues from its hidden state.
-        position_ids: ignored: an RNN gets order for free by reading in order (seed 000 §1.2).
-        padding_mask: bool (B, cached + T), True for real tokens; only right padding is allowed
-            (pads after the real tokens cannot reach them in a causal recurrence).
-        document_ids: (B, cached + T) ids of packed documents; the state restarts at zero where
-            a new document begins.
-        """
-        del position_ids
-        x = self.hidden_states(
-            input_ids, padding_mask=padding_mask, document_ids=document_ids, cache=cache
-        )
+        The arguments are hidden_states'."""
+        x = self.hidden_states(input_ids, positions, cache=cache, **inputs)
         if last_token_only:
             x = x[:, -1:]
         return self.lm_head(x)

@@ -232,6 +232,9 @@ class Seq2Seq(nn.Module):
             padding_mask=src_padding_mask,
         )
         rope = self._rope(start, T, x.device)
+        positions = torch.arange(start, start + T, device=x.device)
+        if cache is not None:
+            cache.self_attn.begin(positions)  # the keys: positions 0..start + T - 1, as masked
         for block in self.decoder:
             x = block(
                 x,
@@ -241,9 +244,8 @@ class Seq2Seq(nn.Module):
                 context=memory,
                 context_mask=cross_mask,
                 cross_cache=cache.cross_attn if cache is not None else None,
+                positions=positions,
             )
-        if cache is not None:
-            cache.self_attn.advance(T)
         x = self.dec_final_norm(x)
         if last_token_only:
             x = x[:, -1:]  # (B, 1, C)

@@ -72,44 +72,55 @@ def attention_mask(
     simplify: bool = True,
 ) -> AttentionMask:
     """The one mask function: which keys each query may see, from the sequence positions of
-    the queries (Tq,) and of the keys (Tk,), plus ALiBi's bias from the same positions.
+    the queries, (Tq,) or per row (B, Tq), and of the keys, (Tk,) or (B, Tk), plus ALiBi's
+    bias from the same positions.
 
     Every case is one of these rules: causal (a key after its query is hidden; with a KV cache
     the queries are the last positions, so the triangle is aligned bottom-right: aligning it
     top-left is the classic KV-cache bug), a sliding window of w keys (the query itself and
     the w - 1 before it, Mistral's convention), padding (padding_mask (B, total), True for real
     tokens) and packed documents (document_ids (B, total): attention never crosses them). Keys
-    may come in any order, as a ring cache returns them.
+    may come in any order, as a ring cache returns them, and rows of a batch may sit at
+    different positions, as the Engine's rows do.
 
     simplify: return no tensor when nothing is masked (one decode step, a bidirectional
     encoder) and SDPA's own triangle for a plain causal square. It costs a device sync, so a
     compiled graph passes False and gets the dense mask.
     """
     plain = padding_mask is None and document_ids is None and sliding_window is None
-    n_queries, n_keys = len(q_positions), len(k_positions)
-    square = causal and n_queries == n_keys > 1  # the training and prefill case
+    shared = q_positions.dim() == 1 and k_positions.dim() == 1  # the same for every row
+    q = q_positions if q_positions.dim() == 2 else q_positions[None]  # (B or 1, Tq)
+    k = k_positions if k_positions.dim() == 2 else k_positions[None]  # (B or 1, Tk)
+    square = causal and shared and q.shape[1] == k.shape[1] > 1  # the training and prefill case
     if simplify and plain and alibi_slopes is None and square and q_positions.equal(k_positions):
         return AttentionMask(is_causal=True)
-    bias = None
-    if alibi_slopes is not None:
-        bias = alibi_bias(alibi_slopes, q_positions[None], k_positions[None])  # (1, H, Tq, Tk)
-    q_index, k_index = q_positions[:, None], k_positions[None, :]  # (Tq, 1), (1, Tk)
-    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q_positions.device)
+    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q, k)  # (B or 1, H, Tq, Tk)
+    q_index, k_index = q[:, :, None], k[:, None, :]  # (B or 1, Tq, 1), (B or 1, 1, Tk)
+    allowed = torch.ones(1, 1, 1, dtype=torch.bool, device=q.device)
     if causal:
-        allowed &= k_index <= q_index
+        allowed = allowed & (k_index <= q_index)
     if sliding_window is not None:
-        allowed &= (q_index - k_index < sliding_window) & (k_index - q_index < sliding_window)
-    allowed = allowed[None, None]  # (1, 1, Tq, Tk)
+        allowed = (
+            allowed & (q_index - k_index < sliding_window) & (k_index - q_index < sliding_window)
+        )
+    allowed = allowed.expand(q.shape[0], q.shape[1], k.shape[1])[:, None]  # (B or 1, 1, Tq, Tk)
     if padding_mask is not None:
-        allowed = allowed & padding_mask.bool()[:, k_positions][:, None, None, :]
+        allowed = allowed & _at(padding_mask.bool(), k)[:, None, None, :]
     if document_ids is not None:
-        q_docs, k_docs = document_ids[:, q_positions], document_ids[:, k_positions]
+        q_docs, k_docs = _at(document_ids, q), _at(document_ids, k)
         allowed = allowed & (q_docs[:, None, :, None] == k_docs[:, None, None, :])
     if simplify and bool(allowed.all()):
         return AttentionMask(bias=bias)
     # A query that may see nothing (a padding position) would softmax over all -inf: NaN.
     # Let such rows see everything instead; their outputs are padding and never used.
     return AttentionMask(allowed=allowed | ~allowed.any(dim=-1, keepdim=True), bias=bias)
+
+
+def _at(per_position: Tensor, positions: Tensor) -> Tensor:
+    """per_position (B, total) read at positions (1 or B, T) -> (B, T). A position past the
+    end (a ring slot a row has not reached, hidden by the causal rule) reads the last one."""
+    index = positions.clamp(max=per_position.shape[1] - 1).expand(per_position.shape[0], -1)
+    return per_position.gather(1, index)
 
 
 # --- the two attention paths ----------------------------------------------------------------
@@ -230,9 +241,12 @@ class Attention(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         cache: KVCache | CrossAttentionCache | None = None,
         context: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """cache: a KVCache for self-attention; for cross-attention a CrossAttentionCache, whose
-        keys/values are projected from `context` on the first call and reused after."""
+        """cache: a KVCache for self-attention, whose update writes this call's keys/values at
+        `positions` (the ones the model gave cache.begin); for cross-attention a
+        CrossAttentionCache, whose keys/values are projected from `context` on the first call
+        and reused after."""
         B, T, _ = x.shape
         if self.cross and cache is not None:
             kv = cache.get(self.layer_idx)
@@ -248,7 +262,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             # The cache stores rotated keys: position lives inside each cached vector.
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tcache + T, D)
+            k, v = cache.update(self.layer_idx, positions, k, v)  # (B, Hkv, Tk, D)
         dropout_p = self.dropout if self.training else 0.0
         if self.backend == "eager" or self.weights_sink is not None:
             out, weights = eager_attention(

@@ -39,17 +39,19 @@ class Block(nn.Module):
         context: Tensor | None = None,
         context_mask: AttentionMask | None = None,
         cross_cache: CrossAttentionCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
+        """positions: of x's tokens, where a cache writes their keys/values."""
         cross = self.cross_attn
         context_mask = context_mask or AttentionMask()
         if self.pre_norm:  # x + f(norm(x)): the stream itself is never normalized
-            x = self._add(x, self.attn(self.attn_norm(x), mask, rope, cache))
+            x = self._add(x, self.attn(self.attn_norm(x), mask, rope, cache, positions=positions))
             if cross is not None:
                 h = self.cross_norm(x)
                 x = self._add(x, cross(h, context_mask, cache=cross_cache, context=context))
             return self._add(x, self.ffn(self.ffn_norm(x)))
         # post-norm, the 2017 paper: norm(x + f(x))
-        x = self.attn_norm(self._add(x, self.attn(x, mask, rope, cache)))
+        x = self.attn_norm(self._add(x, self.attn(x, mask, rope, cache, positions=positions)))
         if cross is not None:
             h = cross(x, context_mask, cache=cross_cache, context=context)
             x = self.cross_norm(self._add(x, h))

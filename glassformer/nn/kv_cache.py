@@ -2,12 +2,19 @@
 rolling-buffer cache for sliding-window models (Mistral) whose memory stays at W positions, a
 static cache for compiled decode steps, and the encoder-decoder's cross-attention cache.
 
-Prefill writes the whole prompt's keys and values at once; each decode step appends one
-position in place. Memory is allocated once, up front, so the decode loop allocates nothing.
+Every self-attention cache is used the same way. The model calls `begin(positions)` once per
+forward with the positions of the new tokens, (T,) for every row or (B, T) per row, and gets
+the positions of the keys every layer will see (for the mask); each layer then calls
+`update(layer, positions, k, v)`, which writes the new keys/values and returns the keys/values
+to attend over. Positions are the one source of truth: tokens at positions p.. continue a row
+whose cache holds positions 0..p-1, so rows of one batch may sit at different lengths (the
+Engine's continuous batching). Memory is allocated once, up front: decode allocates nothing.
 Shapes: L layers, B batch, Hkv key/value heads, Tmax capacity, D head dim.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import Tensor
@@ -26,21 +33,59 @@ def _with_grad(cached_k: Tensor, k: Tensor, cached_v: Tensor, v: Tensor) -> tupl
     return torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
 
 
+def _span(positions: Tensor) -> tuple[int, int, bool]:
+    """(first, end, consecutive) of positions (T,) or (B, T): the smallest first position, one
+    past the largest, and whether every row is the same run first..end-1 (then one slice of
+    the buffer is written, not a scatter). One host sync per forward, not per layer."""
+    if positions.dim() not in (1, 2) or positions.numel() == 0:
+        raise ValueError(
+            f"positions must be (T,) or (batch, T) with T >= 1, got shape {tuple(positions.shape)}"
+        )
+    first, last = int(positions.min()), int(positions.max())
+    if first < 0:
+        raise ValueError(f"positions must be >= 0, got {first}")
+    run = torch.arange(first, last + 1, device=positions.device)
+    consecutive = positions.shape[-1] == run.numel() and bool((positions == run).all())
+    return first, last + 1, consecutive
+
+
 class _SlotCache:
     """What both preallocated caches share: per-layer key/value buffers (L, B, Hkv, slots, D)
-    and `length`, the positions fed so far (the model advances it after a forward pass, so
-    every layer writes the same slots)."""
+    and `length`, one past the last position written (the next position of a uniform batch)."""
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, slots, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
 
-    def advance(self, n_positions: int) -> None:
-        self.length += n_positions
-
     def reset(self) -> None:
         self.length = 0
+
+    def next_positions(self, n_new: int, device: torch.device | str | None = None) -> Tensor:
+        """The positions (T,) of n_new tokens that continue every row where the cache ends."""
+        return torch.arange(self.length, self.length + n_new, device=device)
+
+    def rows(self, start: int, stop: int):
+        """The same cache for batch rows start..stop-1 only: a view, so its writes land here
+        (the Engine prefills one row's slot this way)."""
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.length = 0
+        return view
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
+        """Exchange the keys/values of rows a and b, the first n_positions of each (None: all
+        slots). The Engine keeps its live rows in the first slots, so a decode step reads one
+        contiguous block, and moves only what rows hold."""
+        held = slice(0, n_positions)
+        for buffer in (self.k, self.v):
+            row_a = buffer[:, a, :, held].clone()
+            buffer[:, a, :, held] = buffer[:, b, :, held]
+            buffer[:, b, :, held] = row_a
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -53,18 +98,29 @@ class _SlotCache:
         number calc.kv_bytes_per_token(cfg, dtype) computes without a cache."""
         return self.nbytes // self.k.shape[3] // self.k.shape[1]
 
+    def row_bytes(self, length: int) -> int:
+        """Bytes of keys/values one row of `length` positions holds: at most one per slot."""
+        return self.kv_bytes_per_token * min(length, self.k.shape[3])
+
     @property
     def filled_bytes(self) -> int:
-        """Bytes of keys/values held: at most one position per slot."""
-        return self.kv_bytes_per_token * min(self.length, self.k.shape[3]) * self.k.shape[1]
+        """Bytes of keys/values held by every row at the cache's length."""
+        return self.row_bytes(self.length) * self.k.shape[1]
+
+
+def _scatter(buffer: Tensor, positions: Tensor, x: Tensor) -> None:
+    """buffer (B, Hkv, slots, D)[..., positions, :] = x (B, Hkv, T, D); positions (T,) for every
+    row or (B, T) per row."""
+    if positions.dim() == 1:
+        buffer[:, :, positions] = x
+    else:
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]  # (B, 1) with (B, T)
+        buffer[rows, :, positions] = x.transpose(1, 2)  # indexed (B, T, Hkv, D)
 
 
 class KVCache(_SlotCache):
-    """Keys and values of every layer for up to `max_seq_len` positions.
-
-    `length` is how many positions are filled; the model advances it after a forward pass,
-    so every layer writes the same slots.
-    """
+    """Keys and values of every layer for up to `max_seq_len` positions: position p of a row
+    lives in slot p, so a row's keys are slots 0..p in order."""
 
     def __init__(
         self,
@@ -81,42 +137,51 @@ class KVCache(_SlotCache):
         self.max_seq_len = max_seq_len
 
     @classmethod
-    def for_config(
-        cls,
-        cfg,
-        batch_size: int,
-        max_seq_len: int | None,
-        dtype: torch.dtype,
-        device: torch.device | str | None,
-    ) -> KVCache:
+    def for_config(cls, cfg, batch_size, max_seq_len, dtype, device) -> KVCache:
         """A cache shaped for a ModelConfig's decoder layers (max_seq_len None: the config's)."""
+        max_seq_len = max_seq_len or cfg.max_seq_len
         return cls(
-            cfg.n_layers,
-            batch_size,
-            cfg.n_kv_heads,
-            max_seq_len or cfg.max_seq_len,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+            cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len, cfg.head_dim,
+            dtype=dtype, device=device,
+        )  # fmt: skip
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, Hkv, T, D) after the filled positions; return all keys/values so far."""
-        start, end = self.length, self.length + k.shape[2]
+    def begin(self, positions: Tensor) -> Tensor:
+        """Before a forward writes tokens at `positions` ((T,) or (B, T)): check they fit and
+        return the positions (Tk,) of the keys every `update` returns, 0..end-1. Rows that end
+        earlier see their later slots as the future, which the causal mask hides."""
+        first, end, consecutive = _span(positions)
         if end > self.max_seq_len:
             raise ValueError(
-                f"KV cache is full: {start} cached + {k.shape[2]} new positions > capacity "
+                f"KV cache is full: {first} cached + {end - first} new positions > capacity "
                 f"{self.max_seq_len}; create the cache with a larger max_seq_len"
             )
-        self.k[layer, :, :, start:end] = k.detach()  # values, not graphs: see _with_grad
-        self.v[layer, :, :, start:end] = v.detach()
-        if k.requires_grad or v.requires_grad:
-            return _with_grad(self.k[layer, :, :, :start], k, self.v[layer, :, :, :start], v)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self._run = slice(first, end) if consecutive else None
+        self.length = end
+        return torch.arange(end, device=positions.device)
+
+    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, T, D) at `positions` (the tensor given to begin); return the
+        keys/values of positions 0..end-1, (B, Hkv, end, D)."""
+        run = self._run
+        if run is None:
+            if k.requires_grad or v.requires_grad:
+                raise ValueError(
+                    "a cached forward with gradients needs one run of consecutive positions "
+                    "for every row: run it under torch.no_grad(), or one row at a time"
+                )
+            _scatter(self.k[layer], positions, k)
+            _scatter(self.v[layer], positions, v)
+        else:
+            self.k[layer, :, :, run] = k.detach()  # values, not graphs: see _with_grad
+            self.v[layer, :, :, run] = v.detach()
+            if k.requires_grad or v.requires_grad:
+                cached = slice(0, run.start)
+                return _with_grad(self.k[layer, :, :, cached], k, self.v[layer, :, :, cached], v)
+        return self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (speculative decoding's rollback of rejected
-        tokens). Nothing is erased: the next update writes at `length` and reads only [:end]."""
+        tokens). Nothing is erased: the next write lands at `length` and reads only [:end]."""
         if not 0 <= length <= self.length:
             raise ValueError(
                 f"truncate(length={length}) must keep between 0 and the {self.length} cached "
@@ -132,8 +197,8 @@ class SlidingWindowCache(_SlotCache):
     A query at position p sees only keys p - W + 1 .. p, so a key older than W positions is never
     needed again: position p is written to slot p % W, over the key that just left the window.
     RoPE is applied before caching (each key carries its position), so a 1-token decode step
-    may attend to the filled slots in any order; `key_positions` names the position of each
-    key that `update` returns, for masks and ALiBi. Per layer: k, v (B, Hkv, W, D).
+    may attend to the filled slots in any order; `begin` names the position of each key that
+    `update` returns, for masks and ALiBi. Per layer: k, v (B, Hkv, W, D).
 
     `max_seq_len` bounds the total positions fed (what the model's positions support), not
     memory: `length` can run past W up to it.
@@ -160,52 +225,78 @@ class SlidingWindowCache(_SlotCache):
         self.max_seq_len = max_seq_len
 
     @classmethod
-    def for_config(
-        cls,
-        cfg,
-        batch_size: int,
-        max_seq_len: int | None,
-        dtype: torch.dtype,
-        device: torch.device | str | None,
-    ) -> SlidingWindowCache:
+    def for_config(cls, cfg, batch_size, max_seq_len, dtype, device) -> SlidingWindowCache:
         """A ring of cfg.sliding_window slots (max_seq_len None: the config's position limit)."""
         if cfg.sliding_window is None:
             raise ValueError(
                 "sliding_window=None: this model attends to every earlier key, so a ring cache "
                 "would drop keys it needs; use KVCache (model.new_cache(kind='full'))"
             )
+        max_seq_len = max_seq_len or cfg.max_seq_len
         return cls(
-            cfg.n_layers,
-            batch_size,
-            cfg.n_kv_heads,
-            cfg.sliding_window,
-            cfg.head_dim,
-            max_seq_len or cfg.max_seq_len,
-            dtype=dtype,
-            device=device,
-        )
+            cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.sliding_window, cfg.head_dim,
+            max_seq_len, dtype=dtype, device=device,
+        )  # fmt: skip
 
-    def key_positions(self, n_new: int, device: torch.device | str | None = None) -> Tensor:
-        """Sequence positions (Tk,) of the keys `update` returns when n_new positions arrive.
+    def key_positions(self, start: int, n_new: int, device=None) -> Tensor:
+        """Sequence positions (Tk,) of the keys `update` returns when positions start..start +
+        n_new - 1 arrive after a row holding 0..start-1.
 
         One new position: the filled slots in slot order (slot s holds the latest position
-        p < length + 1 with p % W == s). Several: the cached positions in order, then the new.
+        p < start + 1 with p % W == s). Several: the cached positions in order, then the new.
         """
-        W, end = self.window, self.length + n_new
+        W, end = self.window, start + n_new
         if n_new == 1:
             slots = torch.arange(min(end, W), device=device)
             return slots + W * ((end - 1 - slots) // W)
-        return torch.arange(max(0, self.length - W), end, device=device)
+        return torch.arange(max(0, start - W), end, device=device)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, Hkv, T, D) into the ring; return the keys/values the new queries attend
-        over, in the order of `key_positions(T)`."""
-        T, W, start = k.shape[2], self.window, self.length
-        if start + T > self.max_seq_len:
+    def begin(self, positions: Tensor) -> Tensor:
+        """Before a forward writes tokens at `positions`: one run of consecutive positions for
+        every row, (T,), or one new position per row, (B, 1). Returns the key positions every
+        `update` returns: (Tk,) for the run, (B, Tk) per row."""
+        first, end, consecutive = _span(positions)
+        if end > self.max_seq_len:
             raise ValueError(
-                f"sliding-window cache is at its position limit: {start} fed + {T} new "
-                f"positions > max_seq_len {self.max_seq_len}; create it with a larger max_seq_len"
+                f"sliding-window cache is at its position limit: {first} fed + {end - first} "
+                f"new positions > max_seq_len {self.max_seq_len}; create it with a larger "
+                "max_seq_len"
             )
+        self.length = end
+        if consecutive:
+            self._start, self._per_row = first, None
+            return self.key_positions(first, end - first, positions.device)
+        if positions.dim() != 2 or positions.shape[1] != 1:
+            raise ValueError(
+                f"a sliding-window ring cache takes one run of consecutive positions for every "
+                f"row, or one new position per row (batch, 1), not positions of shape "
+                f"{tuple(positions.shape)}: prefill each row on its own (cache.rows(b, b + 1))"
+            )
+        # One decode step per row, each row at its own position: slot s of row b holds the
+        # latest position <= p_b that is s mod W; a slot the row has not reached yet gets a
+        # position past every query, so the causal mask hides it.
+        self._per_row = positions[:, 0]  # (B,)
+        W, ends = self.window, positions + 1  # (B, 1)
+        slots = torch.arange(min(end, W), device=positions.device)[None]  # (1, Tk)
+        held = slots + W * ((ends - 1 - slots) // W)
+        return torch.where(slots < ends, held, self.max_seq_len + W)  # (B, Tk)
+
+    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, T, D) into the ring; return the keys/values the new queries attend
+        over, in the order of the key positions `begin` returned."""
+        T, W = k.shape[2], self.window
+        if self._per_row is not None:
+            if k.requires_grad or v.requires_grad:
+                raise ValueError(
+                    "a ring cache with rows at different positions runs without gradients: "
+                    "use torch.no_grad()"
+                )
+            slots = (self._per_row % W)[:, None]  # (B, 1)
+            _scatter(self.k[layer], slots, k)
+            _scatter(self.v[layer], slots, v)
+            n_filled = min(self.length, W)
+            return self.k[layer, :, :, :n_filled], self.v[layer, :, :, :n_filled]
+        start = self._start
         if T == 1:
             # Decode: overwrite the slot of position start - W (now outside the window). In
             # place, no allocation; every filled slot is within the window of the new query.
@@ -223,58 +314,76 @@ class SlidingWindowCache(_SlotCache):
         # A chunk of several queries: the earliest still need keys that the chunk's own writes
         # overwrite, so copy the ring out (in position order) before writing. The model's mask
         # keeps each query within its own window.
-        keys = torch.cat([self._in_position_order(self.k[layer]), k], dim=2)  # (B, Hkv, Tk, D)
-        values = torch.cat([self._in_position_order(self.v[layer]), v], dim=2)
+        keys = torch.cat([self._in_position_order(self.k[layer], start), k], dim=2)
+        values = torch.cat([self._in_position_order(self.v[layer], start), v], dim=2)
         kept = min(T, W)  # only the last W positions can be needed later
         slots = torch.arange(start + T - kept, start + T, device=k.device) % W
         self.k[layer].index_copy_(2, slots, k[:, :, T - kept :].detach())
         self.v[layer].index_copy_(2, slots, v[:, :, T - kept :].detach())
-        return keys, values
+        return keys, values  # (B, Hkv, Tk, D)
 
-    def _in_position_order(self, ring: Tensor) -> Tensor:
-        """The cached positions max(0, length - W) .. length - 1 of one layer, oldest first."""
-        if self.length < self.window:
-            return ring[:, :, : self.length]
-        oldest = self.length % self.window  # the slot written longest ago
+    def _in_position_order(self, ring: Tensor, start: int) -> Tensor:
+        """The cached positions max(0, start - W) .. start - 1 of one layer, oldest first."""
+        if start < self.window:
+            return ring[:, :, :start]
+        oldest = start % self.window  # the slot written longest ago
         return torch.cat([ring[:, :, oldest:], ring[:, :, :oldest]], dim=2)
 
 
 class StaticKVCache:
     """gpt-fast's cache, for a compiled decode step (infer/compiled.py): one (1, Hkv, Tmax, D)
-    tensor per layer for keys and one for values, written at explicit positions.
+    tensor per layer for keys and one for values, written at explicit positions, and always
+    read whole: a step then has the same shapes at every position, so it compiles to one graph
+    (the causal mask hides the slots not filled yet).
 
     Each layer's tensors stand alone (not views of one (L, ...) block) so that a compiled step
     writes its slot in place: torch.compile copies a whole input it cannot prove unaliased.
-    `length` is how many positions are filled."""
+    `begin` reads nothing from the device (a compiled graph cannot wait for it), so the caller
+    keeps `length`, the positions filled."""
+
+    static = True  # the model builds a dense mask over the whole capacity, without host syncs
 
     def __init__(self, cfg, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (1, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.capacity = capacity
+        self.slots = torch.arange(capacity, device=device)
+        self.capacity = self.max_seq_len = capacity
         self.length = 0
+
+    def begin(self, positions: Tensor) -> Tensor:
+        """Every slot's position: each update returns the whole capacity."""
+        return self.slots
+
+    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (1, Hkv, T, D) at positions (T,); return the layer's whole capacity."""
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer[:, :, positions] = k
+        v_layer[:, :, positions] = v
+        return k_layer, v_layer
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rows(self, start: int, stop: int) -> StaticKVCache:
+        """One row only: the cache itself."""
+        return self
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
+        """One row only: nothing to exchange."""
+
+    batch_size = 1
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
+    def row_bytes(self, length: int) -> int:
+        return self.nbytes * min(length, self.capacity) // self.capacity
+
     @property
     def filled_bytes(self) -> int:
-        return self.nbytes * self.length // self.capacity
-
-
-class CacheWrites:
-    """What Attention calls as `cache.update`: write k, v (1, Hkv, T, D) at sequence
-    `positions` (T,) and return the layer's whole capacity (1, Hkv, Tmax, D)."""
-
-    def __init__(self, cache: StaticKVCache, positions: Tensor) -> None:
-        self.cache, self.positions = cache, positions
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
-        k_layer[:, :, self.positions] = k
-        v_layer[:, :, self.positions] = v
-        return k_layer, v_layer
+        return self.row_bytes(self.length)
 
 
 class CrossAttentionCache:

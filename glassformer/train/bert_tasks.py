@@ -20,8 +20,8 @@ from glassformer.config import ConfigError, ModelConfig
 from glassformer.data import batch_indices, train_val_split, window_starts
 from glassformer.data.genre import GENRES, genre_split
 from glassformer.data.mlm import mask_tokens, mlm_generator
+from glassformer.interop.checkpoint import read_config, resolve_checkpoint
 from glassformer.tokenizers import BPETokenizer, load_tokenizer, require_token_ids
-from glassformer.train.checkpoint import read_config, resolve_checkpoint
 from glassformer.train.config import RunConfig
 from glassformer.train.tasks import TASKS, Task, load_documents, unigram_entropy
 

@@ -13,8 +13,9 @@ from typing import Any
 from torch import Tensor
 
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.interop.checkpoint import CheckpointError
 from glassformer.memory import available_memory_bytes, check_fits_in_memory, estimated_parameters
-from glassformer.train.checkpoint import TRAIN_STATE_FILE, CheckpointError, read_train_state
+from glassformer.train.checkpoint import TRAIN_STATE_FILE, read_train_state
 from glassformer.train.config import DataConfig, RunConfig, TrainConfig
 
 # What a resume reads from train_state.json; a state without one of them cannot resume.

@@ -16,16 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glassformer.train.checkpoint import (
+from glassformer.interop.checkpoint import (
     LATEST_FILE,
-    LOCK_FILE,
-    RUN_CONFIG_FILE,
     STEP_DIR_RE,
     CheckpointError,
     resolve_checkpoint,
     step_dir_name,
     weights_to_save,
 )
+from glassformer.train.checkpoint import LOCK_FILE, RUN_CONFIG_FILE
 
 _LOCK_WRITE_GRACE_S = 10.0  # a lock this young may be empty because its owner is writing it
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glassformer.train.checkpoint import CheckpointError, few
+from glassformer.interop.checkpoint import CheckpointError, few
 
 
 def optimizer_state_to_tensors(

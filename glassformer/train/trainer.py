@@ -25,17 +25,15 @@ from torch import Tensor, nn
 from glassformer.config import ConfigError
 from glassformer.devices import autocast, grad_scaler, half_dtype, resolve_device
 from glassformer.files import atomic_write_text
-from glassformer.models import build_model
-from glassformer.tokenizers import load_tokenizer
-from glassformer.train.checkpoint import (
-    RUN_CONFIG_FILE,
-    TRAIN_STATE_FILE,
+from glassformer.interop.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_model_weights,
     resolve_checkpoint,
-    save_checkpoint,
 )
+from glassformer.models import build_model
+from glassformer.tokenizers import load_tokenizer
+from glassformer.train.checkpoint import RUN_CONFIG_FILE, TRAIN_STATE_FILE, save_checkpoint
 from glassformer.train.config import RunConfig, run_config_json
 from glassformer.train.guards import (
     check_training_memory,

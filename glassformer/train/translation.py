@@ -319,7 +319,8 @@ def evenly_spaced(items: Sequence, limit: int | None) -> list:
 def load_translator(path: str):
     """(model, tokenizer, data config) of a translation checkpoint (a run or step directory);
     the data config (pair length, alignment threshold) is the one it was trained with."""
-    from glassformer.train.checkpoint import CheckpointError, load, read_train_state
+    from glassformer.interop.checkpoint import CheckpointError, load
+    from glassformer.train.checkpoint import read_train_state
 
     model, tokenizer = load(path)
     if model.cfg.family != "seq2seq" or tokenizer is None:

@@ -1,0 +1,187 @@
+"""One generated sequence (a row of the Engine's batch): its prompt, sampling parameters, own
+random generator, the tokens so far, when it stops and why, and its statistics.
+
+The Engine (infer/engine.py) decides what runs when; a Row decides what one new token means
+for its sequence: `accept` appends it and applies every stop rule in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
+
+import torch
+from torch import Tensor
+
+from glassformer.detokenize import IncrementalDecoder
+from glassformer.infer.sampling import (
+    SamplingParams,
+    make_generator,
+    penalize_repetition,
+    sample,
+)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_s: float = 0.0  # prefill + sampling the first new token
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0  # tokens after the first, per second of decoding
+    total_time_s: float = 0.0
+    kv_cache_bytes: int = 0  # bytes of keys/values this row holds for its final context
+    kv_cache_capacity_bytes: int = 0  # bytes allocated for this row's slot
+    # "eos", "stop" (a stop token id or string), "max_new_tokens", "context_full", "cancelled"
+    stop_reason: str = ""
+    context_shifts: int = 0  # times a full context window was cut to its second half
+    batch_size: int = 1  # the most rows decoded in one step while this row was generating
+    cached_prompt_tokens: int = 0  # prompt tokens reused from the previous turn's cache
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the new tokens only
+    stats: GenerationStats
+
+
+@dataclass
+class TokenStream:
+    """An iterator of new token ids; `stats` is complete once the iterator is exhausted."""
+
+    _tokens: Iterator[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[int]:
+        return self._tokens
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+
+def check_integer_ids(ids: Sequence[int] | Tensor) -> None:
+    """Token ids are whole numbers: 1.5 or True would otherwise be cast to 1 without a word."""
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be an integer tensor, got dtype {ids.dtype}")
+        return
+    for position, token_id in enumerate(ids):
+        if isinstance(token_id, Sequence):
+            check_integer_ids(token_id)
+        elif isinstance(token_id, bool) or not isinstance(token_id, (int, Integral)):
+            raise ValueError(
+                f"token id {token_id!r} at position {position} is not a whole number: token ids "
+                "are integers from the tokenizer"
+            )
+
+
+def prompt_tensor(
+    prompt_ids: Sequence[int] | Tensor, max_seq_len: int, device: torch.device | None = None
+) -> Tensor:
+    """One prompt as a (1, T) long tensor, with one-line errors for a batch, an empty prompt or
+    one longer than the context window. Shared by every generation loop."""
+    check_integer_ids(prompt_ids)
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(
+            f"prompt_ids must be one sequence of token ids, got shape {tuple(ids.shape)}"
+        )
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token id")
+    if ids.numel() > max_seq_len:
+        raise ValueError(
+            f"the prompt has {ids.numel()} tokens but the context window is "
+            f"max_seq_len={max_seq_len}: shorten the prompt"
+        )
+    return ids[None]  # (1, T)
+
+
+class Row:
+    """One sequence in a slot of the Engine's cache.
+
+    context: the prompt and the tokens generated so far; the slot holds the keys/values of all
+    but the last (the next step feeds it), so `length` = len(context) - 1 positions.
+    """
+
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None,
+        device: torch.device,
+        tokenizer=None,
+        on_full_context: str = "stop",
+    ) -> None:
+        self.prompt, self.params, self.eos_token_id = prompt, params, eos_token_id
+        self.generator = make_generator(params.seed, device)
+        self.on_full_context = on_full_context
+        self.context = list(prompt)
+        self.tokens: list[int] = []
+        self.stop_reason: str | None = None
+        self.slot = -1
+        self.keep_cache = False  # park the slot when finished, for a next turn to continue
+        self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.text = ""
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.t_start = time.perf_counter()
+        self.t_first = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.context) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    def sample(self, logits: Tensor) -> int:
+        """Pick this row's next token from its logits (1, V)."""
+        params = self.params
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor([self.context], device=logits.device)
+            logits = penalize_repetition(logits, seen, params.repetition_penalty)
+        return int(sample(logits, params, self.generator))
+
+    def accept(self, token: int, rows_in_step: int) -> None:
+        """Append a sampled token, update the statistics and apply every stop rule."""
+        now = time.perf_counter()
+        stats = self.stats
+        if not self.tokens:
+            self.t_first = now
+            stats.time_to_first_token_s = now - self.t_start
+            new_prompt = stats.prompt_tokens - stats.cached_prompt_tokens
+            stats.prefill_tokens_per_s = new_prompt / stats.time_to_first_token_s
+        elif now > self.t_first:
+            stats.decode_tokens_per_s = len(self.tokens) / (now - self.t_first)
+        self.tokens.append(token)
+        self.context.append(token)
+        stats.generated_tokens = len(self.tokens)
+        stats.total_time_s = now - self.t_start
+        stats.batch_size = max(stats.batch_size, rows_in_step)
+        params = self.params
+        if self.decoder is not None:
+            self.text += self.decoder.push(token)
+        if token == self.eos_token_id:
+            self.stop("eos")
+        elif token in params.stop_token_ids or (params.stop and self._cut_at_stop_string()):
+            self.stop("stop")
+        elif len(self.tokens) >= params.max_new_tokens:
+            self.stop("max_new_tokens")
+
+    def _cut_at_stop_string(self) -> bool:
+        """Whether the text now contains a stop string; if so, cut the text where it begins
+        (OpenAI's convention: the stop string is not part of the reply)."""
+        found = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+        return bool(found)
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = self.stats.stop_reason = reason
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(token_ids=list(self.tokens), stats=self.stats)
