@@ -79,7 +79,9 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
             return model(tok[:, None], cache=cache, last_token_only=True)
 
         def compiled_step(tok, cache):  # the static cache leaves `length` to its caller
-            decoder.compiled_forward(tok[:, None], torch.tensor([cache.length]), cache)
+            # Inputs made inside inference mode, as the Engine makes them: the graph's guards
+            # include whether each input is an inference tensor.
+            decoder.compiled_forward(tok.reshape(1, 1).clone(), torch.tensor([cache.length]), cache)
             cache.length += 1
 
         start = time.perf_counter()

@@ -12,7 +12,7 @@ from glassformer.infer.compiled import CompiledDecoder
 from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.infer.sampling import SamplingParams
-from glassformer.infer.speculative import speculative_generate
+from glassformer.infer.speculative import SpeculativeDecoder, speculative_generate
 from glassformer.interop.checkpoint import CheckpointError, load
 from glassformer.interop.hf import InteropError
 from glassformer.interop.pretrained import from_pretrained
@@ -35,6 +35,7 @@ __all__ = [
     "InteropError",
     "ModelConfig",
     "SamplingParams",
+    "SpeculativeDecoder",
     "Tokenizer",
     "build_model",
     "from_pretrained",

@@ -7,7 +7,9 @@ batched forward, each row at its own position with its own SamplingParams and ge
 row that stops (eos, stop token or string, max_new_tokens, full context, cancel) leaves and
 its slot is free for the next `add`. This is continuous batching (vLLM's scheduler in
 miniature): a row that joins while others are mid-generation produces exactly the tokens it
-produces alone. `generate`, `stream` and `generate_batch` are thin loops over add and step.
+produces alone. `generate`, `stream` and `generate_batch` are thin loops over add and step;
+CompiledDecoder (infer/compiled.py) is this engine with a compiled decode forward, and
+SpeculativeDecoder (infer/speculative.py) with a speculative round as its step.
 
 Live rows always fill the first slots, so a step reads one contiguous block of the cache. A
 row added with keep_cache=True is parked when it finishes (its slot keeps its keys/values)
@@ -160,6 +162,7 @@ class Engine:
         prompt = self._checked_prompt(prompt_ids)
         eos = resolve_eos(params.eos_token_id, self.model.cfg)
         row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
+        row.stats = self.new_stats(len(prompt))
         row.keep_cache = keep_cache
         if continues is not None:
             cached = self._resume(row, continues)
@@ -175,6 +178,10 @@ class Engine:
         if row.finished:
             self._leave(row)
         return row
+
+    def new_stats(self, prompt_tokens: int) -> GenerationStats:
+        """A new row's statistics (an engine with another step may keep more)."""
+        return GenerationStats(prompt_tokens=prompt_tokens)
 
     def _checked_prompt(self, prompt_ids: Sequence[int] | Tensor) -> list[int]:
         ids = prompt_tensor(prompt_ids, self.max_seq_len, self.model.device)  # (1, T)

@@ -7,6 +7,10 @@ Decoding is memory-bound (seed 000 §2.5.1): one target step reads every weight 
 token, and a pass over k + 1 tokens reads them once too, so it costs about the same. Greedy
 output is exactly the target's own greedy output; with temperature > 0 the rejection rule keeps
 the output distributed exactly as the target's. Shapes: V vocab, K proposals in a round.
+
+SpeculativeDecoder is the Engine with another step: one round (the draft's proposals, the
+target's one verification pass at explicit positions, the accepted tokens) instead of one
+token. Prefill, stop rules, statistics and streaming are the Engine's.
 """
 
 from __future__ import annotations
@@ -18,13 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glassformer.infer.rows import GenerationStats, Row, prompt_tensor
-from glassformer.infer.sampling import (
-    SamplingParams,
-    resolve_eos,
-    sample,
-    sampling_distribution,
-)
+from glassformer.infer.engine import Engine
+from glassformer.infer.rows import GenerationStats, Row
+from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
 
 
 @dataclass
@@ -153,7 +153,93 @@ def verify_sampled(
     return [*proposals, int(bonus)]
 
 
-@torch.inference_mode()
+class SpeculativeDecoder(Engine):
+    """The Engine, one row at a time, whose step is a speculative round: `draft` proposes up
+    to k tokens, `target` checks them in one pass, and the row accepts what survives."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module, k: int = 4) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"k={k!r} must be an integer >= 1: the draft tokens proposed per round"
+            )
+        check_draft(target, draft)
+        super().__init__(target)
+        self.draft, self.k = draft.eval(), k
+        self.draft_cache = None
+        self._draft_row: Row | None = None  # whose context the draft cache holds
+
+    def reserve(self, n_rows: int, n_positions: int) -> None:
+        """One row, in a full cache even for sliding-window models: a ring overwrites the key
+        leaving the window, so rejected proposals could not be undone; the mask still limits
+        attention to the window."""
+        if n_rows != 1:
+            raise ValueError(f"SpeculativeDecoder generates one row at a time, not {n_rows}")
+        cache = self.cache
+        if cache is None or cache.max_seq_len < n_positions:
+            self.cache = self.model.new_cache(1, n_positions, kind="full")
+
+    def new_stats(self, prompt_tokens: int) -> SpeculativeStats:
+        return SpeculativeStats(prompt_tokens=prompt_tokens, k=self.k)
+
+    def step(self) -> list[Row]:
+        """One speculative round for the live row (a full context stops it)."""
+        live = self.rows[: self.n_live]
+        if not live:
+            return []
+        (row,) = live
+        if row.length >= self.cache.max_seq_len:
+            row.stop("context_full")
+        else:
+            with torch.inference_mode():
+                self._round(row)
+            self._update_bytes(row)
+        if row.finished:
+            self._leave(row)
+        return live
+
+    def _round(self, row: Row) -> None:
+        params, context, stats = row.params, row.context, row.stats
+        draft_max, target_max = self.draft.cfg.max_seq_len, self.cache.max_seq_len
+        if self._draft_row is not row:  # a new row: the draft starts from an empty cache
+            wanted = len(row.prompt) + params.max_new_tokens
+            self.draft_cache = self.draft.new_cache(1, min(draft_max, wanted), kind="full")
+            self._draft_row = row
+        # Propose no more than fits: a round emits up to n_proposals + 1 tokens, the target's
+        # pass writes positions len(context) - 1 ... + n_proposals, the draft's one fewer.
+        remaining = params.max_new_tokens - len(row.tokens)
+        n_proposals = min(
+            self.k, remaining - 1, target_max - len(context), draft_max - len(context) + 1
+        )
+        n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
+        t_draft = time.perf_counter()
+        proposals, draft_probs = propose(
+            self.draft, self.draft_cache, context, n_proposals, params, row.generator
+        )
+        t_target = time.perf_counter()
+        # The target's slot holds context[:-1]: the last token and the proposals go at the
+        # next positions. Positions past the accepted tokens are simply written over later.
+        ids = torch.tensor([context[-1:] + proposals], device=self.model.device)  # (1, K + 1)
+        positions = torch.arange(row.length, row.length + ids.shape[1], device=ids.device)
+        slot = self.cache.rows(row.slot, row.slot + 1)
+        target_logits = self.model(ids, positions, cache=slot)[0]  # (K + 1, V)
+        if params.is_greedy:
+            emitted = verify_greedy(target_logits, proposals)
+        else:
+            emitted = verify_sampled(target_logits, proposals, draft_probs, params, row.generator)
+        n_accepted = len(emitted) - 1
+        # The draft's cache holds context[:-1] again after the rejected proposals go.
+        rollback(self.draft_cache, min(self.draft_cache.length, len(context) + n_accepted))
+        stats.draft_time_s += t_target - t_draft
+        stats.target_time_s += time.perf_counter() - t_target
+        stats.rounds += 1
+        stats.proposed += n_proposals
+        stats.accepted += n_accepted
+        for token in emitted:
+            row.accept(token, rows_in_step=1)
+            if row.finished:
+                break
+
+
 def speculative_generate(
     target: nn.Module,
     draft: nn.Module,
@@ -170,67 +256,11 @@ def speculative_generate(
 
     temperature 0 (the default) gives exactly Engine(target).generate(temperature=0)'s tokens;
     temperature > 0 (with top_k/top_p) samples from the same distribution as the target alone.
-    Stops at eos_token_id (default: the target config's), max_new_tokens or the context end:
-    the Engine's Row applies the stop rules and keeps the statistics.
+    Stops at eos_token_id (default: the target config's), max_new_tokens or the context end.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k={k!r} must be an integer >= 1: the draft tokens proposed per round")
-    check_draft(target, draft)
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+    decoder = SpeculativeDecoder(target, draft, k)
+    result = decoder.generate(
+        prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, eos_token_id=eos_token_id,
     )  # fmt: skip
-    target_max, draft_max = target.cfg.max_seq_len, draft.cfg.max_seq_len
-    prompt = prompt_tensor(prompt_ids, target_max)[0].tolist()
-    row = Row(prompt, params, resolve_eos(eos_token_id, target.cfg), target.device)
-    stats = row.stats = SpeculativeStats(prompt_tokens=len(prompt), k=k)
-    generator, context = row.generator, row.context  # context grows as the row accepts tokens
-    target.eval()
-    draft.eval()
-    # Full caches even for sliding-window models: a ring buffer overwrites the slot of the key
-    # leaving the window, so rejected proposals could not be rolled back; the mask still
-    # limits attention to the window.
-    n_positions = len(prompt) + max_new_tokens
-    target_cache = target.new_cache(1, min(target_max, n_positions), kind="full")
-    draft_cache = draft.new_cache(1, min(draft_max, n_positions), kind="full")
-
-    ids = torch.tensor([prompt], device=target.device)  # (1, T)
-    logits = target(ids, cache=target_cache, last_token_only=True)[:, -1]  # (1, V)
-    row.accept(int(sample(logits, params, generator)), rows_in_step=1)
-    # Invariant between rounds: both caches hold at most context[:-1]; the target's exactly.
-    while not row.finished:
-        if target_cache.length >= target_max:
-            row.stop("context_full")
-            break
-        remaining = max_new_tokens - len(row.tokens)
-        # Propose no more than fits: a round emits up to n_proposals + 1 tokens, the target's
-        # pass writes positions len(context) - 1 ... + n_proposals, the draft's one fewer.
-        n_proposals = min(k, remaining - 1, target_max - len(context), draft_max - len(context) + 1)
-        n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
-
-        t_draft = time.perf_counter()
-        proposals, draft_probs = propose(
-            draft, draft_cache, context, n_proposals, params, generator
-        )
-        t_target = time.perf_counter()
-        n_cached = target_cache.length
-        ids = torch.tensor([context[-1:] + proposals], device=target.device)  # (1, K + 1)
-        target_logits = target(ids, cache=target_cache)[0]  # (K + 1, V)
-        if params.is_greedy:
-            emitted = verify_greedy(target_logits, proposals)
-        else:
-            emitted = verify_sampled(target_logits, proposals, draft_probs, params, generator)
-        n_accepted = len(emitted) - 1
-        # Roll back the rejected proposals' keys/values: the caches hold context[:-1] again.
-        rollback(target_cache, n_cached + 1 + n_accepted)
-        rollback(draft_cache, min(draft_cache.length, len(context) + n_accepted))
-        stats.draft_time_s += t_target - t_draft
-        stats.target_time_s += time.perf_counter() - t_target
-        stats.rounds += 1
-        stats.proposed += n_proposals
-        stats.accepted += n_accepted
-        for token in emitted:
-            row.accept(token, rows_in_step=1)
-            if row.finished:
-                break
-    return SpeculativeResult(token_ids=row.tokens, stats=stats)
+    return SpeculativeResult(token_ids=result.token_ids, stats=result.stats)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from glassformer.nn.position import AbsolutePositions
@@ -35,7 +36,7 @@ def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
     """A clear error for ids the embedding table does not have (instead of an index error)."""
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty: give at least one token")
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = (int(x) for x in torch.aminmax(input_ids))
     if low < 0 or high >= vocab_size:
         bad = high if high >= vocab_size else low
         raise ValueError(

@@ -102,8 +102,8 @@ class GPT(nn.Module):
         """Token ids inside the vocabulary, positions the position table knows, a ring cache of
         this model's window: one-line errors instead of an index error deep in a layer."""
         check_token_ids(input_ids, self.cfg.vocab_size)
-        n_positions = int(position_ids.max()) + 1
-        if self.pos_emb is not None and n_positions > self.cfg.max_seq_len:
+        n_positions = int(position_ids.max()) + 1 if self.pos_emb is not None else 0
+        if n_positions > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {n_positions} tokens is longer than max_seq_len="
                 f"{self.cfg.max_seq_len}, the most positions a model with {self.cfg.position} "
@@ -162,6 +162,8 @@ class GPT(nn.Module):
         mask = self._attention_mask(
             positions, key_positions, padding_mask, document_ids, simplify=not static
         )
+        if static:  # one additive tensor: inside a compiled graph a bool mask is far slower
+            mask = AttentionMask(bias=mask.additive(T, len(key_positions), torch.float32, device))
         for block in self.blocks:
             x = block(x, mask, rope, cache, positions=positions)
         return self.final_norm(x)

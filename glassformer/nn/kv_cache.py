@@ -41,11 +41,16 @@ def _span(positions: Tensor) -> tuple[int, int, bool]:
         raise ValueError(
             f"positions must be (T,) or (batch, T) with T >= 1, got shape {tuple(positions.shape)}"
         )
-    first, last = int(positions.min()), int(positions.max())
+    if positions.numel() == 1:  # one decode step: a single position, read once
+        first = last = int(positions)
+    else:
+        first, last = (int(x) for x in torch.aminmax(positions))
     if first < 0:
         raise ValueError(f"positions must be >= 0, got {first}")
+    if positions.shape[-1] != last + 1 - first:
+        return first, last + 1, False
     run = torch.arange(first, last + 1, device=positions.device)
-    consecutive = positions.shape[-1] == run.numel() and bool((positions == run).all())
+    consecutive = positions.numel() == 1 or bool((positions == run).all())
     return first, last + 1, consecutive
 
 
