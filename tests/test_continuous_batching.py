@@ -229,3 +229,17 @@ def test_a_prompt_that_shares_only_part_of_the_parked_context_reuses_that_part()
         first = row
     engine.release(first)
     assert engine.rows == []
+
+
+def test_a_batch_larger_than_the_slots_waits_for_free_slots():
+    """generate_batch on an Engine of 2 slots with 5 prompts: rows join as others finish, and
+    each row (seeded: row i gets seed + i) equals its recompute alone."""
+    model = tiny_model()
+    prompts = [*PROMPTS, [4, 4, 4, 2]]
+    results = gf.Engine(model, max_rows=2).generate_batch(
+        prompts, 7, temperature=0.8, seed=10, eos_token_id=NO_EOS
+    )
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        params = SamplingParams(temperature=0.8, seed=10 + i, max_new_tokens=7, eos_token_id=NO_EOS)
+        assert result.token_ids == recompute(model, prompt, params), f"row {i}"
+    assert max(r.stats.batch_size for r in results) == 2

@@ -371,13 +371,16 @@ class Engine:
         longest = max(len(row) for row in rows)
         if self.max_rows is None and not self.rows:
             self.reserve(len(rows), min(self.slot_len, longest + max_new_tokens))
-        added = []
-        for i, prompt in enumerate(rows):
-            row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
-            params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
-            added.append(self.add(prompt, params, on_full_context=on_full_context))
-        while any(not row.finished for row in added):
-            self.step()
+        # More prompts than free slots: each waits for a row to finish (continuous batching).
+        waiting, added = list(enumerate(rows)), []
+        while waiting or any(not row.finished for row in added):
+            while waiting and (self.cache is None or len(self.rows) < self.cache.batch_size):
+                i, prompt = waiting.pop(0)
+                row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
+                params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
+                added.append(self.add(prompt, params, on_full_context=on_full_context))
+            if not self.step() and waiting and len(self.rows) >= self.cache.batch_size:
+                self.add(waiting[0][1])  # no slot will free up (parked rows): the clear error
         return [row.result() for row in added]
 
     def _batch_prompts(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
