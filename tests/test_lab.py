@@ -19,6 +19,7 @@ from glassformer.lab.base import (
     at_most,
     discover,
     get,
+    precondition,
     verdict,
 )
 from glassformer.lab.report import write_report
@@ -94,6 +95,27 @@ def test_verdict_follows_the_checks() -> None:
         verdict([])
 
 
+def test_verdict_comes_from_the_evidence_only() -> None:
+    """Synthetic measurements pin the rule: passing preconditions cannot rescue failing
+    evidence, a failed precondition makes any evidence inconclusive, and preconditions alone
+    are no verdict."""
+    setup_ok = precondition(at_most("training loss", 1.2, 1.5))
+    setup_broken = precondition(at_most("training loss", 3.9, 1.5))
+    evidence_fails = at_least("gain over the baseline (nats)", -0.02, 0.05, group="quality")
+    evidence_holds = at_least("speedup", 2.5, 1.5, group="speed")
+    assert verdict([setup_ok, setup_ok, evidence_fails])[0] == "does not hold here"
+    assert verdict([setup_ok, evidence_holds])[0] == "holds"
+    decided, why = verdict([setup_ok, evidence_holds, evidence_fails])
+    assert decided == "holds partly"
+    assert "speed: 1 of 1 pass" in why and "quality: 0 of 1 pass" in why
+    decided, why = verdict([setup_broken, evidence_holds])
+    assert decided == "inconclusive" and "training loss: 3.9" in why
+    with pytest.raises(ValueError, match="at least one evidence check"):
+        verdict([setup_ok])
+    with pytest.raises(ValueError, match="role="):
+        Check("x", 1.0, ">=", 1.0, role="hope")
+
+
 def test_result_rejects_unknown_verdicts() -> None:
     with pytest.raises(ValueError, match="verdict"):
         Result([], [], "maybe", "why")
@@ -107,8 +129,8 @@ def _check_record(rec: dict, out: Path) -> None:
     assert rec["why"] and rec["rows"] and rec["checks"]
     assert all(isinstance(row, dict) for row in rec["rows"])
     # the verdict follows from the recorded numbers, not from the experiment's say-so
-    checks = [Check(c["what"], c["measured"], c["op"], c["target"], c["tolerance"])
-              for c in rec["checks"]]  # fmt: skip
+    checks = [Check(c["what"], c["measured"], c["op"], c["target"], c["tolerance"], c["role"],
+                    c["group"]) for c in rec["checks"]]  # fmt: skip
     assert [c.passed for c in checks] == [c["passed"] for c in rec["checks"]]
     assert verdict(checks)[0] == rec["verdict"]
     assert (out / rec["figure"]).is_file()

@@ -12,6 +12,7 @@ from glassformer.lab.base import (
     RunContext,
     discover,
     get,
+    precondition,
     register,
     verdict,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "RunContext",
     "discover",
     "get",
+    "precondition",
     "register",
     "verdict",
 ]

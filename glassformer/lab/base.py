@@ -14,7 +14,7 @@ import pkgutil
 import tomllib
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-VERDICTS = ("holds", "holds partly", "does not hold here")
+VERDICTS = ("holds", "holds partly", "does not hold here", "inconclusive")
 MODES = ("tiny", "quick", "full")  # tiny: the tests' smallest run; quick: < 3 min on 2 cores
+ROLES = ("evidence", "precondition")
 
 
 # --- checks and the verdict -------------------------------------------------------------------
@@ -31,18 +32,29 @@ MODES = ("tiny", "quick", "full")  # tiny: the tests' smallest run; quick: < 3 m
 
 @dataclass(frozen=True)
 class Check:
-    """One measured number against the claim's threshold. op: "~" (|measured - target| <=
-    tolerance), ">=" or "<=" (measured against target)."""
+    """One measured number against a threshold fixed in code before the run. op: "~"
+    (|measured - target| <= tolerance), ">=" or "<=" (measured against target).
+
+    role: "evidence" (a measurement that could come out either way: the verdict follows from
+    these) or "precondition" (the setup did what it intended: a model trained below a loss, a
+    cache holding the bytes it should; if one fails, the run says nothing about the claim).
+    A check whose outcome is fixed by constants is neither. group: the part of the claim the
+    check is evidence for; the verdict's `why` speaks group by group.
+    """
 
     what: str
     measured: float
     op: str
     target: float
     tolerance: float = 0.0
+    role: str = "evidence"
+    group: str = ""
 
     def __post_init__(self) -> None:
         if self.op not in ("~", ">=", "<="):
             raise ValueError(f"op={self.op!r} is not known: pick '~', '>=' or '<='")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r} is not known: pick one of {ROLES}")
 
     @property
     def passed(self) -> bool:
@@ -66,31 +78,56 @@ class Check:
         return {**asdict(self), "passed": self.passed}
 
 
-def approx(what: str, measured: float, target: float, tolerance: float) -> Check:
-    return Check(what, float(measured), "~", float(target), float(tolerance))
+def approx(what: str, measured: float, target: float, tolerance: float, group: str = "") -> Check:
+    return Check(what, float(measured), "~", float(target), float(tolerance), group=group)
 
 
-def at_least(what: str, measured: float, bound: float) -> Check:
-    return Check(what, float(measured), ">=", float(bound))
+def at_least(what: str, measured: float, bound: float, group: str = "") -> Check:
+    return Check(what, float(measured), ">=", float(bound), group=group)
 
 
-def at_most(what: str, measured: float, bound: float) -> Check:
-    return Check(what, float(measured), "<=", float(bound))
+def at_most(what: str, measured: float, bound: float, group: str = "") -> Check:
+    return Check(what, float(measured), "<=", float(bound), group=group)
+
+
+def precondition(check: Check) -> Check:
+    """The same check as a precondition of the run rather than evidence for the claim."""
+    return replace(check, role="precondition")
 
 
 def verdict(checks: Sequence[Check]) -> tuple[str, str]:
-    """(verdict, why): every check passes -> "holds", none -> "does not hold here", else
-    "holds partly"; `why` names the failed checks with their numbers."""
-    if not checks:
-        raise ValueError("a verdict needs at least one check")
-    failed = [c for c in checks if not c.passed]
-    n = len(checks)
+    """(verdict, why) from the evidence only. A failed precondition -> "inconclusive"; every
+    evidence check passes -> "holds"; none -> "does not hold here"; else "holds partly".
+    `why` says, group by group, how many evidence checks pass, and names the failed ones
+    with their numbers after "off:"."""
+    evidence = [c for c in checks if c.role == "evidence"]
+    if not evidence:
+        raise ValueError(
+            "a verdict needs at least one evidence check (a measurement that could come out "
+            "either way); preconditions alone say nothing about the claim"
+        )
+    broken = [c for c in checks if c.role == "precondition" and not c.passed]
+    if broken:
+        misses = "; ".join(c.describe() for c in broken)
+        return "inconclusive", f"the setup did not do what it intended, so no verdict: {misses}."
+    failed = [c for c in evidence if not c.passed]
+    n = len(evidence)
+    groups: dict[str, list[Check]] = {}
+    for c in evidence:
+        groups.setdefault(c.group, []).append(c)
+    summary = "; ".join(
+        f"{group or 'the claim'}: {sum(c.passed for c in members)} of {len(members)} pass"
+        for group, members in groups.items()
+    )
     if not failed:
-        return "holds", f"all {n} checks pass, e.g. {checks[0].describe()}."
+        return "holds", f"all {n} evidence checks pass ({summary}), e.g. {evidence[0].describe()}."
     misses = "; ".join(c.describe() for c in failed)
     if len(failed) == n:
-        return "does not hold here", f"none of the {n} checks pass: {misses}."
-    return "holds partly", f"{n - len(failed)} of {n} checks pass; off: {misses}."
+        return "does not hold here", f"none of the {n} evidence checks pass; off: {misses}."
+    return (
+        "holds partly",
+        f"{n - len(failed)} of {n} evidence checks pass ({summary}); off: {misses}.",
+    )
 
 
 # --- a run's context and result ---------------------------------------------------------------
@@ -142,16 +179,11 @@ class Result:
             raise ValueError(f"verdict={self.verdict!r} is not one of {VERDICTS}")
 
     @classmethod
-    def from_checks(
-        cls,
-        rows: list[dict[str, Any]],
-        checks: list[Check],
-        why: str | None = None,
-        **kwargs: Any,
-    ) -> Result:
-        """The verdict from the checks; `why` (one sentence) replaces the generated one."""
-        decided, generated = verdict(checks)
-        return cls(rows, checks, decided, why or generated, **kwargs)
+    def from_checks(cls, rows: list[dict[str, Any]], checks: list[Check], **kwargs: Any) -> Result:
+        """The verdict and its why from the checks alone; an experiment's reading of its
+        numbers goes into `notes`."""
+        decided, why = verdict(checks)
+        return cls(rows, checks, decided, why, **kwargs)
 
 
 # --- experiments and the registry -------------------------------------------------------------

@@ -20,6 +20,11 @@ D_K = 64
 # digit); "大致" (roughly) two-decimal weights get +-0.02.
 PRINTED_TOL, OUTPUT_TOL, ROUGH_TOL = 0.0005, 0.005, 0.02
 
+# The claim's three parts, for the verdict's why.
+NUMPY = "the printed numpy run"
+PROSE = "the prose's 0.60/0.16/0.24"
+LEAD = "猫 gets the most"
+
 
 @lab.register("attention-example")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
@@ -39,18 +44,22 @@ def run(ctx: lab.RunContext) -> lab.Result:
             }
         )
         checks.append(lab.approx(f"numpy weight {token}", example.weights[i], PRINTED_WEIGHTS[i],
-                                 PRINTED_TOL))  # fmt: skip
+                                 PRINTED_TOL, group=NUMPY))  # fmt: skip
     for i, printed in enumerate(PRINTED_OUTPUT):
-        checks.append(lab.approx(f"output[{i}]", example.output[i], printed, OUTPUT_TOL))
+        checks.append(lab.approx(f"output[{i}]", example.output[i], printed, OUTPUT_TOL, NUMPY))
     for i, token in enumerate(TOKENS):
-        checks.append(lab.approx(f"prose scaled score {token}", scaled[i], PROSE_SCALED[i], 1e-12))
+        # Arithmetic on the seed's own numbers: the setup reads them right, not evidence.
+        scaled_check = lab.approx(f"prose scaled score {token}", scaled[i], PROSE_SCALED[i], 1e-12)
+        checks.append(lab.precondition(scaled_check))
     for i, token in enumerate(TOKENS):
-        checks.append(lab.approx(f"prose weight {token}", prose[i], PROSE_WEIGHTS[i], ROUGH_TOL))
+        checks.append(
+            lab.approx(f"prose weight {token}", prose[i], PROSE_WEIGHTS[i], ROUGH_TOL, PROSE)
+        )
     # The qualitative point of both: 猫 takes the largest share.
     checks.append(
-        lab.at_least("猫's lead over the next weight (numpy)", _lead(example.weights), 0.0)
+        lab.at_least("猫's lead over the next weight (numpy)", _lead(example.weights), 0.0, LEAD)
     )
-    checks.append(lab.at_least("猫's lead over the next weight (prose)", _lead(prose), 0.0))
+    checks.append(lab.at_least("猫's lead over the next weight (prose)", _lead(prose), 0.0, LEAD))
 
     # Which divisor would the prose's 0.60/0.16/0.24 need? Each pair of weights implies one.
     implied = {
@@ -60,8 +69,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
         / np.log(PROSE_WEIGHTS[0] / PROSE_WEIGHTS[2]),
     }
     figure = _plot(example.weights, prose)
-    numpy_ok = all(c.passed for c in checks[:7])
-    prose_ok = all(c.passed for c in checks[10:13])
+    numpy_ok = all(c.passed for c in checks if c.group == NUMPY)
+    prose_ok = all(c.passed for c in checks if c.group == PROSE)
     why = (
         f"the numpy run reproduces the printed weights {np.round(example.weights, 3).tolist()}"
         f"{'' if numpy_ok else ' only in part'}, but softmax(1.0, 0.25, 0.375) is "
@@ -74,7 +83,7 @@ def run(ctx: lab.RunContext) -> lab.Result:
     return lab.Result.from_checks(
         rows,
         checks,
-        why=why,
+        notes=[why] if why else [],
         figure=figure,
         data={
             "numpy_weights": example.weights.tolist(),

@@ -63,17 +63,23 @@ def run(ctx: lab.RunContext) -> lab.Result:
     top_mass = float(full.sort(descending=True).values[:nucleus].sum())
     mass_before_last = float(full.sort(descending=True).values[: nucleus - 1].sum())
 
-    checks.append(lab.approx("distinct continuations at temperature 0", distinct[0], 1, 0))
+    # Preconditions: the sampler obeys its own parameters (greedy repeats, top-k keeps k, top-p
+    # keeps the smallest nucleus). Evidence: what temperature does to the distribution.
+    checks.append(
+        lab.precondition(lab.approx("distinct continuations at temperature 0", distinct[0], 1, 0))
+    )
     for i in range(1, len(TEMPERATURES)):
         checks.append(lab.at_least(f"entropy rise T={TEMPERATURES[i - 1]:g}->{TEMPERATURES[i]:g}",
                                    entropies[i] - entropies[i - 1], 0))  # fmt: skip
     checks.append(
         lab.at_least(f"distinct continuations at T={TEMPERATURES[-1]:g}", distinct[-1], 2)
     )
-    checks.append(lab.at_most(f"tokens kept by top-k {TOP_K}", rows[-2]["tokens kept"], TOP_K))
-    checks.append(lab.at_least(f"mass of the top-p {TOP_P} nucleus", top_mass, TOP_P))
-    checks.append(lab.at_most(f"mass without its least token (smallest set: < {TOP_P})",
-                              mass_before_last, TOP_P - 1e-9))  # fmt: skip
+    checks += [lab.precondition(c) for c in (
+        lab.at_most(f"tokens kept by top-k {TOP_K}", rows[-2]["tokens kept"], TOP_K),
+        lab.at_least(f"mass of the top-p {TOP_P} nucleus", top_mass, TOP_P),
+        lab.at_most(f"mass without its least token (smallest set: < {TOP_P})",
+                    mass_before_last, TOP_P - 1e-9),
+    )]  # fmt: skip
     notes = [f"model: {name}; prompt: {PROMPT!r}; seeds 0..{n_samples - 1}"]
     figure = _plot(logits, entropies, distinct, tokenizer)
     data = {"entropies": entropies, "distinct": distinct, "vocab_size": int(logits.shape[-1]),

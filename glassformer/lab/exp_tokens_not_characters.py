@@ -109,7 +109,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
             f"{min(per_char):.2f}-{max(per_char):.2f} tokens per Chinese character, outside the "
             "seed's 1-2 (byte-level BPE splits rarer characters into their 3 UTF-8 bytes)."
         )
-    return lab.Result.from_checks(rows, checks, why=why, figure=figure, data=data, notes=notes)
+    notes = [why, *notes] if why else notes  # the reading of a partial result
+    return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _plot(rows: list[dict], names: list[str]):

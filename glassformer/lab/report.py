@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from glassformer.lab.base import VERDICTS
 from glassformer.lab.runner import cell, describe_check
 
 HEADER = """# Claims lab: what the tutorials say, measured here
@@ -72,7 +73,11 @@ def section(rec: dict, out_dir: Path, report_dir: Path) -> str:
     parts += [f"Note: {n}" for n in rec["notes"]] + ([""] if rec["notes"] else [])
     parts.append("Checks (the verdict follows from these):")
     parts.append("")
-    parts += [f"- {'pass' if c['passed'] else 'FAIL'}: {describe_check(c)}" for c in rec["checks"]]
+    parts += [
+        f"- {'pass' if c['passed'] else 'FAIL'}"
+        f"{' (precondition)' if c.get('role') == 'precondition' else ''}: {describe_check(c)}"
+        for c in rec["checks"]
+    ]
     parts.append("")
     if rec["figure"]:
         link = os.path.relpath(out_dir / rec["figure"], report_dir)
@@ -97,8 +102,7 @@ def summary(records: list[dict]) -> str:
 def write_report(out_dir: str | Path = "docs/lab", path: str | Path = "docs/claims.md") -> Path:
     out_dir, path = Path(out_dir), Path(path)
     records = load_records(out_dir)
-    counts = {v: sum(r["verdict"] == v for r in records) for v in ("holds", "holds partly")}
-    counts["does not hold here"] = len(records) - sum(counts.values())
+    counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
     tally = ", ".join(f"{n} {v}" for v, n in counts.items())
     text = [
         HEADER.format(out_dir=Path(os.path.relpath(out_dir)).as_posix()),
