@@ -45,11 +45,12 @@ EXPECTED = {
     "induction-heads",
     "chunking",
     "lost-in-the-middle",
+    "gpt-bag-of-words",
 }
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
         "sampling", "scaling", "quadratic", "rnn-parallel", "long-range", "moe", "residuals",
-        "length-extrapolation", "head-pruning"]  # fmt: skip
+        "length-extrapolation", "head-pruning", "gpt-bag-of-words"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
         "lost-in-the-middle"]  # fmt: skip
 
@@ -249,3 +250,18 @@ def test_trailing_mean_by_hand() -> None:
     assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert trailing_mean([2.0, float("nan"), 4.0], 3) == [2.0, 1.0, 2.0]  # nan counts as 0
     assert trailing_mean([1.0, 2.0], 1) == [1.0, 2.0]
+
+
+def test_first_symbol_task_needs_order() -> None:
+    """The bag-of-words task: a permutation of the same symbols changes the answer, and the
+    answer is always among them (so chance is 1/L, not 1/vocab)."""
+    import torch
+
+    from glassformer.lab.exp_gpt_bag_of_words import LENGTH, QUERY, first_symbol_batch
+
+    batch = first_symbol_batch(64, torch.Generator().manual_seed(0))
+    ids, answer = batch["input_ids"], batch["targets"][:, -1]
+    assert (ids[:, -1] == QUERY).all() and (batch["targets"][:, :-1] == -100).all()
+    assert all(len(set(row[:LENGTH].tolist())) == LENGTH for row in ids)
+    assert (answer == ids[:, 0]).all()
+    assert len(set(answer.tolist())) > 1  # the answer depends on the order, not a constant
