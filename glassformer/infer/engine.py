@@ -69,9 +69,8 @@ class Engine:
         self.model = model.eval()
         self.max_seq_len: int = model.cfg.max_seq_len
         for name, value in (("max_rows", max_rows), ("max_seq_len", max_seq_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{name}={value!r} must be a whole number >= 1 (or None)")
-            if value is not None and value < 1:
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and not (whole and value >= 1):
                 raise ValueError(f"{name}={value!r} must be a whole number >= 1 (or None)")
         self.max_rows, self.slot_len = (
             max_rows,
