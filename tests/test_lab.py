@@ -18,9 +18,12 @@ from glassformer.lab.base import (
     at_least,
     at_most,
     discover,
+    exceeds_spread,
     get,
+    over_seeds,
     precondition,
     verdict,
+    within_spread,
 )
 from glassformer.lab.report import write_report
 from glassformer.lab.runner import run_one
@@ -115,6 +118,27 @@ def test_verdict_comes_from_the_evidence_only() -> None:
         verdict([setup_ok])
     with pytest.raises(ValueError, match="role="):
         Check("x", 1.0, ">=", 1.0, role="hope")
+
+
+def test_differences_count_only_beyond_the_spread() -> None:
+    import statistics
+
+    a, b = over_seeds([2.0, 2.2, 2.4]), over_seeds([1.9, 2.0, 2.1])
+    assert a.mean == pytest.approx(2.2) and a.spread == pytest.approx(
+        statistics.stdev([2.0, 2.2, 2.4])
+    )
+    # the means differ by 0.2, the combined spread is sqrt(0.2² + 0.1²) ≈ 0.224: not a difference
+    assert not exceeds_spread("gain", a, b).passed
+    assert within_spread("same", a, b).passed
+    tight = over_seeds([2.19, 2.2, 2.21])
+    assert exceeds_spread("gain", tight, over_seeds([1.99, 2.0, 2.01])).passed
+    assert not within_spread("same", tight, over_seeds([1.99, 2.0, 2.01]), tolerance=0.05).passed
+    assert over_seeds([3.0]).spread == 0.0
+    with pytest.raises(ValueError, match="at least one"):
+        over_seeds([])
+    assert RunContext(quick=True).seeds() == [0, 1] and len(RunContext().seeds()) == 3
+    with pytest.raises(ValueError, match="at least 3 seeds"):
+        RunContext().seeds(full=2)
 
 
 def test_result_rejects_unknown_verdicts() -> None:

@@ -90,6 +90,53 @@ def at_most(what: str, measured: float, bound: float, group: str = "") -> Check:
     return Check(what, float(measured), "<=", float(bound), group=group)
 
 
+@dataclass(frozen=True)
+class Spread:
+    """One number measured over several seeds: its mean, and its spread, the sample standard
+    deviation (0 for a single seed, so tiny runs compare means only)."""
+
+    values: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    @property
+    def spread(self) -> float:
+        n = len(self.values)
+        if n < 2:
+            return 0.0
+        return math.sqrt(sum((v - self.mean) ** 2 for v in self.values) / (n - 1))
+
+    def __str__(self) -> str:
+        return f"{self.mean:.4g} ± {self.spread:.2g} (n={len(self.values)})"
+
+
+def over_seeds(values: Sequence[float]) -> Spread:
+    if not values:
+        raise ValueError("over_seeds needs at least one value: run at least one seed")
+    return Spread(tuple(float(v) for v in values))
+
+
+def _combined(a: Spread, b: Spread) -> float:
+    return math.sqrt(a.spread**2 + b.spread**2)
+
+
+def exceeds_spread(what: str, a: Spread, b: Spread, margin: float = 0.0, group: str = "") -> Check:
+    """Evidence that a is larger than b by more than noise: the difference of the means against
+    the seeds' combined spread sqrt(sa² + sb²), plus a margin fixed in code (0: any difference
+    beyond the spread counts)."""
+    return Check(what, a.mean - b.mean, ">=", _combined(a, b) + margin, group=group)
+
+
+def within_spread(
+    what: str, a: Spread, b: Spread, tolerance: float = 0.0, group: str = ""
+) -> Check:
+    """Evidence that a and b do not differ: |mean(a) - mean(b)| within the seeds' combined
+    spread plus a tolerance fixed in code (the smallest difference the claim would notice)."""
+    return Check(what, a.mean - b.mean, "~", 0.0, _combined(a, b) + tolerance, group=group)
+
+
 def precondition(check: Check) -> Check:
     """The same check as a precondition of the run rather than evidence for the claim."""
     return replace(check, role="precondition")
@@ -154,6 +201,14 @@ class RunContext:
     def pick(self, full: Any, quick: Any, tiny: Any) -> Any:
         """A size for this mode: ctx.pick(full=1000, quick=200, tiny=10)."""
         return {"full": full, "quick": quick, "tiny": tiny}[self.mode]
+
+    def seeds(self, full: int = 3, quick: int = 2, tiny: int = 1) -> list[int]:
+        """The seeds a training experiment repeats over (ctx.seed, ctx.seed + 1, ...): at least
+        3 in full mode, so that a difference can be weighed against the spread."""
+        n = self.pick(full=full, quick=quick, tiny=tiny)
+        if self.mode == "full" and n < 3:
+            raise ValueError(f"full mode runs at least 3 seeds, not {n}: raise full=")
+        return [self.seed + i for i in range(n)]
 
     def figure_path(self, stem: str) -> Path:
         self.out_dir.mkdir(parents=True, exist_ok=True)
