@@ -25,7 +25,7 @@ from glassformer.lab.base import (
     verdict,
     within_spread,
 )
-from glassformer.lab.report import write_report
+from glassformer.lab.report import write_report, write_report_zh
 from glassformer.lab.runner import run_one
 
 EXPECTED = {
@@ -211,6 +211,24 @@ def test_report_has_a_section_per_result(tmp_path: Path) -> None:
     assert "holds partly" in text
 
 
+def test_chinese_report_gives_the_same_verdicts(tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    for name in ("attention-example", "gqa-cache"):
+        run_one(get(name), RunContext(out_dir=out, tiny=True))
+    text = write_report_zh(out, tmp_path / "claims.zh.md").read_text()
+    assert "## 1. " in text and "## 8. " in text
+    assert "0.503 0.237 0.260" in text  # the claim, quoted in the original
+    assert "**结论：部分成立。**" in text and "**结论：成立。**" in text
+    assert "未通过" in text.split("## 1. ")[1].split("## 8. ")[0]  # 0.498 is not the prose's 0.60
+    assert "共 2 条论断：成立 1 条，部分成立 1 条" in text
+    # a JSON whose checks do not give its verdict is refused, not reported
+    path = out / "gqa-cache.json"
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "verdict": "does not hold here"}))
+    with pytest.raises(ValueError, match="rerun"):
+        write_report_zh(out, tmp_path / "claims.zh.md")
+
+
 def test_report_without_results_says_what_to_run(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="lab run --all"):
         write_report(tmp_path, tmp_path / "claims.md")
@@ -228,6 +246,7 @@ def test_cli_list_run_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     claims = tmp_path / "claims.md"
     assert main(["lab", "report", "--out", str(out), "--to", str(claims)]) == 0
     assert "gqa-cache" in claims.read_text()
+    assert "**结论：成立。**" in (tmp_path / "claims.zh.md").read_text()
     assert main(["lab", "run", "--out", str(out)]) == 2  # neither NAME nor --all
     assert "NAME or --all" in capsys.readouterr().err
 

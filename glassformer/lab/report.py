@@ -1,5 +1,7 @@
-"""`glassformer lab report`: docs/claims.md from the JSONs `lab run` wrote (default docs/lab/).
-Generated, never hand-written: every number in it comes from the run recorded in the JSON.
+"""`glassformer lab report`: docs/claims.md and docs/claims.zh.md from the JSONs `lab run` wrote
+(default docs/lab/). Generated, never hand-written: every number in them comes from the run
+recorded in the JSON; the Chinese report quotes the same claims and gives the same verdicts, with
+its explanations (title_zh, about_zh) from lab/claims.toml and its `why` generated in Chinese.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from glassformer.lab.base import VERDICTS
+from glassformer.lab.base import VERDICTS, Check, claims, verdict
 from glassformer.lab.runner import cell, describe_check
 
 HEADER = """# Claims lab: what the tutorials say, measured here
@@ -51,6 +53,7 @@ def _anchor(rec: dict) -> str:
 
 
 def section(rec: dict, out_dir: Path, report_dir: Path) -> str:
+    verified_checks(rec)
     claim = "\n".join(f"> {line}" for line in rec["claim"].splitlines())
     machine = rec["machine"]
     parts = [
@@ -100,6 +103,7 @@ def summary(records: list[dict]) -> str:
 
 
 def write_report(out_dir: str | Path = "docs/lab", path: str | Path = "docs/claims.md") -> Path:
+    """docs/claims.md; write_report_zh writes its Chinese twin."""
     out_dir, path = Path(out_dir), Path(path)
     records = load_records(out_dir)
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
@@ -112,6 +116,145 @@ def write_report(out_dir: str | Path = "docs/lab", path: str | Path = "docs/clai
         "",
     ]
     text += [section(r, out_dir, path.parent) for r in records]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text).rstrip() + "\n")
+    return path
+
+
+# --- the Chinese report -----------------------------------------------------------------------
+
+VERDICTS_ZH = {
+    "holds": "成立",
+    "holds partly": "部分成立",
+    "does not hold here": "在此不成立",
+    "inconclusive": "无法判断",
+}
+
+HEADER_ZH = """# 论断实验室：教程里说的，在这里量一量
+
+本文件由 `glassformer lab report` 根据 `{out_dir}/` 中的结果自动生成（结果由
+`glassformer lab run --all --quick --out {out_dir}` 写出），与英文版 [claims.md](claims.md)
+出自同一批运行。请勿手改：重新运行即可。每一节引用教程（`seeds/`）中的一条论断原文，
+在本机上实际运行，并根据数字给出结论。
+
+结论只看“证据”检查（可正可反的测量，阈值在运行前写进代码）：全部通过为“成立”，
+全部未通过为“在此不成立”，其余为“部分成立”；若“前提”检查未通过（实验没有按设计完成，
+例如模型没有训练到预定损失），结论为“无法判断”。检查项的名称与数字保留英文原样。
+"""
+
+
+def check_from_record(c: dict) -> Check:
+    return Check(c["what"], c["measured"], c["op"], c["target"], c["tolerance"],
+                 c.get("role", "evidence"), c.get("group", ""))  # fmt: skip
+
+
+def verified_checks(rec: dict) -> list[Check]:
+    """The record's checks, after making sure they give the verdict it states (a JSON edited by
+    hand, or written by an older rule, is refused rather than reported)."""
+    checks = [check_from_record(c) for c in rec["checks"]]
+    decided, _ = verdict(checks)
+    if decided != rec["verdict"]:
+        raise ValueError(
+            f"{rec['name']}.json says {rec['verdict']!r} but its checks give {decided!r}: "
+            f"rerun the experiment ({rec.get('command', 'glassformer lab run ' + rec['name'])})"
+        )
+    return checks
+
+
+def why_zh(checks: list[Check]) -> str:
+    """The verdict's reason in Chinese, by the same rule as base.verdict (evidence only)."""
+    broken = [c for c in checks if c.role == "precondition" and not c.passed]
+    if broken:
+        misses = "；".join(c.describe() for c in broken)
+        return f"实验前提没有达成，因此不下结论：{misses}。"
+    evidence = [c for c in checks if c.role == "evidence"]
+    groups: dict[str, list[Check]] = {}
+    for c in evidence:
+        groups.setdefault(c.group, []).append(c)
+    summary = "；".join(
+        f"{group or '论断'}：{len(members)} 项中 {sum(c.passed for c in members)} 项通过"
+        for group, members in groups.items()
+    )
+    failed = [c for c in evidence if not c.passed]
+    if not failed:
+        return f"全部 {len(evidence)} 项证据检查通过（{summary}），例如 {evidence[0].describe()}。"
+    misses = "；".join(c.describe() for c in failed)
+    if len(failed) == len(evidence):
+        return f"{len(evidence)} 项证据检查全部未通过；未通过：{misses}。"
+    passed = len(evidence) - len(failed)
+    return f"{len(evidence)} 项证据检查中 {passed} 项通过（{summary}）；未通过：{misses}。"
+
+
+def _about(rec: dict) -> dict[str, str]:
+    table = claims().get(rec["name"], {})
+    return {"title_zh": table.get("title_zh", rec["title"]), "about_zh": table.get("about_zh", "")}
+
+
+def section_zh(rec: dict, out_dir: Path, report_dir: Path) -> str:
+    checks = verified_checks(rec)
+    about = _about(rec)
+    claim = "\n".join(f"> {line}" for line in rec["claim"].splitlines())
+    machine = rec["machine"]
+    parts = [
+        f'<a id="{_anchor(rec)}"></a>',
+        f"## {rec['number']}. {about['title_zh']}（`{rec['name']}`）",
+        "",
+        claim,
+        ">",
+        f"> —— {rec['source']}",
+        "",
+        f"**结论：{VERDICTS_ZH[rec['verdict']]}。** {why_zh(checks)}",
+        "",
+    ]
+    if about["about_zh"]:
+        parts += [f"**实验做法：** {about['about_zh']}", ""]
+    parts += [
+        f"命令：`{rec['command']}`（模式 {rec['mode']}，种子 {rec['seed']}；运行于 "
+        f"{rec['started']}，耗时 {rec['seconds']} 秒，{machine['cpu_count']} 个 CPU 上 "
+        f"{machine['torch_threads']} 个 torch 线程，torch {machine['torch']}）",
+        "",
+        markdown_table(rec["rows"]),
+        "",
+        "检查项（结论由此得出）：",
+        "",
+    ]
+    parts += [
+        f"- {'通过' if c.passed else '未通过'}{'（前提）' if c.role == 'precondition' else ''}："
+        f"{c.describe()}"
+        for c in checks
+    ]
+    parts.append("")
+    if rec["figure"]:
+        link = os.path.relpath(out_dir / rec["figure"], report_dir)
+        parts += [f"![{rec['name']}]({Path(link).as_posix()})", ""]
+    return "\n".join(parts)
+
+
+def write_report_zh(
+    out_dir: str | Path = "docs/lab", path: str | Path = "docs/claims.zh.md"
+) -> Path:
+    out_dir, path = Path(out_dir), Path(path)
+    records = load_records(out_dir)
+    counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
+    tally = "，".join(f"{VERDICTS_ZH[v]} {n} 条" for v, n in counts.items())
+    rows = [
+        {
+            "#": r["number"],
+            "论断": f"[{_about(r)['title_zh']}](#{_anchor(r)})",
+            "出处": r["source"],
+            "结论": VERDICTS_ZH[r["verdict"]],
+            "秒": r["seconds"],
+        }
+        for r in records
+    ]
+    text = [
+        HEADER_ZH.format(out_dir=Path(os.path.relpath(out_dir)).as_posix()),
+        f"共 {len(records)} 条论断：{tally}。",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    text += [section_zh(r, out_dir, path.parent) for r in records]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(text).rstrip() + "\n")
     return path
