@@ -1,9 +1,11 @@
 """The length-extrapolation and lost-in-the-middle experiments' pieces, against independent
-references: hand-computed band means, the model's own mean loss, the unscaled model, a manual
-log-softmax sum without a cache, and the engine's greedy generation."""
+references: the model's own mean loss, a model configured with YaRN or a raised RoPE base from
+the start, closed-form entropies, a manual log-softmax sum without a cache, and the engine's
+greedy generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -14,9 +16,10 @@ import torch.nn.functional as F
 from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
 from glassformer.lab.exp_length_extrapolation import (
-    band_means,
+    FACTORS,
     loss_per_position,
-    rope_scalings,
+    losses_by_length,
+    rope_scaling,
     smooth,
     with_scaling,
 )
@@ -41,17 +44,11 @@ def tiny_gpt(position: str = "rope", max_seq_len: int = 64):
 # --- length extrapolation -----------------------------------------------------------------------
 
 
-def test_band_means_by_hand() -> None:
-    curve = torch.arange(16, dtype=torch.float32)  # L = 4, T = 4L
-    bands = band_means(curve, 4)
-    assert bands == {"[0, L)": 1.5, "[L, 2L)": 5.5, "[2L, 4L)": 11.5}
-
-
 def test_loss_per_position_matches_the_models_mean_loss() -> None:
     model = tiny_gpt("learned")
-    ids = torch.randint(0, 23, (3, 13), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 23, (5, 13), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
-    curve = loss_per_position(model, inputs, targets)
+    curve = loss_per_position(model, inputs, targets, chunk=2)  # chunks of 2, 2 and 1 windows
     assert curve.shape == (12,)
     with torch.no_grad():
         assert float(curve.mean()) == pytest.approx(model.loss(inputs, targets).ce_loss.item(),
@@ -61,20 +58,50 @@ def test_loss_per_position_matches_the_models_mean_loss() -> None:
     torch.testing.assert_close(curve, by_hand)
 
 
-def test_scaled_copy_has_the_same_weights_and_ntk_waits_for_long_inputs() -> None:
-    model = tiny_gpt("rope", max_seq_len=8)
-    scalings = rope_scalings(train_len=8, eval_len=32)
-    ntk = with_scaling(model, scalings["rope + NTK (dynamic)"])
-    yarn = with_scaling(model, scalings["rope + YaRN"])
+@pytest.mark.parametrize("method", ["alibi", "rope + YaRN"])
+def test_losses_by_length_are_the_mean_loss_of_each_cut(method: str) -> None:
+    train_len = 4
+    model = tiny_gpt("alibi" if method == "alibi" else "rope", max_seq_len=train_len)
+    ids = torch.randint(0, 23, (3, FACTORS[-1] * train_len + 1),
+                        generator=torch.Generator().manual_seed(2))  # fmt: skip
+    windows = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
+    losses, curve = losses_by_length(model, method, windows, train_len)
+    assert len(losses) == len(FACTORS) and curve.shape == (FACTORS[-1] * train_len,)
+    for factor, loss in zip(FACTORS, losses, strict=True):
+        n = factor * train_len
+        reference = model
+        if method == "rope + YaRN" and factor > 1:  # a model configured with YaRN from the start
+            yarn = {"type": "yarn", "factor": float(factor), "original_max_seq_len": train_len}
+            reference = build_model(dataclasses.replace(model.cfg, rope_scaling=yarn)).eval()
+            reference.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            expected = reference.loss(ids[:, :n], ids[:, 1 : n + 1]).ce_loss.item()
+        assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_ntk_at_k_times_l_is_rope_with_the_base_raised_by_k_to_d_over_d_minus_2() -> None:
+    model = tiny_gpt("rope", max_seq_len=8)  # head_dim 8
+    ntk = with_scaling(model, rope_scaling("rope + NTK", 4, train_len=8))
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(ntk.state_dict()[name], tensor)
+    d = model.cfg.head_dim
+    raised = build_model(dataclasses.replace(model.cfg, rope_theta=10000.0 * 4 ** (d / (d - 2))))
+    raised.load_state_dict(model.state_dict())
     short = torch.randint(0, 23, (2, 8))
     long = torch.randint(0, 23, (2, 32))
     with torch.no_grad():
-        # dynamic NTK changes nothing up to the original length, everything past it
-        torch.testing.assert_close(ntk(short), model(short))
+        torch.testing.assert_close(ntk(short), model(short))  # nothing changes up to L
+        torch.testing.assert_close(ntk(long), raised.eval()(long))  # NTK-aware base at 4L
         assert not torch.allclose(ntk(long), model(long))
-        assert not torch.allclose(yarn(long), model(long))
+
+
+def test_yarn_at_the_trained_length_is_plain_rope() -> None:
+    model = tiny_gpt("rope", max_seq_len=8)
+    assert rope_scaling("rope + YaRN", 1, train_len=8) is None
+    assert with_scaling(model, None) is model
+    yarn = rope_scaling("rope + YaRN", 16, train_len=8)
+    assert yarn == {"type": "yarn", "factor": 16.0, "original_max_seq_len": 8}
+    assert rope_scaling("rope", 16, train_len=8) is None
 
 
 def test_smooth_is_a_centered_moving_mean() -> None:

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from glassformer.config import ModelConfig
-from glassformer.lab.fit import Schedule, eval_loss, fit, random_windows, window_batches
+from glassformer.lab.fit import (
+    Schedule,
+    eval_loss,
+    fit,
+    random_windows,
+    unigram_entropy,
+    window_batches,
+)
 from glassformer.models import build_model
 
 
@@ -57,3 +64,10 @@ def test_eval_loss_is_the_mean_cross_entropy() -> None:
     logits = logits.logits if hasattr(logits, "logits") else logits
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 8), windows["targets"].reshape(-1))
     assert loss == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_unigram_entropy_is_the_closed_form() -> None:
+    assert unigram_entropy(torch.arange(8).repeat(5)) == pytest.approx(math.log(8))
+    skewed = torch.tensor([0, 1, 1, 1, 5, 5, 5, 5])  # ids need not be contiguous
+    p = (1 / 8, 3 / 8, 4 / 8)
+    assert unigram_entropy(skewed) == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-12)

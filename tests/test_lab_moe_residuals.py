@@ -1,5 +1,6 @@
 """The lab's claims 10 (MoE) and 11 (residuals and norm placement): ModelConfig.residual against a
-hand-composed block and the numpy forward, and the experiments' helpers against hand counts."""
+hand-composed block and the numpy forward, and the experiments' helpers against hand counts, hand
+loops and the lab's own spread rule."""
 
 from __future__ import annotations
 
@@ -12,11 +13,24 @@ import torch
 
 from glassformer import numpy_ref
 from glassformer.config import ModelConfig
-from glassformer.lab.exp_moe import N_EXPERTS, TOP_K, expert_load, model_configs
-from glassformer.lab.exp_residuals import layer_gradient_norms, unigram_entropy
+from glassformer.lab import base as lab
+from glassformer.lab.exp_moe import (
+    DENSE,
+    DENSE_TOTAL,
+    MOE,
+    N_EXPERTS,
+    TOP_K,
+    Timer,
+    combined_spread,
+    expert_load,
+    model_configs,
+)
+from glassformer.lab.exp_residuals import gradient_norms
+from glassformer.lab.fit import Schedule
 from glassformer.models import build_model
 from glassformer.nn.attention import AttentionMask
 from glassformer.nn.ffn import MoE
+from glassformer.train.trainer import make_optimizer
 
 
 def _tiny(**overrides) -> ModelConfig:
@@ -89,17 +103,16 @@ def test_residual_round_trips_through_json(tmp_path) -> None:
 # --- claim 11's helpers -----------------------------------------------------------------------
 
 
-def test_unigram_entropy_is_the_closed_form() -> None:
-    ids = torch.tensor([0, 0, 1, 1, 3, 3, 3, 3])  # p = 1/4, 1/4, 1/2 (id 2 never occurs)
-    expected = -(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5))
-    assert unigram_entropy(ids) == pytest.approx(expected, abs=1e-12)
+def _batch(seed: int, length: int = 8) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 23, (2, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
 
 
-def test_layer_gradient_norms_match_named_parameters() -> None:
-    model = _model(_tiny(n_layers=3))
-    ids = torch.randint(0, 23, (2, 8), generator=torch.Generator().manual_seed(3))
-    batch = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
-    norms = layer_gradient_norms(model, batch)
+@pytest.mark.parametrize("residual", [True, False])
+def test_parameter_gradient_norms_match_named_parameters(residual: bool) -> None:
+    model = _model(_tiny(n_layers=3, residual=residual))
+    batch = _batch(3)
+    norms, _ = gradient_norms(model, batch)
     model.loss(**batch).ce_loss.backward()
     for layer, got in enumerate(norms):
         squares = sum(
@@ -110,18 +123,39 @@ def test_layer_gradient_norms_match_named_parameters() -> None:
         assert got == pytest.approx(math.sqrt(squares), rel=1e-5)
 
 
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_hidden_gradient_norms_match_a_hand_loop(norm_position: str) -> None:
+    """|dloss/dh| of each block's input, against autograd.grad through the blocks run by hand."""
+    model = _model(_tiny(n_layers=3, norm_position=norm_position, residual=False))
+    batch = _batch(5)
+    _, got = gradient_norms(model, batch)
+    ids, T = batch["input_ids"], batch["input_ids"].shape[1]
+    h = model.tok_emb(ids) + model.pos_emb(torch.arange(T)[None])  # (B, T, C)
+    inputs = []
+    for block in model.blocks:
+        inputs.append(h)
+        h = block(h, AttentionMask(is_causal=True))
+    logits = model.lm_head(model.final_norm(h))  # (B, T, V)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    expected = [float(g.norm()) for g in torch.autograd.grad(loss, inputs)]
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was
+
+
 # --- claim 10's helpers -----------------------------------------------------------------------
 
 
-def test_moe_runs_as_many_ffn_weights_per_token_as_the_dense_model() -> None:
+def test_moe_runs_as_many_ffn_weights_as_one_dense_model_and_holds_as_many_as_the_other() -> None:
     d_model, width = 32, 96
-    dense_cfg, moe_cfg = model_configs(23, d_model, 2, width, 16)
-    dense, moe = _model(dense_cfg), _model(moe_cfg)
-    dense_ffn = sum(p.numel() for p in dense.blocks[0].ffn.parameters())
-    one_expert = sum(p.numel() for p in moe.blocks[0].ffn.experts[0].parameters())
+    models = {name: _model(cfg) for name, cfg in model_configs(23, d_model, 2, width, 16).items()}
+    dense_ffn = sum(p.numel() for p in models[DENSE].blocks[0].ffn.parameters())
+    total_ffn = sum(p.numel() for p in models[DENSE_TOTAL].blocks[0].ffn.parameters())
+    moe_ffn = models[MOE].blocks[0].ffn
+    one_expert = sum(p.numel() for p in moe_ffn.experts[0].parameters())
     assert dense_ffn == 3 * d_model * width  # SwiGLU: gate, up, down, no biases
-    assert TOP_K * one_expert == dense_ffn
-    assert len(moe.blocks[0].ffn.experts) == N_EXPERTS
+    assert TOP_K * one_expert == dense_ffn  # what a token runs
+    assert len(moe_ffn.experts) == N_EXPERTS
+    assert total_ffn == N_EXPERTS * one_expert  # what the MoE holds, its router aside
 
 
 def test_expert_load_is_each_experts_share() -> None:
@@ -136,3 +170,26 @@ def test_expert_load_is_each_experts_share() -> None:
     assert shares[0] == pytest.approx([0.5, 0.0, 0.25, 0.25])
     assert sum(shares[1]) == pytest.approx(1.0)
     assert aux == pytest.approx([float(m.aux_loss) for m in layers])
+
+
+def test_combined_spread_is_what_exceeds_spread_weighs_a_difference_against() -> None:
+    a, b = lab.over_seeds([1.0, 1.2, 0.9]), lab.over_seeds([2.0, 2.5])
+    assert combined_spread(a, b) == pytest.approx(lab.exceeds_spread("", a, b).target)
+    assert combined_spread(a, b) == pytest.approx(math.hypot(a.spread, b.spread))
+
+
+def test_timer_train_step_is_one_optimizer_step_and_generation_times_are_positive() -> None:
+    cfg = model_configs(23, 16, 1, 32, 8)[MOE]
+    model, by_hand = _model(cfg), _model(cfg)
+    batch = _batch(6)
+    timer = Timer(model, batch, prompt=[1, 2, 3], n_new=3)
+    assert timer.train_step() > 0
+    optimizer = make_optimizer(by_hand, Schedule(max_steps=1))  # the same settings, a hand loop
+    by_hand.train()
+    by_hand.loss(**batch).loss.backward()
+    optimizer.step()
+    for (name, got), expected in zip(model.named_parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, msg=name)
+    assert all(p.grad is None for p in model.parameters())
+    prefill, decode = timer.generate()
+    assert prefill > 0 and decode > 0 and math.isfinite(prefill + decode)

@@ -142,6 +142,15 @@ def precondition(check: Check) -> Check:
     return replace(check, role="precondition")
 
 
+def evidence_groups(checks: Sequence[Check]) -> dict[str, list[Check]]:
+    """The evidence checks by group, in the order the groups first appear."""
+    groups: dict[str, list[Check]] = {}
+    for c in checks:
+        if c.role == "evidence":
+            groups.setdefault(c.group, []).append(c)
+    return groups
+
+
 def verdict(checks: Sequence[Check]) -> tuple[str, str]:
     """(verdict, why) from the evidence only. A failed precondition -> "inconclusive"; every
     evidence check passes -> "holds"; none -> "does not hold here"; else "holds partly".
@@ -159,9 +168,7 @@ def verdict(checks: Sequence[Check]) -> tuple[str, str]:
         return "inconclusive", f"the setup did not do what it intended, so no verdict: {misses}."
     failed = [c for c in evidence if not c.passed]
     n = len(evidence)
-    groups: dict[str, list[Check]] = {}
-    for c in evidence:
-        groups.setdefault(c.group, []).append(c)
+    groups = evidence_groups(evidence)
     summary = "; ".join(
         f"{group or 'the claim'}: {sum(c.passed for c in members)} of {len(members)} pass"
         for group, members in groups.items()
@@ -319,6 +326,37 @@ def get(name: str) -> Experiment:
             "(glassformer lab list shows them)"
         )
     return experiments[name]
+
+
+# --- models and tokens the experiments share ----------------------------------------------------
+
+
+def smollm2_or_stand_in(ctx: RunContext, max_seq_len: int = 128) -> tuple[Any, str]:
+    """(model, name): SmolLM2-135M, or in tiny mode a random 2-layer model of its shape (vocab
+    512), so the tests exercise the experiment without loading weights."""
+    if ctx.tiny:
+        import torch
+
+        from glassformer.config import ModelConfig
+        from glassformer.models import build_model
+
+        torch.manual_seed(ctx.seed)
+        cfg = ModelConfig.preset(
+            "smollm2-135m", n_layers=2, vocab_size=512, max_seq_len=max_seq_len
+        )
+        return build_model(cfg).eval(), "SmolLM2-shaped (2 random layers, vocab 512)"
+    from glassformer.interop.pretrained import from_pretrained
+
+    return from_pretrained("smollm2")[0], "SmolLM2-135M"
+
+
+def token_label(tokenizer: Any, token_id: int) -> str:
+    """A token as a tick label: its text, escaped where it is whitespace or a control character
+    (the id when there is no tokenizer)."""
+    if tokenizer is None:
+        return str(token_id)
+    text = tokenizer.decode([token_id])
+    return repr(text)[1:-1] if text.strip() else repr(text)
 
 
 # --- figures ------------------------------------------------------------------------------------

@@ -1,41 +1,58 @@
 """Seed 000 §4.2: head pruning, "剪掉相当比例的头模型性能几乎不掉——重要头集中，其余是冗余备份".
 
-On the lab's small character-level Shakespeare GPT (lab/char_gpt.py), every head is switched off
-in turn (inspect.ablate: its slice of the input to W_O zeroed) and its importance is the rise of
-the validation loss. Then heads are removed cumulatively, least important first (ordered by
-that single-head importance, not re-ranked as heads go), and in a few random orders for
-comparison; every evaluation uses the same fixed validation windows. No fine-tuning after
-pruning: this is the "test-time" pruning of the head-pruning studies.
+On the lab's small character-level Shakespeare GPT (lab/char_gpt.py), trained once per seed,
+every head is switched off in turn (inspect.ablate: its slice of the input to W_O zeroed) and its
+importance is the rise of the loss on *ranking* windows from the first half of the held-out
+text. The pruning curve - heads removed cumulatively, least important first (by that single-head
+ranking, not re-ranked as heads go), and in random orders for comparison - is measured on other,
+*evaluation* windows from the second half, so ranking and judging never share a character. No
+fine-tuning after pruning: the "test-time" pruning of the head-pruning studies. Numbers are mean
+± spread over the seeds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from glassformer.inspect.ablate import ablate_heads, all_heads, as_spec
 from glassformer.lab import base as lab
-from glassformer.lab.char_gpt import char_gpt
-from glassformer.lab.fit import random_windows
+from glassformer.lab.char_gpt import CharGPT, char_gpt
+from glassformer.lab.fit import Batch, random_windows
 
 # Thresholds, stated once. "剪掉相当比例的头…几乎不掉": removing a quarter of the heads (the least
-# important first) raises the validation loss by at most 5% ("almost no drop"). "重要头集中":
-# the most important quarter of the heads carries at least half of the summed single-head loss
-# increases. Sanity: removing every head raises the loss by at least 20% (heads matter together).
+# important first) raises the evaluation loss by at most 5% ("almost no drop"), mean + spread
+# over seeds. "重要头集中": the quarter of the heads ranked most important carries at least half
+# of the summed single-head loss increases measured on the evaluation windows (mean - spread;
+# spread evenly, a quarter would carry a quarter), and removing the least important quarter
+# costs less than removing a random quarter by more than the seeds' spread.
 PRUNED_SHARE = 0.25
 MAX_PRUNED_INCREASE = 0.05
 MIN_TOP_SHARE = 0.5
+# Preconditions: the model learned the text - its evaluation loss is below the 2.54 nats/char a
+# character bigram model gets on this held-out text - and its heads matter together: removing
+# every head raises the loss by at least 20%.
+MAX_EVAL_LOSS = 2.5
 MIN_ALL_REMOVED_INCREASE = 0.20
-TABLE_SHARES = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+TABLE_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
+
+
+def split_windows(ids: torch.Tensor, n: int, length: int, seed: int) -> tuple[Batch, Batch]:
+    """n windows from the first half of `ids` (for ranking) and n from the second half (for
+    evaluation): no character is in both."""
+    half = len(ids) // 2
+    generator = torch.Generator().manual_seed(seed)
+    return (random_windows(ids[:half], n, length, generator),
+            random_windows(ids[half:], n, length, generator))  # fmt: skip
 
 
 class FixedEval:
-    """Validation loss of the model under an ablation, always on the same windows."""
+    """The model's loss on fixed windows with some heads removed."""
 
-    def __init__(
-        self, model: torch.nn.Module, val_ids: torch.Tensor, length: int, n: int, seed: int
-    ):
+    def __init__(self, model: torch.nn.Module, windows: Batch):
         self.model = model
-        self.windows = random_windows(val_ids, n, length, torch.Generator().manual_seed(seed))
+        self.windows = windows
 
     @torch.no_grad()
     def __call__(self, removed: list[tuple[int, int]]) -> float:
@@ -43,96 +60,182 @@ class FixedEval:
             return self.model.loss(**self.windows).ce_loss.item()
 
 
+def single_head_importance(
+    evaluate: FixedEval, heads: list[tuple[int, int]]
+) -> dict[tuple[int, int], float]:
+    """Each head's importance: the loss increase with that head alone removed."""
+    base = evaluate([])
+    return {head: evaluate([head]) - base for head in heads}
+
+
 def removal_curve(evaluate: FixedEval, order: list[tuple[int, int]]) -> list[float]:
     """Loss with the first k heads of `order` removed, k = 0..len(order)."""
     return [evaluate(order[:k]) for k in range(len(order) + 1)]
 
 
-@lab.register("head-pruning")  # its claim: lab/claims.toml
-def run(ctx: lab.RunContext) -> lab.Result:
-    gpt = char_gpt(ctx)
-    evaluate = FixedEval(gpt.model, gpt.val_ids, gpt.recipe.context,
-                         ctx.pick(64, 32, 4), ctx.seed)  # fmt: skip
+def top_share(ranked: list[tuple[int, int]], importance: dict, k: int) -> float:
+    """The share of the summed (positive) importance carried by the last k heads of `ranked`
+    (the ones ranked most important); nan if no head matters at all."""
+    gains = {head: max(value, 0.0) for head, value in importance.items()}
+    total = sum(gains.values())
+    if total == 0:
+        return float("nan")
+    return sum(gains[head] for head in ranked[len(ranked) - k :]) / total
+
+
+@dataclass
+class SeedRun:
+    gpt: CharGPT
+    base: float  # evaluation loss, no head removed
+    ranked: list[tuple[int, int]]  # least important first, by the ranking windows
+    ranking_importance: dict[tuple[int, int], float]
+    eval_importance: dict[tuple[int, int], float]
+    curve: list[float]  # evaluation loss, least important first
+    random_curves: list[list[float]]
+    n_windows: int  # evaluation windows (and as many ranking windows)
+
+    def increase(self, loss: float) -> float:
+        return loss / self.base - 1
+
+    def random_mean(self, k: int) -> float:
+        return sum(c[k] for c in self.random_curves) / len(self.random_curves)
+
+
+def prune(ctx: lab.RunContext, seed: int) -> SeedRun:
+    gpt = char_gpt(ctx, seed=seed)
+    n_windows = ctx.pick(64, 16, 4)
+    ranking, evaluation = split_windows(gpt.val_ids, n_windows, gpt.recipe.context, seed)
+    rank_eval, held_eval = FixedEval(gpt.model, ranking), FixedEval(gpt.model, evaluation)
     heads = all_heads(gpt.model)
-    base = evaluate([])
-    importance = {head: evaluate([head]) - base for head in heads}
-    by_importance = sorted(heads, key=lambda h: importance[h])
-    greedy = removal_curve(evaluate, by_importance)
-    generator = torch.Generator().manual_seed(ctx.seed + 1)
+    ranking_importance = single_head_importance(rank_eval, heads)
+    ranked = sorted(heads, key=lambda head: ranking_importance[head])
+    generator = torch.Generator().manual_seed(seed + 1)
     random_curves = []
     for _ in range(ctx.pick(5, 3, 2)):
         order = [heads[i] for i in torch.randperm(len(heads), generator=generator).tolist()]
-        random_curves.append(removal_curve(evaluate, order))
-    random_mean = [
-        sum(c[k] for c in random_curves) / len(random_curves) for k in range(len(heads) + 1)
-    ]
+        random_curves.append(removal_curve(held_eval, order))
+    curve = removal_curve(held_eval, ranked)
+    eval_importance = single_head_importance(held_eval, heads)
+    return SeedRun(gpt, curve[0], ranked, ranking_importance, eval_importance, curve,
+                   random_curves, n_windows)  # fmt: skip
 
-    n = len(heads)
+
+@lab.register("head-pruning")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
+    runs = [prune(ctx, seed) for seed in ctx.seeds()]
+    n = len(runs[0].ranked)
+    k = round(PRUNED_SHARE * n)
+
     rows = []
     for share in TABLE_SHARES:
-        k = round(share * n)
+        m = round(share * n)
+        ranked = lab.over_seeds([r.increase(r.curve[m]) for r in runs])
+        shuffled = lab.over_seeds([r.increase(r.random_mean(m)) for r in runs])
         rows.append({
-            "heads removed": f"{k} of {n} ({share:.0%})",
-            "loss, least important first": greedy[k],
-            "increase": greedy[k] / base - 1,
-            "loss, random order (mean)": random_mean[k],
-            "increase, random": random_mean[k] / base - 1,
+            "heads removed": f"{m} of {n} ({share:.0%})",
+            "eval loss, least important first": lab.over_seeds([r.curve[m] for r in runs]).mean,
+            "increase, least important first": f"{ranked.mean:+.1%} ± {ranked.spread:.1%}",
+            "increase, random order": f"{shuffled.mean:+.1%} ± {shuffled.spread:.1%}",
         })  # fmt: skip
-    k_pruned = round(PRUNED_SHARE * n)
-    gains = sorted((max(v, 0.0) for v in importance.values()), reverse=True)
-    top_share = sum(gains[:k_pruned]) / sum(gains) if sum(gains) > 0 else float("nan")
+
+    pruned = lab.over_seeds([r.increase(r.curve[k]) for r in runs])
+    random_k = lab.over_seeds([r.increase(r.random_mean(k)) for r in runs])
+    shares = lab.over_seeds([top_share(r.ranked, r.eval_importance, k) for r in runs])
+    everything = lab.over_seeds([r.increase(r.curve[-1]) for r in runs])
     checks = [
-        lab.at_most(f"val loss increase with the {k_pruned} least important of {n} heads removed",
-                    greedy[k_pruned] / base - 1, MAX_PRUNED_INCREASE),
-        lab.at_least(f"share of the summed single-head loss increases in the top {k_pruned} heads",
-                     top_share, MIN_TOP_SHARE),
-        lab.at_least("val loss increase with every head removed", greedy[-1] / base - 1,
-                     MIN_ALL_REMOVED_INCREASE),
+        lab.precondition(lab.at_most(f"seed {r.gpt.recipe.seed}: eval loss of the trained model "
+                                     "(nats/char)", r.base, MAX_EVAL_LOSS)) for r in runs
     ]  # fmt: skip
-    recipe = gpt.recipe
+    checks += [
+        lab.precondition(lab.at_least("eval loss increase with every head removed (mean)",
+                                      everything.mean, MIN_ALL_REMOVED_INCREASE)),
+        lab.at_most(f"eval loss increase with the {k} least important of {n} heads removed "
+                    "(mean + spread)", pruned.mean + pruned.spread, MAX_PRUNED_INCREASE,
+                    group="剪掉相当比例的头几乎不掉"),
+        lab.at_least(f"share of the eval windows' single-head loss increases in the {k} heads "
+                     "ranked most important (mean - spread)", shares.mean - shares.spread,
+                     MIN_TOP_SHARE, group="重要头集中"),
+        lab.exceeds_spread(f"increase removing a random {k} minus the {k} least important",
+                           random_k, pruned, group="重要头集中"),
+    ]  # fmt: skip
+
+    recipe = runs[0].gpt.recipe
+    origins = sorted({r.gpt.origin for r in runs})
+    agree = [_rank_agreement(r) for r in runs]
     notes = [
         f"model: {recipe.shape}, {recipe.schedule.max_steps} training steps on Shakespeare "
-        f"characters ({gpt.origin}); final training loss {gpt.train_losses[-1]:.3f}, val loss "
-        f"{base:.3f} on {len(evaluate.windows['input_ids'])} fixed windows of {recipe.context} "
-        "characters",
+        f"characters, seeds {[r.gpt.recipe.seed for r in runs]} ({', '.join(origins)}); eval "
+        f"loss {lab.over_seeds([r.base for r in runs])} nats/char on "
+        f"{runs[0].n_windows} eval windows of {recipe.context} characters (and as many ranking "
+        "windows from the other half of the held-out text)",
+        f"relative rise of the eval loss with {k} of {n} heads removed, least important first: "
+        f"{pruned}; a random {k}: {random_k}; every head: {everything}",
+        f"the {k} heads ranked most important on the ranking windows carry {shares} of the "
+        f"single-head loss increases on the eval windows ({k / n:.0%} if spread evenly)",
+        "rank correlation of single-head importance between ranking and eval windows: "
+        + ", ".join(f"{a:+.2f}" for a in agree),
         "heads are removed without any fine-tuning afterwards; the order is fixed by each "
         "head's own importance measured alone, so interactions between heads are not searched",
-        f"single-head importance ranges {min(importance.values()):+.4f} .. "
-        f"{max(importance.values()):+.4f} nats of val loss",
     ]
-    if min(importance.values()) < 0:
-        notes.append("a negative importance: the model does slightly better without that head "
-                     "on these windows")  # fmt: skip
-    figure = _plot(gpt.model, heads, importance, greedy, random_curves, base)
+    figure = _plot(runs, k)
     data = {
-        "base_loss": base,
-        "importance": {f"{layer}.{head}": v for (layer, head), v in importance.items()},
-        "order": [f"{layer}.{head}" for layer, head in by_importance],
-        "greedy_curve": greedy,
-        "random_curves": random_curves,
+        f"seed {r.gpt.recipe.seed}": {
+            "base_loss": r.base,
+            "ranking_importance": {f"{a}.{b}": v for (a, b), v in r.ranking_importance.items()},
+            "eval_importance": {f"{a}.{b}": v for (a, b), v in r.eval_importance.items()},
+            "order": [f"{a}.{b}" for a, b in r.ranked],
+            "curve": r.curve,
+            "random_curves": r.random_curves,
+        }
+        for r in runs
     }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(model, heads, importance, greedy, random_curves, base):
-    fig, (left, right) = lab.new_figure(10.0, 3.6, ncols=2)
-    ks = list(range(len(heads) + 1))
-    for i, curve in enumerate(random_curves):
+def _rank_agreement(run: SeedRun) -> float:
+    """Spearman correlation of the heads' importance on the ranking and on the eval windows."""
+    heads = run.ranked
+
+    def ranks(values: dict) -> torch.Tensor:
+        order = sorted(heads, key=lambda head: values[head])
+        return torch.tensor([float(order.index(head)) for head in heads])
+
+    a, b = ranks(run.ranking_importance), ranks(run.eval_importance)
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def _plot(runs: list[SeedRun], k: int):
+    fig, (left, right) = lab.new_figure(10.0, 3.8, ncols=2)
+    ks = list(range(len(runs[0].curve)))
+    for label, curves, color in (
+        ("least important first", [r.curve for r in runs], "C0"),
+        ("random order", [[r.random_mean(m) for m in ks] for r in runs], "gray"),
+    ):
+        per_k = [lab.over_seeds([c[m] for c in curves]) for m in ks]
+        mean = [s.mean for s in per_k]
         left.plot(
-            ks, curve, color="gray", alpha=0.5, lw=1, label="random order" if i == 0 else None
+            ks, mean, marker="o", ms=3, color=color, label=f"{label} (mean ± spread of seeds)"
         )
-    left.plot(ks, greedy, marker="o", ms=3, color="C0", label="least important first")
+        left.fill_between(ks, [s.mean - s.spread for s in per_k],
+                          [s.mean + s.spread for s in per_k], color=color, alpha=0.2)  # fmt: skip
+    base = sum(r.base for r in runs) / len(runs)
     left.axhline(base, color="black", ls=":", lw=1, label="no head removed")
-    left.set(xlabel="heads removed", ylabel="validation loss (nats / char)",
-             title="loss as heads are pruned")  # fmt: skip
+    left.axvline(k, color="C3", ls="--", lw=1, label=f"{k} heads ({PRUNED_SHARE:.0%})")
+    left.set(xlabel="heads removed", ylabel="eval loss (nats / char)",
+             title="pruning, judged on held-out windows")  # fmt: skip
     left.legend(fontsize=7)
-    n_layers = max(layer for layer, _ in heads) + 1
-    n_heads = max(head for _, head in heads) + 1
-    grid = torch.zeros(n_layers, n_heads)
-    for (layer, head), value in importance.items():
-        grid[layer, head] = value
-    image = right.imshow(grid.numpy(), cmap="viridis", aspect="auto")
-    right.set(xlabel="head", ylabel="layer", title="loss increase with one head removed",
-              xticks=range(n_heads), yticks=range(n_layers))  # fmt: skip
-    fig.colorbar(image, ax=right, label="Δ val loss (nats)")
+    for r in runs:
+        heads = r.ranked
+        right.scatter([r.ranking_importance[h] for h in heads],
+                      [r.eval_importance[h] for h in heads], s=14,
+                      label=f"seed {r.gpt.recipe.seed}")  # fmt: skip
+    values = [
+        v for r in runs for d in (r.ranking_importance, r.eval_importance) for v in d.values()
+    ]
+    right.plot([min(values), max(values)], [min(values), max(values)], color="black", lw=0.8,
+               ls=":", label="equal")  # fmt: skip
+    right.set(xlabel="Δ loss with the head removed, ranking windows (nats)",
+              ylabel="Δ loss, eval windows (nats)", title="single-head importance")  # fmt: skip
+    right.legend(fontsize=7)
     return fig

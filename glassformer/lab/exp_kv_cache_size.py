@@ -90,7 +90,7 @@ def run(ctx: lab.RunContext) -> lab.Result:
     checks.append(lab.approx("7B fp16 MiB per token", per_token / MIB, 0.5, 0.5 * ABOUT))
     checks.append(lab.approx("7B fp16 GiB for 4096 tokens", chat / GIB, 2.0, 2.0 * ABOUT))
 
-    model, name = _smollm2(ctx)
+    model, name = lab.smollm2_or_stand_in(ctx)
     cfg = model.cfg
     n_fill = ctx.pick(256, 64, 8)
     cache = model.new_cache(batch_size=1, max_seq_len=n_fill)
@@ -152,16 +152,6 @@ def run(ctx: lab.RunContext) -> lab.Result:
     data = {"per_call_with_cache": counted["with"][:5], "speeds": speeds,
             "closed_form": {"with": closed_with, "without": closed_without}}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
-
-
-def _smollm2(ctx: lab.RunContext) -> tuple[torch.nn.Module, str]:
-    if ctx.tiny:
-        torch.manual_seed(ctx.seed)
-        cfg = ModelConfig.preset("smollm2-135m", n_layers=2, vocab_size=512, max_seq_len=64)
-        return build_model(cfg).eval(), "SmolLM2-shaped (2 layers)"
-    from glassformer.interop.pretrained import from_pretrained
-
-    return from_pretrained("smollm2")[0], "SmolLM2-135M"
 
 
 def _prompt_ids(ctx: lab.RunContext, n: int, vocab_size: int) -> list[int]:

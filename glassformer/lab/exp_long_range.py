@@ -4,9 +4,9 @@ d updates of one fixed-size state, while attention reads position t - d directly
 Measured on delayed recall: the inputs are random symbols, the target at position t is the
 input at t - d (positions before d carry no loss). For each delay d an LSTM and a GPT (RoPE,
 2 layers) of about the same size train for the same steps on the same batches (glassformer's
-models, lab.fit), then predict fresh sequences; accuracy is the share of recalled symbols
-(chance 1 / VOCAB). The LSTM has to hold the last d symbols in its state; the GPT can attend
-to the one it needs.
+models, lab.fit), over ctx.seeds(), then predict fresh sequences; accuracy is the share of
+recalled symbols (chance 1 / VOCAB), reported as mean ± spread over the seeds. The LSTM has to
+hold the last d symbols in its state; the GPT can attend to the one it needs.
 """
 
 from __future__ import annotations
@@ -22,12 +22,19 @@ from glassformer.models import build_model
 
 VOCAB = 16  # random symbols; chance accuracy 1/16
 IGNORE_INDEX = -100  # the models' loss ignores this target (models/gpt.py, models/rnn.py)
-# Thresholds, stated once. "Does not fall": the GPT recalls at least 90% of the symbols at the
-# longest delay and loses at most 5 points from the shortest. "Falls with d": the LSTM's
-# accuracy at the longest delay is at least 30 points below its own at the shortest.
-MIN_GPT_ACCURACY = 0.9
-MAX_GPT_DROP = 0.05
+# Thresholds, stated once. Setup: each model must learn the shortest delay (mean accuracy
+# >= 0.9: otherwise a fall with d says nothing about distance), and the GPT the longest one
+# (the task is learnable at that distance within the budget). Evidence, each difference beyond
+# the seeds' spread plus a margin: "remote tokens are not learned" = the LSTM's accuracy at the
+# longest delay is more than 0.3 (30 points) below its own at the shortest; "attention reads
+# it directly" = the GPT's accuracy at the longest delay is within the spread plus 0.05 of its
+# own at the shortest, and more than 0.3 above the LSTM's there.
+MIN_LEARNED = 0.9
 MIN_LSTM_DROP = 0.3
+MAX_GPT_DROP = 0.05
+MIN_GPT_LEAD = 0.3
+LSTM_FALLS = "the LSTM's recall falls with the distance"
+ATTENTION_READS = "attention reads the distant token directly"
 
 
 def recall_batch(batch_size: int, length: int, delay: int, generator: torch.Generator) -> Batch:
@@ -66,7 +73,7 @@ def recall_accuracy(model: torch.nn.Module, batch: Batch) -> float:
 
 def _configs(ctx: lab.RunContext, length: int) -> dict[str, ModelConfig]:
     width = ctx.pick(64, 64, 16)
-    # The LSTM is a bit wider so that both have about the same parameter count.
+    # The LSTM is wider (about 1.4x the GPT's parameters): too few parameters is not why it fails.
     lstm_width = ctx.pick(96, 96, 24)
     return {
         "LSTM": ModelConfig(
@@ -82,61 +89,84 @@ def _configs(ctx: lab.RunContext, length: int) -> dict[str, ModelConfig]:
 
 @lab.register("long-range")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
-    delays = ctx.pick([2, 4, 8, 16, 32, 64, 128], [2, 4, 8, 16, 32, 64], [2, 8])
-    length = ctx.pick(192, 96, 16)  # one length for every delay: the same cost per step
-    steps = ctx.pick(400, 200, 5)
+    delays = ctx.pick([2, 4, 8, 16, 32, 64, 128], [2, 32], [2, 8])
+    length = ctx.pick(192, 40, 16)  # one length for every delay: the same cost per step
+    steps = ctx.pick(400, 120, 5)
     batch_size, n_eval = ctx.pick(32, 32, 8), ctx.pick(128, 64, 4)
+    seeds = ctx.seeds()
     schedule = Schedule(max_steps=steps, learning_rate=3e-3, warmup_steps=min(20, steps // 4),
                         weight_decay=0.0)  # fmt: skip
-    accuracy: dict[str, list[float]] = {}
-    final_loss: dict[str, list[float]] = {}
+    # accuracy[name][i]: one value per seed at delays[i]; so is the last training loss
+    accuracy: dict[str, list[list[float]]] = {}
+    final_loss: dict[str, list[list[float]]] = {}
     params: dict[str, int] = {}
     for name, cfg in _configs(ctx, length).items():
-        accuracy[name], final_loss[name] = [], []
-        for delay in delays:
-            torch.manual_seed(ctx.seed)
-            model = build_model(cfg)
-            params[name] = sum(p.numel() for p in model.parameters())
-            losses = fit(model, recall_batches(batch_size, length, delay, ctx.seed), schedule)
+        accuracy[name] = [[] for _ in delays]
+        final_loss[name] = [[] for _ in delays]
+        for i, delay in enumerate(delays):
+            # evaluated on fresh sequences, the same for every seed and model
             fresh = recall_batch(n_eval, length, delay, evaluation(delay))
-            accuracy[name].append(recall_accuracy(model, fresh))
-            final_loss[name].append(losses[-1])
+            for seed in seeds:
+                torch.manual_seed(seed)
+                model = build_model(cfg)
+                params[name] = sum(p.numel() for p in model.parameters())
+                losses = fit(model, recall_batches(batch_size, length, delay, seed), schedule)
+                accuracy[name][i].append(recall_accuracy(model, fresh))
+                final_loss[name][i].append(losses[-1])
+    acc = {name: [lab.over_seeds(v) for v in values] for name, values in accuracy.items()}
     rows = [
-        {"delay d": d, "LSTM accuracy": accuracy["LSTM"][i], "GPT accuracy": accuracy["GPT"][i],
-         "LSTM train loss (last step)": final_loss["LSTM"][i],
-         "GPT train loss (last step)": final_loss["GPT"][i]}
+        {"delay d": d, "LSTM accuracy": str(acc["LSTM"][i]), "GPT accuracy": str(acc["GPT"][i]),
+         "LSTM train loss (last step)": lab.over_seeds(final_loss["LSTM"][i]).mean,
+         "GPT train loss (last step)": lab.over_seeds(final_loss["GPT"][i]).mean}
         for i, d in enumerate(delays)
     ]  # fmt: skip
     first, last = delays[0], delays[-1]
-    lstm_drop = accuracy["LSTM"][0] - accuracy["LSTM"][-1]
-    gpt_drop = accuracy["GPT"][0] - accuracy["GPT"][-1]
+    lstm, gpt = acc["LSTM"], acc["GPT"]
     checks = [
-        lab.at_least(f"GPT accuracy at d={last}", accuracy["GPT"][-1], MIN_GPT_ACCURACY),
-        lab.at_most(f"GPT accuracy drop, d={first} -> d={last}", gpt_drop, MAX_GPT_DROP),
-        lab.at_least(f"LSTM accuracy drop, d={first} -> d={last}", lstm_drop, MIN_LSTM_DROP),
-    ]
+        lab.precondition(lab.at_least(f"LSTM mean accuracy at d={first}", lstm[0].mean,
+                                      MIN_LEARNED)),
+        lab.precondition(lab.at_least(f"GPT mean accuracy at d={first}", gpt[0].mean,
+                                      MIN_LEARNED)),
+        lab.precondition(lab.at_least(f"GPT mean accuracy at d={last}", gpt[-1].mean,
+                                      MIN_LEARNED)),
+        lab.exceeds_spread(f"LSTM accuracy drop, d={first} -> d={last}", lstm[0], lstm[-1],
+                           MIN_LSTM_DROP, group=LSTM_FALLS),
+        lab.within_spread(f"GPT accuracy change, d={first} -> d={last}", gpt[0], gpt[-1],
+                          MAX_GPT_DROP, group=ATTENTION_READS),
+        lab.exceeds_spread(f"GPT - LSTM accuracy at d={last}", gpt[-1], lstm[-1], MIN_GPT_LEAD,
+                           group=ATTENTION_READS),
+    ]  # fmt: skip
+    below = [d for d, a in zip(delays, lstm, strict=True) if a.mean < 2 / VOCAB]
     notes = [
         f"parameters: LSTM {params['LSTM']:,}, GPT {params['GPT']:,}; {steps} steps of "
-        f"{batch_size} sequences of {length} symbols each, the same batches for both; "
-        f"chance accuracy 1/{VOCAB} = {1 / VOCAB:.3f}",
-        "the LSTM's loss is the seed's two causes together: recalling d steps back means "
-        f"holding the last d symbols ({VOCAB} kinds each) in one state vector, and the "
-        "gradient that would teach it to do so crosses d steps; more steps or a wider state "
-        "push its limit further out (the gates mitigate, as the seed says), not away",
-    ]
-    figure = _plot(delays, accuracy)
+        f"{batch_size} sequences of {length} symbols each, the same batches for both; seeds "
+        f"{seeds}; chance accuracy 1/{VOCAB} = {1 / VOCAB:.3f}",
+        f"the LSTM recalls {lstm[0]} at d={first} and {lstm[-1]} at d={last}; "
+        + (f"it is within twice chance from d={below[0]} on" if below else
+           "it stays above twice chance at every delay measured"),
+        "recalling d steps back means holding the last d symbols in one state vector, and the "
+        "gradient that would teach it crosses d steps: the seed's two causes together; more "
+        "steps or a wider state move the delay where an LSTM fails, so the table is for this "
+        "budget",
+    ]  # fmt: skip
+    figure = _plot(delays, acc)
     data = {"delays": delays, "accuracy": accuracy, "final_train_loss": final_loss,
-            "params": params, "steps": steps, "length": length}  # fmt: skip
+            "params": params, "steps": steps, "length": length, "seeds": seeds}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _plot(delays: list[int], accuracy: dict[str, list[float]]):
+def _plot(delays: list[int], accuracy: dict[str, list[lab.Spread]]):
     fig, ax = lab.new_figure(6.0, 3.4)
     for name, values in accuracy.items():
-        ax.plot(delays, values, marker="o", label=name)
+        ax.errorbar(delays, [a.mean for a in values], yerr=[a.spread for a in values],
+                    marker="o", capsize=3, label=name)  # fmt: skip
     ax.axhline(1 / VOCAB, color="grey", linestyle=":", label=f"chance (1/{VOCAB})")
+    gpt = accuracy["GPT"]
+    if abs(gpt[0].mean - gpt[-1].mean) <= (gpt[0].spread ** 2 + gpt[-1].spread ** 2) ** 0.5:
+        ax.text(delays[len(delays) // 2], gpt[-1].mean - 0.08, "GPT: no difference across d "
+                "(within the spread)", ha="center", fontsize=7)  # fmt: skip
     ax.set(xscale="log", xlabel="delay d (recall the symbol d positions back)",
-           ylabel="accuracy on fresh sequences", ylim=(0, 1.05),
+           ylabel="accuracy on fresh sequences\n(mean ± sd over seeds)", ylim=(0, 1.05),
            title="delayed recall: same steps, same batches")  # fmt: skip
     ax.minorticks_off()
     ax.set_xticks(delays, [str(d) for d in delays])

@@ -117,7 +117,7 @@ def _plot(logits, entropies, distinct, tokenizer):
     top = torch.topk(logits[0].float(), 10).indices
     samplers = {"T=0.5": SamplingParams(0.5), "T=1": SamplingParams(1.0),
                 f"T=1, top-p {TOP_P}": SamplingParams(1.0, top_p=TOP_P)}  # fmt: skip
-    tokens = [_token_label(tokenizer, int(t)) for t in top]
+    tokens = [lab.token_label(tokenizer, int(t)) for t in top]
     lab.grouped_bars(right, tokens, {name: sampling_distribution(logits, params)[0][top].tolist()
                                  for name, params in samplers.items()},
                      rotation=60, fontsize=7)  # fmt: skip
@@ -125,10 +125,3 @@ def _plot(logits, entropies, distinct, tokenizer):
     right.set_title("top 10 next tokens")
     right.legend(fontsize=7)
     return fig
-
-
-def _token_label(tokenizer, token_id: int) -> str:
-    if tokenizer is None:
-        return str(token_id)
-    text = tokenizer.decode([token_id])
-    return repr(text)[1:-1] if text.strip() else repr(text)

@@ -116,3 +116,11 @@ def eval_loss(model: nn.Module, ids: Tensor, length: int, n_windows: int, seed: 
     model.eval()
     windows = random_windows(ids, n_windows, length, torch.Generator().manual_seed(seed))
     return model.loss(**windows).ce_loss.item()
+
+
+def unigram_entropy(ids: Tensor) -> float:
+    """Entropy (nats) of the token frequencies: the loss of the best model that ignores context,
+    the line a trained model must get below."""
+    p = torch.bincount(ids).double()
+    p = p[p > 0] / p.sum()
+    return float(-(p * p.log()).sum())

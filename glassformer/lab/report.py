@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from glassformer.lab.base import VERDICTS, Check, claims, verdict
+from glassformer.lab.base import VERDICTS, Check, claims, evidence_groups, verdict
 from glassformer.lab.runner import cell, describe_check
 
 HEADER = """# Claims lab: what the tutorials say, measured here
@@ -108,16 +108,14 @@ def write_report(out_dir: str | Path = "docs/lab", path: str | Path = "docs/clai
     records = load_records(out_dir)
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
     tally = ", ".join(f"{n} {v}" for v, n in counts.items())
-    text = [
-        HEADER.format(out_dir=Path(os.path.relpath(out_dir)).as_posix()),
-        f"{len(records)} claims: {tally}.",
-        "",
-        summary(records),
-        "",
-    ]
-    text += [section(r, out_dir, path.parent) for r in records]
+    head = HEADER.format(out_dir=Path(os.path.relpath(out_dir)).as_posix())
+    sections = [section(r, out_dir, path.parent) for r in records]
+    return _write(path, [head, f"{len(records)} claims: {tally}.", "", summary(records)], sections)
+
+
+def _write(path: Path, head: list[str], sections: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(text).rstrip() + "\n")
+    path.write_text("\n".join([*head, "", *sections]).rstrip() + "\n")
     return path
 
 
@@ -168,9 +166,7 @@ def why_zh(checks: list[Check]) -> str:
         misses = "；".join(c.describe() for c in broken)
         return f"实验前提没有达成，因此不下结论：{misses}。"
     evidence = [c for c in checks if c.role == "evidence"]
-    groups: dict[str, list[Check]] = {}
-    for c in evidence:
-        groups.setdefault(c.group, []).append(c)
+    groups = evidence_groups(evidence)
     summary = "；".join(
         f"{group or '论断'}：{len(members)} 项中 {sum(c.passed for c in members)} 项通过"
         for group, members in groups.items()
@@ -247,14 +243,8 @@ def write_report_zh(
         }
         for r in records
     ]
-    text = [
-        HEADER_ZH.format(out_dir=Path(os.path.relpath(out_dir)).as_posix()),
-        f"共 {len(records)} 条论断：{tally}。",
-        "",
-        markdown_table(rows),
-        "",
-    ]
-    text += [section_zh(r, out_dir, path.parent) for r in records]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(text).rstrip() + "\n")
-    return path
+    head = HEADER_ZH.format(out_dir=Path(os.path.relpath(out_dir)).as_posix())
+    sections = [section_zh(r, out_dir, path.parent) for r in records]
+    return _write(
+        path, [head, f"共 {len(records)} 条论断：{tally}。", "", markdown_table(rows)], sections
+    )

@@ -1,0 +1,195 @@
+"""The lab's claims 27-31 (seq2seq bottleneck, attention dilution, in-context learning, BERT vs
+GPT classification, regurgitation): their computing pieces against hand loops, closed forms and
+the uncached forward, and each experiment in its tiny mode."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from glassformer.config import ModelConfig
+from glassformer.inspect.capture import capture
+from glassformer.lab import exp_attention_dilution as dilution
+from glassformer.lab import exp_bert_vs_gpt_classification as classify
+from glassformer.lab import exp_in_context_learning as icl
+from glassformer.lab import exp_regurgitation as regurgitation
+from glassformer.lab import exp_seq2seq_bottleneck as bottleneck
+from glassformer.models import build_model
+from glassformer.tokenizers import CharTokenizer
+
+
+def _tiny_gpt(vocab_size: int = 40, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2, max_seq_len=128,
+                      position="rope", norm="rms", ffn="swiglu", init_std=0.2)  # fmt: skip
+    return build_model(cfg).eval()
+
+
+# --- 27 seq2seq bottleneck ----------------------------------------------------------------------
+
+
+def test_copy_batch_feeds_the_decoder_the_target_shifted_right() -> None:
+    batch = bottleneck.copy_batch(3, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(batch["targets"], batch["src_ids"])
+    assert (batch["tgt_ids"][:, 0] == bottleneck.BOS).all()
+    assert torch.equal(batch["tgt_ids"][:, 1:], batch["src_ids"][:, :-1])
+
+
+def test_fixed_vector_and_attention_models_have_the_same_parameters() -> None:
+    fixed, attention = bottleneck.GRUSeq2Seq(16, False), bottleneck.GRUSeq2Seq(16, True)
+    assert [p.shape for p in fixed.parameters()] == [p.shape for p in attention.parameters()]
+
+
+def test_contexts_by_hand() -> None:
+    torch.manual_seed(0)
+    enc, dec = torch.randn(2, 5, 8), torch.randn(2, 3, 8)
+    fixed = bottleneck.GRUSeq2Seq(8, False).context(dec, enc)
+    assert torch.equal(fixed, enc[:, -1:].expand(2, 3, 8))  # the last encoder state everywhere
+    attention = bottleneck.GRUSeq2Seq(8, True).context(dec, enc)
+    for b in range(2):
+        for t in range(3):
+            scores = [float(dec[b, t] @ enc[b, s]) / math.sqrt(8) for s in range(5)]
+            top = max(scores)
+            weights = [math.exp(x - top) for x in scores]
+            expected = sum(w * enc[b, s] for s, w in enumerate(weights)) / sum(weights)
+            torch.testing.assert_close(attention[b, t], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_greedy_decoding_equals_rerunning_teacher_forcing(attention: bool) -> None:
+    torch.manual_seed(1)
+    model = bottleneck.GRUSeq2Seq(16, attention).eval()
+    src = bottleneck.copy_batch(4, 6, torch.Generator().manual_seed(3))["src_ids"]
+    greedy = model.greedy(src, 6)
+    tgt = torch.full((4, 1), bottleneck.BOS)
+    with torch.no_grad():
+        for _ in range(6):  # the whole decoder input again at every step (the fused GRU path)
+            tgt = torch.cat([tgt, model(src, tgt)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(greedy, tgt[:, 1:])
+
+
+# --- 28 attention dilution ----------------------------------------------------------------------
+
+
+def test_fixed_score_weight_is_a_softmax_row() -> None:
+    for n_keys, delta in [(2, 0.0), (10, 1.5), (1000, 4.0)]:
+        row = torch.softmax(torch.tensor([delta] + [0.0] * (n_keys - 1), dtype=torch.float64), 0)
+        assert dilution.fixed_score_weight(n_keys, delta) == pytest.approx(float(row[0]))
+    assert dilution.fixed_score_weight(30, dilution.delta_for(0.8, 30)) == pytest.approx(0.8)
+    assert dilution.fixed_score_weight(10, 0.0) == pytest.approx(0.1)  # equal scores: 1/n
+
+
+def test_prompt_reading_equals_the_uncached_forward() -> None:
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    tokenizer = CharTokenizer.from_text(text + "The password is 0123456789.\n")
+    model = _tiny_gpt(tokenizer.vocab_size)
+    prompt = dilution.make_prompt(tokenizer.encode, text, 30, random.Random(0))
+    reading = dilution.read_prompt(model, prompt, 20)
+    ids = prompt.ids(20)
+    full = torch.tensor([ids + prompt.answer])
+    with capture(model, residual=False) as cap, torch.no_grad():
+        logits = model(full)[0]
+    query = len(ids) - 1  # the query's last token predicts the first digit
+    for layer in range(2):
+        row = cap.attention[layer][0, :, query]  # (H, T)
+        torch.testing.assert_close(reading.needle_weight[layer], row[:, prompt.digits].sum(-1))
+    logp = logits[query : query + len(prompt.answer)].log_softmax(-1)
+    expected = sum(float(logp[i, t]) for i, t in enumerate(prompt.answer))
+    assert reading.logprob == pytest.approx(expected, abs=1e-4)
+    assert reading.n_keys == len(ids)
+    assert tokenizer.decode(prompt.answer).strip().isdigit()
+
+
+# --- 29 in-context learning ---------------------------------------------------------------------
+
+
+def test_greedy_hit_with_a_cached_prefix_equals_the_whole_prompt() -> None:
+    model = _tiny_gpt()
+    prefix, query = [1, 2, 3, 4, 5], [6, 7]
+    with torch.no_grad():
+        whole = model(torch.tensor([prefix + query]))[0]
+        first = int(whole[-1].argmax())
+        second = int(model(torch.tensor([prefix + query + [first]]))[0, -1].argmax())
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        model(torch.tensor([prefix]), cache=cache)
+    assert icl.greedy_hit(model, cache, query, [first, second])
+    assert cache.length == len(prefix)  # rolled back for the next query
+    assert not icl.greedy_hit(model, cache, query, [first, (second + 1) % 40])
+    assert icl.greedy_hit(model, None, prefix + query, [first, second])
+
+
+def test_examples_and_queries_never_overlap() -> None:
+    for draw in range(3):
+        pool, queries = icl.split_task(icl.TASKS["antonym"], draw)
+        assert len(pool) == icl.POOL and not set(pool) & set(queries)
+    assert icl.format_examples([("hot", "cold"), ("up", "down")]) == "hot -> cold\nup -> down\n"
+
+
+def test_parameter_digest_sees_a_changed_weight() -> None:
+    model = _tiny_gpt()
+    before = icl.parameter_digest(model)
+    assert icl.parameter_digest(model) == before
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-6
+    assert icl.parameter_digest(model) != before
+
+
+# --- 30 BERT vs GPT -----------------------------------------------------------------------------
+
+
+def test_twins_differ_only_in_the_mask() -> None:
+    cfg = ModelConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, max_seq_len=9,
+                      norm_position="pre")  # fmt: skip
+    models = classify.twin_classifiers(cfg, seed=0)
+    gpt, bert = models["GPT (causal)"].eval(), models["BERT (bidirectional)"].eval()
+    gpt_state, bert_state = gpt.state_dict(), bert.state_dict()
+    assert set(gpt_state) - {"body.lm_head.weight"} == set(bert_state)
+    assert all(torch.equal(bert_state[k], gpt_state[k]) for k in bert_state)
+    ids = torch.randint(0, 20, (3, 9))
+    with torch.no_grad():
+        # one token: no future to hide, the same network gives the same logits
+        torch.testing.assert_close(gpt(ids[:, :1]), bert(ids[:, :1]))
+        # causal: GPT's position 3 is the same whether later tokens follow or not; BERT's
+        # position 0 changes when they are dropped (it reads both sides)
+        gpt_hidden = gpt.body.hidden_states(ids)
+        torch.testing.assert_close(gpt.body.hidden_states(ids[:, :4])[:, -1], gpt_hidden[:, 3])
+        assert not torch.allclose(bert.body(ids[:, :4])[:, 0], bert.body(ids)[:, 0])
+
+
+def test_windows_come_from_their_labels_text() -> None:
+    text = {"modern": "love have self " * 20, "folio": "loue haue selfe " * 20}
+    tokenizer = CharTokenizer.from_text("".join(text.values()) + classify.CLS)
+    data = {k: torch.tensor(tokenizer.encode(v)) for k, v in text.items()}
+    cls_id = tokenizer.encode(classify.CLS)[0]
+    batch = classify.window_batch(data, cls_id, 16, 10, torch.Generator().manual_seed(0))
+    assert (batch["input_ids"][:, -1] == cls_id).all()
+    for row, label in zip(batch["input_ids"], batch["labels"].tolist(), strict=True):
+        assert tokenizer.decode(row[:-1].tolist()) in text[classify.LABELS[label]]
+
+
+def test_head_and_tail_split_every_text() -> None:
+    head, tail = classify.head_and_tail(["a" * 10 + "B" * 10, "c" * 5 + "D" * 5], 0.5)
+    assert head == "a" * 10 + " " + "c" * 5 and tail == "B" * 10 + " " + "D" * 5
+    assert classify.collapse_whitespace("a \n\n  b\tc") == "a b c"
+
+
+# --- 31 regurgitation ---------------------------------------------------------------------------
+
+
+def test_verbatim_counts_by_hand() -> None:
+    assert regurgitation.verbatim_chars("Thou art more", "Thou art less") == 9
+    assert regurgitation.verbatim_chars("", "abc") == 0
+    reference = "that all men are created equal, that they"
+    assert regurgitation.verbatim_words("That all men, are created EQUAL that we", reference) == 7
+    assert regurgitation.verbatim_words("all men", reference) == 0
+    assert regurgitation.words("To be,--that is") == ["to", "be", "that", "is"]
+
+
+def test_famous_texts_read_from_the_plays() -> None:
+    texts = {name: (opening, sentence) for name, opening, sentence in regurgitation.famous_texts()}
+    assert texts["Sonnet 18"][1].startswith("Thou art more lovely and more temperate:")
+    assert texts["Hamlet III.1"][1].startswith("Whether 'tis nobler in the mind to suffer")
