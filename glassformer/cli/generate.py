@@ -15,6 +15,7 @@ from glassformer.cli.common import (
     add_decode_flags,
     add_sampling_flags,
     load_for_decode,
+    positive_int,
     sampling_kwargs,
 )
 from glassformer.cli.stats import format_batch_stats, format_stats
@@ -31,7 +32,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     options = DecodeOptions.from_args(args, compile=args.compile)
     model, tokenizer = load_for_decode(args.model, options, "generate needs one to encode text")
-    if len(args.prompt) > 1:
+    if args.show_top and (len(args.prompt) > 1 or args.compile):
+        raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
+    if args.show_top:
+        _generate_show_top(args, Engine(model, tokenizer=tokenizer), tokenizer)
+    elif len(args.prompt) > 1:
         _generate_batch(args, Engine(model, tokenizer=tokenizer), tokenizer)
     elif args.compile:
         _generate_compiled(args, model, tokenizer)
@@ -60,6 +65,30 @@ def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
     sys.stdout.flush()
     if args.stats:
         print(format_stats(stream.stats), file=sys.stderr)
+
+
+def _generate_show_top(args: argparse.Namespace, engine, tokenizer) -> None:
+    """--show-top N: for each step, the N most likely next tokens with their probabilities
+    under the model's distribution (before temperature and the cuts) and the token chosen,
+    then the whole text. The numbers are the engine's logprobs (SamplingParams.logprobs)."""
+    import math
+
+    from glassformer.infer.sampling import SamplingParams
+
+    params = SamplingParams(**sampling_kwargs(args, tokenizer.eos_token_id), logprobs=args.show_top)
+    row = engine.add(tokenizer.encode(args.prompt[0]), params, on_full_context=args.on_full_context)
+    print(f"prompt: {args.prompt[0]!r}")
+    for step, token_id in enumerate(engine.follow(row), start=1):
+        entry = row.logprobs[step - 1]
+        candidates = "  ".join(
+            f"{tokenizer.decode([i])!r} {math.exp(logp):.3f}" for i, logp in entry.top
+        )
+        chosen = f"{tokenizer.decode([token_id])!r} {math.exp(entry.logprob):.3f}"
+        print(f"step {step:>3}: chose {chosen:<24} | top: {candidates}")
+    ids = [t for t in row.tokens if t != tokenizer.eos_token_id]
+    print(args.prompt[0] + tokenizer.decode(ids))
+    if args.stats:
+        print(format_stats(row.stats), file=sys.stderr)
 
 
 def _generate_compiled(args: argparse.Namespace, model: nn.Module, tokenizer) -> None:
@@ -122,6 +151,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="shift",
         help="when the context window fills up: keep its second half and go on (shift, the "
         "default), or stop",
+    )
+    p.add_argument(
+        "--show-top",
+        type=positive_int,
+        metavar="N",
+        help="print each step's N most likely next tokens with their probabilities (the "
+        "model's distribution, before temperature and the cuts) and the token chosen",
     )
     p.add_argument(
         "--stats",

@@ -18,9 +18,12 @@ from torch import Tensor
 from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.sampling import (
     SamplingParams,
+    TokenLogprob,
     make_generator,
+    penalize_counts,
     penalize_repetition,
     sample,
+    token_logprobs,
 )
 
 
@@ -121,6 +124,7 @@ class Row:
         self.on_full_context = on_full_context
         self.context = list(prompt)
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
         self.stop_reason: str | None = None
         self.slot = -1
         self.keep_cache = False  # park the slot when finished, for a next turn to continue
@@ -139,12 +143,21 @@ class Row:
         return self.stop_reason is not None
 
     def sample(self, logits: Tensor) -> int:
-        """Pick this row's next token from its logits (1, V)."""
+        """Pick this row's next token from its logits (1, V); with params.logprobs set, also
+        record its log-probability and the top candidates (row.logprobs)."""
         params = self.params
         if params.repetition_penalty != 1.0:
             seen = torch.tensor([self.context], device=logits.device)
             logits = penalize_repetition(logits, seen, params.repetition_penalty)
-        return int(sample(logits, params, self.generator))
+        if params.presence_penalty or params.frequency_penalty:
+            generated = torch.tensor(self.tokens, dtype=torch.long, device=logits.device)
+            logits = penalize_counts(
+                logits, generated, params.presence_penalty, params.frequency_penalty
+            )
+        token = int(sample(logits, params, self.generator))
+        if params.logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, token, params.logprobs))
+        return token
 
     def accept(self, token: int, rows_in_step: int) -> None:
         """Append a sampled token, update the statistics and apply every stop rule."""

@@ -137,11 +137,17 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
 class SamplingParams:
     """How one row picks its tokens and when it stops (vLLM's SamplingParams in miniature).
 
-    Each logits row goes through repetition_penalty (on the raw logits), then temperature,
-    top-k, top-p and min-p, in transformers' order. A row stops at its end-of-sequence id
-    (eos_token_id: None for the model's own, NO_EOS for none), at any of stop_token_ids, once
-    its text contains a stop string (needs the Engine's tokenizer), or after max_new_tokens.
+    Each logits row goes through repetition_penalty and the presence/frequency penalties (on
+    the raw logits), then temperature, top-k, top-p and min-p, in transformers' order. A row
+    stops at its end-of-sequence id (eos_token_id: None for the model's own, NO_EOS for none),
+    at any of stop_token_ids, once its text contains a stop string (needs the Engine's
+    tokenizer), or after max_new_tokens.
     seed: the row's own generator, so its draws do not depend on the rows beside it.
+    presence_penalty / frequency_penalty: OpenAI's penalties, subtracted from the logit of each
+    token already generated (once, or once per time it was generated); see penalize_counts.
+    logprobs: record each new token's log-probability and that many top candidates (0: the
+    chosen token's only), under the model's distribution after the penalties and before
+    temperature and the cuts (what the model thinks; see token_logprobs).
     """
 
     temperature: float = 1.0
@@ -154,6 +160,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -171,6 +180,17 @@ class SamplingParams:
                 "1.1-1.3 discourages repeats)"
             )
         check_max_new_tokens(self.max_new_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is not allowed: use a number (0 = off)")
+            if not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} is not allowed: use a finite number")
+        if self.logprobs is not None and not (_whole(self.logprobs) and self.logprobs >= 0):
+            raise ValueError(
+                f"logprobs={self.logprobs!r} is not allowed: use a whole number >= 0 (the top "
+                "candidates to record per token), or None to record none"
+            )
         make_generator(self.seed)  # checks the seed
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
@@ -191,6 +211,36 @@ def penalize_repetition(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     scores = logits.gather(-1, seen)
     scores = torch.where(scores < 0, scores * penalty, scores / penalty)
     return logits.scatter(-1, seen, scores)
+
+
+def penalize_counts(logits: Tensor, generated: Tensor, presence: float, frequency: float) -> Tensor:
+    """OpenAI's presence and frequency penalties on logits (1, V), given the ids generated so
+    far (N,): a token generated c times loses presence * (c > 0) + frequency * c, so positive
+    values push the text towards new tokens (vLLM likewise counts the generated tokens only)."""
+    if (presence == 0 and frequency == 0) or generated.numel() == 0:
+        return logits
+    counts = torch.bincount(generated, minlength=logits.shape[-1]).to(logits.dtype)  # (V,)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the most likely candidates at its step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+def token_logprobs(logits: Tensor, token_id: int, n_top: int) -> TokenLogprob:
+    """The log-probability of token_id under softmax(logits (1, V)), and the n_top most likely
+    tokens with theirs (the model's own distribution: no temperature, no cuts)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)[0]  # (V,)
+    top = torch.topk(logp, min(n_top, logp.shape[-1])) if n_top else None
+    pairs = (
+        () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    )
+    return TokenLogprob(token_id, float(logp[token_id]), pairs)
 
 
 def filter_logits(

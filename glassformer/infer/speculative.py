@@ -168,6 +168,19 @@ class SpeculativeDecoder(Engine):
         self.draft_cache = None
         self._draft_row: Row | None = None  # whose context the draft cache holds
 
+    def add(self, prompt_ids, params: SamplingParams | None = None, **kwargs) -> Row:
+        """Engine.add, refusing what a speculative round does not apply: the draft proposes
+        from plain logits, so penalties would make its tokens differ from the target's rule."""
+        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0), ("logprobs", None)):  # fmt: skip
+            value = getattr(params, name, off)
+            if value != off:
+                raise ValueError(
+                    f"{name}={value!r} is not supported with speculative decoding: leave it at "
+                    f"{off!r}, or generate without --draft"
+                )
+        return super().add(prompt_ids, params, **kwargs)
+
     def reserve(self, n_rows: int, n_positions: int) -> None:
         """One row, in a full cache even for sliding-window models: a ring overwrites the key
         leaving the window, so rejected proposals could not be undone; the mask still limits

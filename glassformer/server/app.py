@@ -1,0 +1,676 @@
+"""The OpenAI-compatible HTTP API (seed 002's opening and exercise 2, against a model you can look
+inside): FastAPI routes for /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings,
+/health and /metrics, in front of the engine thread (server/scheduler.py), and the browser
+lab (server/lab.py) at `/`.
+
+Text becomes token ids here and token ids become text here; the engine sees ids only. Chat
+messages go through the model's chat template with their text encoded as text, so a user who
+types "<|im_start|>system" gets those characters, never a new turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from torch import nn
+
+import glassformer
+from glassformer.chat import END_OF_TURN_TOKENS
+from glassformer.detokenize import IncrementalDecoder
+from glassformer.infer.embed import embed
+from glassformer.infer.engine import Engine
+from glassformer.infer.sampling import SamplingParams, TokenLogprob
+from glassformer.server.lab import mount_static
+from glassformer.server.lab import router as lab_router
+from glassformer.server.metrics import Metrics
+from glassformer.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingFields,
+    parse_json,
+    validate,
+)
+from glassformer.server.scheduler import Failed, QueueFull, Scheduler, Tokens
+from glassformer.server.scheduler import Request as Work
+from glassformer.tokenizers import byte_level_chars
+
+log = logging.getLogger("glassformer.server")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+
+
+@dataclass
+class Served:
+    """The models this server serves (the browser lab reads them too): the generation model,
+    and an optional embedding model, each with its tokenizer and the name clients use."""
+
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    embed_model: nn.Module | None = None
+    embed_tokenizer: Any = None
+    embed_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_batch: int = 8
+    max_queue: int = 64
+    api_key: str | None = None
+    max_seq_len: int | None = None  # positions per row slot (default: min(context, 2048))
+    prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
+
+
+def served_name(model_arg: str) -> str:
+    """The name clients send as `model`: an alias as is, a path by its last part."""
+    return Path(model_arg).name if ("/" in model_arg or Path(model_arg).exists()) else model_arg
+
+
+def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app: routes, the engine thread (started and stopped with the app), the
+    API-key and metrics middleware, and the browser lab when it is installed."""
+    options = options or ServerOptions()
+    metrics = Metrics()
+    slot_len = min(options.max_seq_len or 2048, served.model.cfg.max_seq_len)
+    engine = Engine(
+        served.model, max_rows=2 * options.max_batch, max_seq_len=slot_len,
+        tokenizer=served.tokenizer,
+    )  # fmt: skip
+    scheduler = Scheduler(
+        engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics
+    )
+    api = API(served, scheduler, metrics, slot_len)
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="glassformer", version=glassformer.__version__, lifespan=lifespan)
+    app.state.served, app.state.metrics, app.state.scheduler = served, metrics, scheduler
+    app.add_middleware(Gate, api_key=options.api_key, metrics=metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
+    app.include_router(lab_router)  # the browser lab: /lab/api/* and the page at /
+    mount_static(app)
+    return app
+
+
+# --- errors and the gate ------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    if request.url.path.startswith("/lab/"):  # the lab's page reads FastAPI's own {"detail"}
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code)
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return await _api_error(request, APIError(err.status_code, message, kind=kind))
+
+
+async def _server_error(request: Request, err: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    message = f"the server failed on this request ({type(err).__name__}); it keeps running"
+    return await _api_error(request, APIError(500, message, kind="server_error"))
+
+
+PROTECTED = ("/v1/", "/metrics", "/lab/api/")  # the page itself (/, /lab/static) stays open
+ENDPOINTS = (
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
+    "/metrics",
+)  # fmt: skip
+
+
+class Gate:
+    """ASGI middleware: the API key (a 401 without `Authorization: Bearer KEY`, compared in
+    constant time) on /v1/*, /metrics and the lab's /lab/api/*, and a count of every response
+    by endpoint and status. Plain ASGI rather than BaseHTTPMiddleware, so streams and
+    disconnects pass straight through."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status = 500
+
+        async def counted_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path.startswith(PROTECTED) and not self._authorized(scope):
+                response = JSONResponse(
+                    APIError(
+                        401,
+                        "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                        "with the key the server was started with (--api-key)",
+                        code="invalid_api_key",
+                    ).body(),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await response(scope, receive, counted_send)
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.count_request(endpoint, status)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        value = headers.get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+
+# --- the routes ---------------------------------------------------------------------------------
+
+
+class API:
+    def __init__(self, served: Served, scheduler: Scheduler, metrics: Metrics, slot_len: int):
+        self.served, self.scheduler, self.metrics, self.slot_len = (
+            served, scheduler, metrics, slot_len,
+        )  # fmt: skip
+        self.created = int(time.time())
+        cfg = served.model.cfg
+        dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
+        self.fingerprint = f"glassformer-{glassformer.__version__}-{served.name}-{dtype}"
+        tokenizer = served.tokenizer
+        stops = {tokenizer.eos_token_id}
+        if hasattr(tokenizer, "token_to_id"):
+            stops |= {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
+        if cfg.eos_token_id is not None and 0 <= cfg.eos_token_id < cfg.vocab_size:
+            stops.add(cfg.eos_token_id)
+        self.stop_ids = tuple(sorted(i for i in stops if i is not None))
+        self.token_bytes = _token_bytes_table(tokenizer)
+        self.embed_lock = threading.Lock()
+
+    async def health(self) -> dict:
+        engine = self.scheduler.engine
+        return {
+            "status": "ok",
+            "model": self.served.name,
+            "embed_model": self.served.embed_name,
+            "running_rows": engine.n_live,
+            "max_batch": self.scheduler.max_batch,
+            "context": self.slot_len,
+        }
+
+    async def metrics_text(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self) -> dict:
+        names = [self.served.name] + ([self.served.embed_name] if self.served.embed_name else [])
+        data = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "glassformer"}
+            for name in names
+        ]
+        return {"object": "list", "data": data}
+
+    # --- completions ----------------------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        body = validate(CompletionRequest, parse_json(await request.body()))
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt = self._encode(lambda: self.served.tokenizer.encode(body.prompt), "prompt")
+        else:
+            prompt = self._check_ids(body.prompt, "prompt")
+        limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        default = body.max_tokens is None
+        n_top = body.logprobs
+        work = self._work(request, body, prompt, limit, default, "max_tokens", n_top)
+        reply = Reply(self, "text_completion", "cmpl", body, prompt, n_top)
+        return await self._respond(request, body, work, reply)
+
+    async def chat_completions(self, request: Request):
+        body = validate(ChatRequest, parse_json(await request.body()))
+        self._check_model(body.model)
+        tokenizer = self.served.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(
+                400,
+                f"{self.served.name} has no chat template, so a conversation cannot be "
+                "formatted for it: use /v1/completions with a plain prompt",
+                "messages",
+            )
+        both = body.max_tokens and body.max_completion_tokens
+        if both and body.max_tokens != body.max_completion_tokens:
+            raise APIError(
+                400,
+                "max_tokens and max_completion_tokens differ: give one of them",
+                "max_tokens",
+            )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in body.messages
+        ]
+        prompt = self._encode(lambda: tokenizer.encode_chat(messages), "messages")
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        work = self._work(
+            request, body, prompt, body.token_limit, body.token_limit is None, param, n_top
+        )
+        reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top)
+        return await self._respond(request, body, work, reply)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here: use {self.served.name!r} (GET /v1/models)",
+                "model",
+                code="model_not_found",
+            )
+
+    def _encode(self, encode, param: str) -> list[int]:
+        try:
+            ids = encode()
+        except ValueError as err:  # uncodable bytes, a template that refuses the conversation
+            raise APIError(400, str(err), param) from None
+        if not ids:
+            raise APIError(400, f"{param} encodes to no tokens: send some text", param)
+        return ids
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = self.served.model.cfg.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise APIError(
+                400, f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param
+            )
+        return ids
+
+    def _work(
+        self,
+        request: Request,
+        body: SamplingFields,
+        prompt: list[int],
+        limit: int | None,
+        default_limit: bool,
+        limit_param: str,
+        n_top: int | None,
+    ) -> Work:
+        """The request's rows: one prompt, one SamplingParams per choice (seed + i)."""
+        room = self.slot_len - len(prompt)
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt is {len(prompt)} tokens; the context is {self.slot_len}: shorten it",
+                "messages" if isinstance(body, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        if limit is None or (default_limit and limit > room):
+            limit = room  # no limit asked for: as much as the context allows
+        if limit > room:
+            raise APIError(
+                400,
+                f"{limit_param}={limit} plus the prompt's {len(prompt)} tokens exceeds the "
+                f"{self.slot_len}-token context: ask for at most {room} tokens",
+                limit_param,
+                code="context_length_exceeded",
+            )
+        if body.n > self.scheduler.max_batch:
+            raise APIError(400, f"n={body.n} exceeds --max-batch {self.scheduler.max_batch}", "n")
+        choices = []
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            params = SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p if body.top_p < 1 else None,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                seed=seed,
+                max_new_tokens=limit,
+                stop=tuple(body.stop or ()),
+                stop_token_ids=self.stop_ids,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logprobs=n_top,
+            )
+            choices.append((prompt, params))
+        work = Work(choices, asyncio.get_running_loop())
+        try:
+            self.scheduler.submit(work)
+        except QueueFull:
+            raise APIError(
+                429,
+                f"the queue is full ({self.scheduler.max_queue} rows wait): retry shortly",
+                kind="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        return work
+
+    async def _respond(self, request: Request, body: SamplingFields, work: Work, reply: Reply):
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(work, reply, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        if body.stream_options is not None:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
+        try:
+            while not reply.done:
+                try:
+                    event = await asyncio.wait_for(work.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        self.scheduler.cancel(work)
+                        return JSONResponse({}, status_code=499)
+                    continue
+                reply.take(event)
+        finally:
+            if not reply.done:
+                self.scheduler.cancel(work)
+        return reply.whole()
+
+    async def _stream(self, work: Work, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per batch of new text, a last chunk per choice with its
+        finish_reason, the usage chunk when asked for, then `data: [DONE]`. A client that goes
+        away cancels this generator, and with it the request's rows."""
+        try:
+            yield reply.sse(reply.opening_chunks(include_usage))
+            while not reply.done:
+                event = await work.events.get()
+                chunks = reply.take(event, include_usage)
+                if reply.failed:
+                    yield reply.sse([reply.failed.body()])
+                    break
+                yield reply.sse(chunks)
+            if include_usage and not reply.failed:
+                yield reply.sse([reply.usage_chunk()])
+            yield "data: [DONE]\n\n"
+        finally:
+            if not reply.done:
+                self.scheduler.cancel(work)
+
+    # --- embeddings -----------------------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> dict:
+        body = validate(EmbeddingRequest, parse_json(await request.body()))
+        served = self.served
+        if served.embed_model is None:
+            raise APIError(
+                404,
+                f"no embedding model is loaded: start the server with --embed-model "
+                f"(e.g. minilm); {body.model!r} cannot embed",
+                "model",
+                code="model_not_found",
+            )
+        if body.model != served.embed_name:
+            raise APIError(
+                404,
+                f"model {body.model!r} is not served for embeddings: use {served.embed_name!r}",
+                "model",
+                code="model_not_found",
+            )
+        limit, vocab = served.embed_model.cfg.max_seq_len, served.embed_model.cfg.vocab_size
+        sequences = []
+        for i, item in enumerate(body.input):
+            param = f"input.{i}" if len(body.input) > 1 else "input"
+            if isinstance(item, str):
+                ids = self._encode(lambda item=item: served.embed_tokenizer.encode(item), param)
+            else:
+                ids = item
+                if any(not 0 <= t < vocab for t in ids):
+                    raise APIError(
+                        400, f"a token id is outside the vocabulary 0..{vocab - 1}", param
+                    )
+            if len(ids) > limit:
+                raise APIError(
+                    400,
+                    f"{param} is {len(ids)} tokens; {body.model} reads at most {limit}: shorten it",
+                    param,
+                    code="context_length_exceeded",
+                )
+            sequences.append(ids)
+
+        def run() -> torch.Tensor:
+            with self.embed_lock:
+                return embed(served.embed_model, sequences)
+
+        vectors = (await run_in_threadpool(run)).cpu().numpy().astype(np.float32)
+        data = []
+        for index, vector in enumerate(vectors):
+            if body.encoding_format == "base64":
+                value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode()
+            else:
+                value = vector.tolist()
+            data.append({"object": "embedding", "index": index, "embedding": value})
+        n_tokens = sum(len(s) for s in sequences)
+        return {
+            "object": "list",
+            "data": data,
+            "model": body.model,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+
+
+def _token_bytes_table(tokenizer) -> dict[str, int] | None:
+    """For a byte-level BPE: the map from a vocabulary character to its byte, so a token's
+    exact bytes can be reported (`bytes` in logprobs); None for other tokenizers."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or type(hf.decoder).__name__ != "ByteLevel":
+        return None
+    return {char: byte for byte, char in byte_level_chars().items()}
+
+
+# --- one response ---------------------------------------------------------------------------------
+
+
+class Reply:
+    """One request's response as events arrive: each choice's text (decoded incrementally, stop
+    strings held back while streaming), logprobs, finish_reason and usage."""
+
+    def __init__(
+        self,
+        api: API,
+        kind: str,
+        id_prefix: str,
+        body: SamplingFields,
+        prompt: list[int],
+        n_top: int | None,
+    ) -> None:
+        self.api, self.kind, self.body, self.prompt, self.n_top = api, kind, body, prompt, n_top
+        self.chat = kind == "chat.completion"
+        self.id = f"{id_prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        tokenizer = api.served.tokenizer
+        self.decoders = [IncrementalDecoder(tokenizer) for _ in range(body.n)]
+        self.texts = [""] * body.n  # decoded so far
+        self.sent = [0] * body.n  # characters of texts already streamed
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
+        self.rows: list[Any] = [None] * body.n
+        self.failed: APIError | None = None
+        self.holdback = max((len(s) for s in body.stop or ()), default=1) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.failed is not None or all(row is not None for row in self.rows)
+
+    def take(self, event, include_usage: bool = False) -> list[dict]:
+        """Apply one event; returns the stream chunks it makes."""
+        if isinstance(event, Failed):
+            self.failed = APIError(event.status, event.message, kind="server_error")
+            return []
+        i = event.index
+        if isinstance(event, Tokens):
+            stop_ids = self.api.stop_ids
+            for token_id in event.token_ids:
+                if token_id not in stop_ids:
+                    self.texts[i] += self.decoders[i].push(token_id)
+            self.logprobs[i] += event.logprobs
+            new_logprobs = event.logprobs
+            end = max(self.sent[i], len(self.texts[i]) - self.holdback)
+            return [self._chunk(i, self._take_text(i, end), new_logprobs, None, include_usage)]
+        # Finished: the rest of the text, cut where a stop string begins.
+        self.rows[i] = event.row
+        self.texts[i] = _cut_at_stop(self.texts[i] + self.decoders[i].flush(), self.body.stop)
+        text = self._take_text(i, len(self.texts[i]))
+        return [self._chunk(i, text, [], self._finish_reason(i), include_usage)]
+
+    def _take_text(self, i: int, end: int) -> str:
+        piece = self.texts[i][self.sent[i] : end]
+        self.sent[i] = max(self.sent[i], end)
+        return piece
+
+    def _finish_reason(self, i: int) -> str:
+        return "stop" if self.rows[i].stop_reason in ("eos", "stop") else "length"
+
+    # --- wire formats -------------------------------------------------------------------------
+
+    def _header(self, chunk: bool) -> dict:
+        kind = self.kind + (".chunk" if chunk and self.chat else "")
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.api.served.name,
+            "system_fingerprint": self.api.fingerprint,
+        }
+
+    def opening_chunks(self, include_usage: bool) -> list[dict]:
+        """Chat streams open each choice with its role, as OpenAI's do."""
+        if not self.chat:
+            return []
+        chunks = []
+        for i in range(self.body.n):
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            chunks.append(
+                self._with_usage({**self._header(True), "choices": [choice]}, include_usage)
+            )
+        return chunks
+
+    def _chunk(self, i, text, logprobs, finish_reason, include_usage) -> dict:
+        choice: dict[str, Any] = {"index": i}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or not finish_reason else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs) if logprobs else None
+        choice["finish_reason"] = finish_reason
+        return self._with_usage({**self._header(True), "choices": [choice]}, include_usage)
+
+    def _with_usage(self, chunk: dict, include_usage: bool) -> dict:
+        return {**chunk, "usage": None} if include_usage else chunk
+
+    def usage(self) -> dict:
+        completion = sum(len(row.tokens) for row in self.rows)
+        cached = self.rows[0].stats.cached_prompt_tokens
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(self.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def usage_chunk(self) -> dict:
+        return {**self._header(True), "choices": [], "usage": self.usage()}
+
+    def whole(self) -> dict:
+        """The non-streaming response."""
+        if self.failed:
+            raise self.failed
+        choices = []
+        for i in range(self.body.n):
+            logprobs = self._logprobs(self.logprobs[i]) if self.n_top is not None else None
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": self.texts[i]}
+            else:
+                choice["text"] = self.texts[i]
+            reason = self._finish_reason(i)
+            choices.append({**choice, "logprobs": logprobs, "finish_reason": reason})
+        return {**self._header(False), "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self.n_top is None:
+            return None
+        piece = self._piece
+        if self.chat:
+            content = [
+                {
+                    **self._token_entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._token_entry(t, lp) for t, lp in e.top],
+                }
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        tokens = [piece(e.token_id) for e in entries]
+        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,  # characters from the start of the completion
+        }
+
+    def _piece(self, token_id: int) -> str:
+        return self.api.served.tokenizer.decode([token_id])
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        return {
+            "token": self._piece(token_id),
+            "logprob": logprob if math.isfinite(logprob) else -9999.0,
+            "bytes": self._bytes(token_id),
+        }
+
+    def _bytes(self, token_id: int) -> list[int]:
+        table, tokenizer = self.api.token_bytes, self.api.served.tokenizer
+        if table is not None:
+            spelled = tokenizer.hf.id_to_token(token_id)
+            if spelled is not None and all(c in table for c in spelled):
+                return [table[c] for c in spelled]
+        return list(self._piece(token_id).encode("utf-8"))
+
+    @staticmethod
+    def sse(chunks: list[dict]) -> str:
+        return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+
+
+def _cut_at_stop(text: str, stops: list[str] | None) -> str:
+    found = [i for i in (text.find(s) for s in stops or ()) if i >= 0]
+    return text[: min(found)] if found else text

@@ -1,0 +1,219 @@
+"""The OpenAI protocol at the edge (seed 002: "这正是你天天调的 API 参数"): typed request models,
+validated before anything reaches the engine, and the OpenAI-style error object for a request
+that does not fit.
+
+Every request model forbids fields it does not know, so a parameter this server does not
+implement (logit_bias, tools, echo, ...) is a 400 that names it, never silently ignored.
+Values are checked strictly (a temperature of "0.7" or an n of 1.5 is refused, not cast).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status, message, param, kind, code,
+        )  # fmt: skip
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.kind, "param": self.param}
+        return {"error": {**error, "code": self.code}}
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 that says where it is broken."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not UTF-8 text: send JSON") from None
+    except json.JSONDecodeError as err:
+        raise APIError(
+            400,
+            f"the request body is not valid JSON ({err.msg} at line {err.lineno} column "
+            f'{err.colno}): send a JSON object such as {{"model": ..., "messages": [...]}}',
+            code="invalid_json",
+        ) from None
+
+
+def validate(model: type[BaseModel], data: Any) -> Any:
+    """data as `model`, or a 400 naming the first field that does not fit and how to fix it."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise _field_error(model, err) from None
+
+
+def _field_error(model: type[BaseModel], err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        known = ", ".join(sorted(model.model_fields))
+        message = (
+            f"unknown or unsupported field {param!r}: this server does not implement it, so it "
+            f"refuses it rather than ignore it; remove it (the fields it accepts: {known})"
+        )
+        return APIError(400, message, param, code="unsupported_field")
+    if first["type"] == "missing":
+        return APIError(400, f"{param!r} is required", param, code="missing_field")
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    given = first.get("input")
+    shown = json.dumps(given)[:80] if _jsonable(given) else type(given).__name__
+    return APIError(400, f"{param}={shown} is not allowed: {message}", param, code="invalid_value")
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+def _stop_list(value: Any) -> list[str] | None:
+    """OpenAI's stop: a string or a list of up to 4 non-empty strings."""
+    if value is None:
+        return None
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, list) or not all(isinstance(s, str) for s in entries):
+        raise ValueError("give a string or a list of strings")
+    if len(entries) > 4 or not all(entries):
+        raise ValueError("give at most 4 stop strings, none of them empty")
+    return entries
+
+
+class SamplingFields(Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = None  # an end-user id (recorded by OpenAI for abuse checks); no effect
+
+    _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value and all(_whole(i) for i in value):
+            return value
+        if isinstance(value, list) and len(value) == 1:
+            return cls._one_prompt(value[0])
+        raise ValueError(
+            "give one prompt: a non-empty string or a list of token ids (for several prompts, "
+            "send several requests; for several completions of one prompt, use n)"
+        )
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        """A string, or a list of text parts (joined); images and audio are refused."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            texts = []
+            for part in value:
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    raise ValueError("this server reads text only: give {'type': 'text', ...}")
+                if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                    raise ValueError("a text part is {'type': 'text', 'text': '...'}")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("give the message text as a string (or a list of text parts)")
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class EmbeddingRequest(Strict):
+    model: str
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> list[str] | list[list[int]]:
+        """A string, a list of strings, a list of token ids, or a list of such lists."""
+        if isinstance(value, str) and value:
+            return [value]
+        if isinstance(value, list) and value:
+            if all(isinstance(s, str) and s for s in value):
+                return value
+            if all(_whole(i) for i in value):
+                return [value]
+            if all(isinstance(s, list) and s and all(_whole(i) for i in s) for s in value):
+                return value
+        raise ValueError(
+            "give a non-empty string, a list of non-empty strings, or token ids (a list of "
+            "whole numbers, or a list of such lists)"
+        )
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

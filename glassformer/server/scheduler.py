@@ -1,0 +1,285 @@
+"""Continuous batching for the server (llama.cpp's slots, vLLM's scheduler in miniature): one
+engine thread owns the Engine and runs its loop; HTTP handlers only queue work and read events.
+
+Each turn of the loop: drop the rows whose clients went away (their slots free at once), admit
+waiting rows while fewer than max_batch are running (each is prefilled by Engine.add and joins
+the next step), then one Engine.step decodes a token for every running row. New tokens go back
+to each request's asyncio queue through its event loop (call_soon_threadsafe), so the engine
+never waits for a client.
+
+Conversation prefix reuse: every finished row is parked with its keys/values (keep_cache). A
+new prompt that extends a parked row's context (a chat's next turn re-renders the history, then
+adds a message) continues that row: only the new tokens are prefilled. Parked rows form an LRU
+bounded in slots and in bytes of keys/values; the oldest are released first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from glassformer.infer.engine import Engine, Row
+from glassformer.infer.sampling import SamplingParams, TokenLogprob
+from glassformer.server.metrics import Metrics
+
+log = logging.getLogger("glassformer.server")
+
+
+# --- what the engine thread tells a request ----------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    """New tokens of choice `index` (with their logprobs when asked for)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Finished:
+    """Choice `index` is done: why, and its row (tokens, stats) for usage."""
+
+    index: int
+    row: Row
+
+
+@dataclass
+class Failed:
+    """The request cannot be served; status and message for the client."""
+
+    status: int
+    message: str
+
+
+# --- a request and its rows ----------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One row to generate: a choice of a request."""
+
+    request: Request
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    row: Row | None = None
+    sent: int = 0  # tokens already published
+    last_time: float = 0.0
+
+
+@dataclass
+class Request:
+    """One HTTP request's rows and the queue its handler reads events from."""
+
+    prompts: list[tuple[list[int], SamplingParams]]  # one (prompt, params) per choice
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+    def publish(self, event: Tokens | Finished | Failed) -> None:
+        """Hand an event to the handler's event loop (from the engine thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancelled = True
+
+
+class QueueFull(Exception):
+    """More rows wait than max_queue allows."""
+
+
+class Scheduler:
+    """The engine thread. submit() queues a Request's rows; cancel() drops them.
+
+    max_batch: rows decoded together; max_queue: rows that may wait for a slot;
+    prefix_cache_bytes: the most keys/values parked rows may hold (their slots are the
+    engine's rows beyond max_batch).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int,
+        max_queue: int,
+        prefix_cache_bytes: int,
+        metrics: Metrics,
+    ) -> None:
+        if engine.max_rows is None or engine.max_rows < max_batch:
+            raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
+        self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.prefix_cache_bytes, self.metrics = prefix_cache_bytes, metrics
+        self.waiting: deque[Job] = deque()
+        self.running: dict[int, Job] = {}  # id(row) -> job
+        self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, oldest first
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
+
+    # --- the HTTP side --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(timeout=10)
+
+    def submit(self, request: Request) -> None:
+        """Queue every choice of the request, or raise QueueFull (nothing queued)."""
+        jobs = [
+            Job(request, i, prompt, params) for i, (prompt, params) in enumerate(request.prompts)
+        ]
+        with self.wake:
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull
+            self.waiting.extend(jobs)
+            self.metrics.set_gauges(queued_rows=len(self.waiting))
+            self.wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: its rows leave at the start of the next loop turn."""
+        with self.wake:
+            request.cancelled = True
+            self.wake.notify()
+
+    # --- the engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.wake:
+                while not (self.stopping or self.waiting or self.running):
+                    self.wake.wait()
+                if self.stopping:
+                    return
+                admitted = []
+                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                    admitted.append(self.waiting.popleft())
+                queued = len(self.waiting)
+            try:
+                self._drop_cancelled()
+                for job in admitted:
+                    self._start(job)
+                if self.running:
+                    self.engine.step()
+                    self._publish_all()
+            except Exception:  # a bug must not kill the server: fail what runs, start clean
+                log.exception("the engine failed; failing the running requests")
+                self._recover()
+            self._update_gauges(queued)
+
+    def _drop_cancelled(self) -> None:
+        for key, job in list(self.running.items()):
+            if job.request.cancelled:
+                self.engine.cancel(job.row)
+                self.engine.release(job.row)
+                del self.running[key]
+
+    def _start(self, job: Job) -> None:
+        """Prefill a job's prompt into a slot (continuing a parked conversation if one fits)."""
+        if job.request.cancelled:
+            return
+        parked = self._best_parked(job.prompt)
+        if parked is None:
+            self._make_room()
+        try:
+            row = self.engine.add(job.prompt, job.params, keep_cache=True, continues=parked)
+        except ValueError as err:  # checked at the edge already; a last line of defence
+            job.request.publish(Failed(400, str(err)))
+            return
+        if parked is not None:
+            del self.parked[id(parked)]
+        job.row = row
+        self.running[id(row)] = job
+        self._publish(job)
+
+    def _best_parked(self, prompt: list[int]) -> Row | None:
+        """The parked row sharing the longest prefix with `prompt`, if that prefix is at least
+        half of what the row holds (the prompt extends that conversation)."""
+        best, best_shared = None, 0
+        for row in self.parked.values():
+            held = row.context[: row.length]
+            shared = _shared_prefix(held, prompt)
+            if shared > best_shared and 2 * shared >= len(held):
+                best, best_shared = row, shared
+        return best
+
+    def _make_room(self) -> None:
+        """Release the oldest parked rows until a slot is free."""
+        cache = self.engine.cache
+        while self.parked and cache is not None and len(self.engine.rows) >= cache.batch_size:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        _, row = self.parked.popitem(last=False)
+        self.engine.release(row)
+
+    def _publish_all(self) -> None:
+        for job in list(self.running.values()):
+            self._publish(job)
+
+    def _publish(self, job: Job) -> None:
+        """Send a job's new tokens; when its row is done, send Finished and park the row."""
+        row, now = job.row, time.perf_counter()
+        new = row.tokens[job.sent :]
+        if new:
+            first = job.sent == 0
+            if first:
+                cached = row.stats.cached_prompt_tokens
+                self.metrics.first_token(now - job.request.arrived, len(job.prompt), cached)
+            each = None if first else (now - job.last_time) / len(new)
+            self.metrics.tokens(len(new), each)
+            logprobs = row.logprobs[job.sent : job.sent + len(new)]
+            job.request.publish(Tokens(job.index, list(new), logprobs))
+            job.sent, job.last_time = len(row.tokens), now
+        if row.finished:
+            self.running.pop(id(row), None)
+            job.request.publish(Finished(job.index, row))
+            self._park(row)
+
+    def _park(self, row: Row) -> None:
+        """Keep a finished row's slot for a next turn, within the LRU's bytes."""
+        if row not in self.engine.rows[self.engine.n_live :]:
+            return
+        self.parked[id(row)] = row
+        while self.parked and self._parked_bytes() > self.prefix_cache_bytes:
+            self._evict_oldest()
+        while len(self.parked) > self.engine.max_rows - self.max_batch:
+            self._evict_oldest()
+
+    def _parked_bytes(self) -> int:
+        return sum(self.engine.cache.row_bytes(row.length) for row in self.parked.values())
+
+    def _recover(self) -> None:
+        for job in self.running.values():
+            job.request.publish(Failed(500, "the engine failed on this batch; try again"))
+        self.running.clear()
+        self.parked.clear()
+        self.engine.rows, self.engine.n_live = [], 0  # every slot free again
+
+    def _update_gauges(self, queued: int) -> None:
+        cache = self.engine.cache
+        held = sum(cache.row_bytes(row.length) for row in self.engine.rows) if cache else 0
+        self.metrics.set_gauges(
+            running_rows=self.engine.n_live,
+            queued_rows=queued,
+            parked_rows=len(self.parked),
+            kv_cache_bytes=held,
+        )
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,195 @@
+"""The server's engine thread (server/scheduler.py) without HTTP, and the sampling pieces it adds
+(presence/frequency penalties, logprobs). References: Engine.generate alone, and a cache-less
+recompute of the penalties."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import glassformer as gf
+from glassformer.infer.sampling import NO_EOS, SamplingParams, penalize_counts, token_logprobs
+from glassformer.server.metrics import Metrics
+from glassformer.server.scheduler import Failed, Finished, QueueFull, Request, Scheduler, Tokens
+
+
+def tiny_model() -> torch.nn.Module:
+    cfg = gf.ModelConfig(
+        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+        position="rope", norm="rms", ffn="swiglu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = gf.build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)
+    return model.eval()
+
+
+def make_scheduler(model, max_batch=4, max_queue=16, cache_bytes=1 << 30) -> Scheduler:
+    engine = gf.Engine(model, max_rows=2 * max_batch)
+    return Scheduler(engine, max_batch, max_queue, cache_bytes, Metrics())
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, eos_token_id=NO_EOS, **kw)
+
+
+async def serve(scheduler: Scheduler, jobs: list[tuple[list[int], SamplingParams]]):
+    """Submit each (prompt, params) as a request at once; returns each one's tokens and row."""
+    loop = asyncio.get_running_loop()
+    requests = [Request([job], loop) for job in jobs]
+    for request in requests:
+        scheduler.submit(request)
+
+    async def collect(request: Request):
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(request.events.get(), 30)
+            if isinstance(event, Tokens):
+                tokens += event.token_ids
+            elif isinstance(event, Finished):
+                return tokens, event.row
+            else:
+                raise AssertionError(event)
+
+    return await asyncio.gather(*(collect(r) for r in requests))
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+def test_concurrent_rows_equal_engine_generate_alone(model):
+    prompts = [[3, 14, 15, 9, 2, 6], [1], [7, 7, 8, 20, 21, 22, 23, 24, 25], [30, 2, 5], [4, 4]]
+    params = [greedy(6 + 3 * i) for i in range(len(prompts))]
+    params[1] = SamplingParams(temperature=0.9, seed=5, max_new_tokens=9, eos_token_id=NO_EOS)
+    scheduler = make_scheduler(model, max_batch=3)  # five requests: two wait for a slot
+    scheduler.start()
+    try:
+        results = asyncio.run(serve(scheduler, list(zip(prompts, params, strict=True))))
+    finally:
+        scheduler.stop()
+    for prompt, p, (tokens, _row) in zip(prompts, params, results, strict=True):
+        alone = gf.Engine(model).generate(
+            prompt, p.max_new_tokens, temperature=p.temperature, seed=p.seed, eos_token_id=NO_EOS
+        )
+        assert tokens == alone.token_ids
+    assert max(row.stats.batch_size for _, row in results) == 3
+
+
+def test_a_prompt_extending_a_parked_row_prefills_only_the_new_part(model):
+    scheduler = make_scheduler(model)
+    scheduler.start()
+    try:
+        [(first, _)] = asyncio.run(serve(scheduler, [([3, 14, 15, 9], greedy(5))]))
+        follow_up = [3, 14, 15, 9, *first, 11, 12]
+        [(second, row)] = asyncio.run(serve(scheduler, [(follow_up, greedy(5))]))
+    finally:
+        scheduler.stop()
+    assert row.stats.cached_prompt_tokens == 4 + len(first) - 1  # the last sampled was not fed
+    assert (
+        second
+        == gf.Engine(model).generate(follow_up, 5, temperature=0.0, eos_token_id=NO_EOS).token_ids
+    )
+
+
+def test_parked_rows_stay_within_their_byte_budget(model):
+    per_token = gf.Engine(model, max_rows=1).model.new_cache(1, 64).row_bytes(1)
+    scheduler = make_scheduler(model, cache_bytes=8 * per_token)  # one row of 6 positions
+    scheduler.start()
+    try:
+        asyncio.run(serve(scheduler, [([1, 2, 3], greedy(4)), ([5, 6, 7], greedy(4))]))
+    finally:
+        scheduler.stop()
+    assert len(scheduler.parked) == 1
+    assert scheduler._parked_bytes() == 6 * per_token
+
+
+def test_a_cancelled_request_frees_its_slot(model):
+    scheduler = make_scheduler(model, max_batch=1)
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        long = Request([([1, 2, 3], greedy(60))], loop)
+        scheduler.submit(long)
+        await long.events.get()  # it runs
+        scheduler.cancel(long)
+        short = await serve(scheduler, [([4, 5], greedy(3))])  # needs the only row
+        return len(short[0][0])
+
+    scheduler.start()
+    try:
+        assert asyncio.run(run()) == 3
+    finally:
+        scheduler.stop()
+    assert scheduler.engine.n_live == 0
+
+
+def test_a_full_queue_refuses_and_queues_nothing(model):
+    scheduler = make_scheduler(model, max_queue=2)  # not started: nothing leaves the queue
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        scheduler.submit(Request([([1], greedy(2))] * 2, loop))
+        with pytest.raises(QueueFull):
+            scheduler.submit(Request([([1], greedy(2))], loop))
+
+    asyncio.run(run())
+    assert len(scheduler.waiting) == 2
+
+
+def test_a_prompt_the_engine_refuses_fails_only_its_request(model):
+    scheduler = make_scheduler(model)
+    scheduler.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        bad = Request([([99], greedy(2))], loop)  # outside the 40-token vocabulary
+        scheduler.submit(bad)
+        event = await asyncio.wait_for(bad.events.get(), 30)
+        good = await serve(scheduler, [([1, 2], greedy(2))])
+        return event, good
+
+    try:
+        event, good = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert isinstance(event, Failed) and event.status == 400
+    assert len(good[0][0]) == 2
+
+
+# --- the sampling pieces the server uses ----------------------------------------------------
+
+
+def test_penalize_counts_subtracts_presence_once_and_frequency_per_use():
+    logits = torch.zeros(1, 5)
+    out = penalize_counts(logits, torch.tensor([1, 1, 3]), presence=0.5, frequency=2.0)
+    assert out.tolist() == [[0.0, -4.5, 0.0, -2.5, 0.0]]
+
+
+def test_token_logprobs_are_log_softmax_with_the_top_candidates():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    entry = token_logprobs(logits, token_id=2, n_top=2)
+    expected = torch.log_softmax(logits, dim=-1)[0]
+    assert entry.logprob == pytest.approx(float(expected[2]))
+    assert [t for t, _ in entry.top] == [1, 2]
+    assert entry.top[0][1] == pytest.approx(float(expected[1]))
+
+
+def test_engine_rows_record_logprobs_of_the_chosen_tokens(model):
+    engine = gf.Engine(model)
+    row = engine.add([3, 4, 5], greedy(4, logprobs=3))
+    tokens = list(engine.follow(row))
+    assert [e.token_id for e in row.logprobs] == tokens
+    assert all(e.top[0][0] == e.token_id for e in row.logprobs)  # greedy picks the top one
+
+
+def test_sampling_params_refuse_bad_penalties_and_logprobs():
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=float("nan"))
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)
