@@ -6,8 +6,9 @@ driven by the official `openai` client: for each concurrency C in --clients, C r
 distinct 128-token prompts (windows of Shakespeare) and 64 new tokens, streamed, all at once;
 then the same C requests one after another (prefix reuse off, so no request starts from another's
 cache). It prints, per C, the aggregate generated tokens/s
-(completion tokens from each stream's usage over the wall time) and p50/p99 time to first
-token (from sending a request to its first text), concurrent vs sequential, and the ratio.
+(completion tokens from each stream's usage over the wall time; the median of --repeats runs,
+concurrent and sequential alternating) and p50/p99 time to first token (from sending a request
+to its first text, pooled over the runs), concurrent vs sequential, and the median ratio.
 Target (issue 15): 8 concurrent clients >= 3x the sequential aggregate tokens/s, p99 TTFT < 2 s.
 
 --memory N instead sends N short requests (8 at a time) and prints the server's resident memory
@@ -91,19 +92,21 @@ async def one(client: openai.AsyncOpenAI, prompt: list[int], new_tokens: int) ->
 
 
 async def run(url: str, batch: list[list[int]], new_tokens: int, together: bool) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
-    start = time.perf_counter()
-    if together:
-        results = await asyncio.gather(*(one(client, p, new_tokens) for p in batch))
-    else:
-        results = [await one(client, p, new_tokens) for p in batch]
-    wall = time.perf_counter() - start
-    ttfts = sorted(t for t, _ in results)
-    return {
-        "tok_s": sum(n for _, n in results) / wall,
-        "p50": statistics.median(ttfts),
-        "p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
-    }
+    """One pass over `batch`: aggregate tokens/s and every request's time to first token."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=600) as client:
+        start = time.perf_counter()
+        if together:
+            results = await asyncio.gather(*(one(client, p, new_tokens) for p in batch))
+        else:
+            results = [await one(client, p, new_tokens) for p in batch]
+        wall = time.perf_counter() - start
+    return {"tok_s": sum(n for _, n in results) / wall, "ttfts": [t for t, _ in results]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: with few samples p99 is the largest, the conservative reading."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def rss_mib(pid: int) -> float:
@@ -115,7 +118,7 @@ def rss_mib(pid: int) -> float:
 
 async def memory_check(url: str, pid: int, n: int) -> None:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
-    batch = prompts(64, 48)
+    batch = prompts(64, 48)  # one event loop for the whole check: the client lives in it
 
     async def wave(start: int, count: int) -> None:
         for first in range(start, start + count, 8):
@@ -138,6 +141,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per row: medians, pooled TTFTs"
+    )
     parser.add_argument("--memory", type=int, metavar="N", help="run the memory check instead")
     args = parser.parse_args()
     process, url = start_server(args.threads, args.max_batch)
@@ -150,12 +156,20 @@ def main() -> None:
         print(header + f"{'p50 TTFT conc':>14} {'p99 TTFT conc':>14} {'p50 TTFT seq':>13}")
         for c in args.clients:
             batch = prompts(c, args.prompt_tokens)
-            conc = asyncio.run(run(url, batch, args.new_tokens, together=True))
-            seq = asyncio.run(run(url, batch, args.new_tokens, together=False))
+            runs = []  # (concurrent, sequential) pairs, alternating, so drift hits both alike
+            for _ in range(args.repeats):
+                conc = asyncio.run(run(url, batch, args.new_tokens, together=True))
+                seq = asyncio.run(run(url, batch, args.new_tokens, together=False))
+                runs.append((conc, seq))
+            conc_ttfts = [t for conc, _ in runs for t in conc["ttfts"]]
+            seq_ttfts = [t for _, seq in runs for t in seq["ttfts"]]
             print(
-                f"{c:>7} {conc['tok_s']:>11.1f} {seq['tok_s']:>10.1f} "
-                f"{conc['tok_s'] / seq['tok_s']:>5.2f}x {conc['p50']:>13.3f}s "
-                f"{conc['p99']:>13.3f}s {seq['p50']:>12.3f}s"
+                f"{c:>7} {statistics.median(conc['tok_s'] for conc, _ in runs):>11.1f} "
+                f"{statistics.median(seq['tok_s'] for _, seq in runs):>10.1f} "
+                f"{statistics.median(conc['tok_s'] / seq['tok_s'] for conc, seq in runs):>5.2f}x "
+                f"{percentile(conc_ttfts, 0.5):>13.3f}s {percentile(conc_ttfts, 0.99):>13.3f}s "
+                f"{percentile(seq_ttfts, 0.5):>12.3f}s",
+                flush=True,
             )
     finally:
         process.terminate()

@@ -80,6 +80,34 @@ def test_rows_joining_mid_generation_produce_what_they_produce_alone(overrides):
         assert got[i] == recompute(model, PROMPTS[i], params), f"row {i}"
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"position": "alibi", "attention_backend": "eager"}, {"sliding_window": 5}],
+    ids=["rope-gqa", "alibi-eager", "ring (one row at a time)"],
+)
+def test_prompts_prefilled_together_produce_what_they_produce_alone(overrides):
+    """add_many pads the prompts (1 to 11 tokens) into one forward beside a row already
+    decoding; every row's tokens equal the uncached recomputation of it alone, so neither
+    the padding nor the batch leaks into any row."""
+    model = tiny_model(**overrides)
+    engine = gf.Engine(model, max_rows=5)
+    early = SamplingParams(temperature=0.0, max_new_tokens=9, eos_token_id=NO_EOS)
+    first = engine.add([4, 4, 9], early)
+    engine.step()
+    params = [schedule_params for _, schedule_params in SCHEDULE]
+    rows = engine.add_many(PROMPTS, params)
+    assert [len(row.tokens) for row in rows] == [1] * len(rows)
+    while not all(row.finished for row in [first, *rows]):
+        engine.step()
+    assert first.tokens == recompute(model, [4, 4, 9], early)
+    for i, row in enumerate(rows):
+        assert row.tokens == recompute(model, PROMPTS[i], params[i]), f"row {i}"
+    with pytest.raises(ValueError, match="6 prompts but 5 free row slots"):
+        engine.add_many([[1]] * 6, [early] * 6)
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.add_many([[1], [2]], [early])
+
+
 def test_rnn_rows_joining_mid_generation_equal_alone():
     torch.manual_seed(0)
     cfg = gf.ModelConfig(family="rnn", cell="gru", vocab_size=40, d_model=16, n_layers=2)

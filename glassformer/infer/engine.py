@@ -36,6 +36,7 @@ from glassformer.infer.rows import (
 )
 from glassformer.infer.sampling import MAX_SEED, SamplingParams, resolve_eos
 from glassformer.models.common import check_token_ids
+from glassformer.nn.kv_cache import KVCache
 
 __all__ = [
     "Engine",
@@ -146,6 +147,71 @@ class Engine:
         on_full_context: when a row fills its slot, "stop", or "shift" (keep the window's
             second half as context and go on).
         """
+        row = self._new_row(prompt_ids, params, on_full_context, keep_cache)
+        if continues is not None:
+            cached = self._resume(row, continues)
+        else:
+            self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
+            cached = 0
+        row.stats.cached_prompt_tokens = cached
+        with torch.inference_mode():
+            logits = self._prefill(row, row.prompt[cached:], cached)
+        self._first_token(row, logits)
+        return row
+
+    def add_many(
+        self,
+        prompts: Sequence[Sequence[int] | Tensor],
+        params: Sequence[SamplingParams],
+        *,
+        on_full_context: str = "stop",
+        keep_cache: bool = False,
+    ) -> list[Row]:
+        """Several new rows whose prompts are prefilled together, in one batched forward (vLLM
+        batches the waiting prompts likewise): each gets its first token after one pass for
+        all of them, not after a queue of passes. The prompts are right-padded to the longest
+        and each row samples from the logits at its own last prompt token. The padding writes
+        keys/values past a row's end, which the causal mask hides and the row's own decode
+        steps overwrite; caches that could not hide them (a sliding window's ring overwrites
+        keys still in the window, a recurrent state folds every token in) prefill one row at
+        a time instead. Rows continuing a conversation go through add(continues=...)."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: one each")
+        rows = [
+            self._new_row(p, q, on_full_context, keep_cache)
+            for p, q in zip(prompts, params, strict=True)
+        ]
+        if not rows:
+            return []
+        wanted = max(len(row.prompt) + row.params.max_new_tokens for row in rows)
+        if self.max_rows is not None:
+            self.reserve(self.max_rows, self.slot_len)
+        elif not self.rows:
+            self.reserve(len(rows), min(self.slot_len, wanted))
+        free = self.cache.batch_size - len(self.rows)
+        if len(rows) > free:
+            raise ValueError(
+                f"{len(rows)} prompts but {free} free row slots: add fewer, step() until rows "
+                "finish, or create the Engine with a larger max_rows"
+            )
+        for row in rows:
+            self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
+        with torch.inference_mode():
+            if len(rows) > 1 and type(self.cache) is KVCache:
+                logits = self._prefill_many(rows)
+            else:
+                logits = torch.cat([self._prefill(row, row.prompt, 0) for row in rows])
+        for row, row_logits in zip(rows, logits, strict=True):
+            self._first_token(row, row_logits[None])
+        return rows
+
+    def _new_row(
+        self,
+        prompt_ids: Sequence[int] | Tensor,
+        params: SamplingParams | None,
+        on_full_context: str,
+        keep_cache: bool,
+    ) -> Row:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -163,20 +229,16 @@ class Engine:
         row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
         row.stats = self.new_stats(len(prompt))
         row.keep_cache = keep_cache
-        if continues is not None:
-            cached = self._resume(row, continues)
-        else:
-            self._take_slot(row, len(prompt) + params.max_new_tokens)
-            cached = 0
-        row.stats.cached_prompt_tokens = cached
+        return row
+
+    def _first_token(self, row: Row, logits: Tensor) -> None:
+        """Sample a prefilled row's first token from its logits (1, V)."""
         row.stats.kv_cache_capacity_bytes = self.cache.nbytes // self.cache.batch_size
         with torch.inference_mode():
-            logits = self._prefill(row, prompt[cached:], cached)
             row.accept(row.sample(logits), rows_in_step=1)
         self._update_bytes(row)
         if row.finished:
             self._leave(row)
-        return row
 
     def new_stats(self, prompt_tokens: int) -> GenerationStats:
         """A new row's statistics (an engine with another step may keep more)."""
@@ -247,6 +309,26 @@ class Engine:
         ids = torch.tensor([new_ids], device=self.model.device)  # (1, T)
         positions = torch.arange(start, start + len(new_ids), device=ids.device)
         return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
+
+    def _prefill_many(self, rows: list[Row]) -> Tensor:
+        """New rows in consecutive slots, prefilled in one forward -> logits (n, V), in the
+        order of `rows`: the prompts right-padded (token 0) to the longest, all at positions
+        0..T-1, each row's logits read at its own last prompt token."""
+        slots = sorted(row.slot for row in rows)
+        first = slots[0]
+        assert slots == list(range(first, first + len(rows))), "new rows fill consecutive slots"
+        view = self.cache.rows(first, first + len(rows))
+        view.reset()
+        device = self.model.device
+        longest = max(len(row.prompt) for row in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (n, T)
+        for row in rows:
+            ids[row.slot - first, : len(row.prompt)] = torch.tensor(row.prompt, device=device)
+        positions = torch.arange(longest, device=device)
+        hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
+        last = torch.tensor([len(row.prompt) - 1 for row in rows], device=device)
+        in_slot_order = torch.tensor([row.slot - first for row in rows], device=device)
+        return self.model.lm_head(hidden[in_slot_order, last])  # (n, V)
 
     def step(self) -> list[Row]:
         """Decode one token for every live row; returns the rows that got one (rows that

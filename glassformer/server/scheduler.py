@@ -2,8 +2,9 @@
 engine thread owns the Engine and runs its loop; HTTP handlers only queue work and read events.
 
 Each turn of the loop: drop the rows whose clients went away (their slots free at once), admit
-waiting rows while fewer than max_batch are running (each is prefilled by Engine.add and joins
-the next step), then one Engine.step decodes a token for every running row. New tokens go back
+waiting rows while fewer than max_batch are running (new prompts prefilled together by
+Engine.add_many, a next turn by Engine.add continuing its parked row; all join the next step),
+then one Engine.step decodes a token for every running row. New tokens go back
 to each request's asyncio queue through its event loop (call_soon_threadsafe), so the engine
 never waits for a client.
 
@@ -27,6 +28,11 @@ from glassformer.infer.sampling import SamplingParams, TokenLogprob
 from glassformer.server.metrics import Metrics
 
 log = logging.getLogger("glassformer.server")
+
+# When the engine was idle, how long the first request waits for others sent at the same
+# moment, so that one batched prefill serves them all: 10 ms, 3% of one 128-token prefill of
+# SmolLM2 on 2 cores (0.3 s), while 8 prompts prefilled together take 1.7 s, not 8 x 0.3 s.
+ADMIT_WINDOW_S = 0.01
 
 
 # --- what the engine thread tells a request ----------------------------------------------------
@@ -156,8 +162,12 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.wake:
+                idle = not (self.waiting or self.running)
                 while not (self.stopping or self.waiting or self.running):
                     self.wake.wait()
+            if idle:  # requests sent together (a client fanning out) arrive a few ms apart:
+                time.sleep(ADMIT_WINDOW_S)  # let them queue, to prefill them as one batch
+            with self.wake:
                 if self.stopping:
                     return
                 admitted = []
@@ -166,8 +176,7 @@ class Scheduler:
                 queued = len(self.waiting)
             try:
                 self._drop_cancelled()
-                for job in admitted:
-                    self._start(job)
+                self._start_all(admitted)
                 if self.running:
                     self.engine.step()
                     self._publish_all()
@@ -183,11 +192,36 @@ class Scheduler:
                 self.engine.release(job.row)
                 del self.running[key]
 
-    def _start(self, job: Job) -> None:
-        """Prefill a job's prompt into a slot (continuing a parked conversation if one fits)."""
-        if job.request.cancelled:
-            return
-        parked = self._best_parked(job.prompt)
+    def _start_all(self, jobs: list[Job]) -> None:
+        """Prefill the admitted jobs: each that continues a parked conversation on its own
+        (only its new tokens), the new ones together in one batched forward (Engine.add_many),
+        so the last of them waits one pass for its first token, not a queue of passes."""
+        new = []
+        for job in jobs:
+            if job.request.cancelled:
+                continue
+            parked = self._best_parked(job.prompt)
+            if parked is None:
+                new.append(job)
+            else:
+                self._start(job, parked)
+        if len(new) > 1:
+            self._make_room(len(new))
+            try:
+                rows = self.engine.add_many(
+                    [job.prompt for job in new], [job.params for job in new], keep_cache=True
+                )
+            except ValueError:  # one bad prompt: start them one by one, failing only that one
+                rows = None
+            if rows is not None:
+                for job, row in zip(new, rows, strict=True):
+                    self._run(job, row)
+                return
+        for job in new:
+            self._start(job, None)
+
+    def _start(self, job: Job, parked: Row | None) -> None:
+        """Prefill a job's prompt into a slot (continuing `parked`, a conversation it extends)."""
         if parked is None:
             self._make_room()
         try:
@@ -197,6 +231,9 @@ class Scheduler:
             return
         if parked is not None:
             del self.parked[id(parked)]
+        self._run(job, row)
+
+    def _run(self, job: Job, row: Row) -> None:
         job.row = row
         self.running[id(row)] = job
         self._publish(job)
@@ -212,10 +249,12 @@ class Scheduler:
                 best, best_shared = row, shared
         return best
 
-    def _make_room(self) -> None:
-        """Release the oldest parked rows until a slot is free."""
+    def _make_room(self, n_slots: int = 1) -> None:
+        """Release the oldest parked rows until n_slots slots are free."""
         cache = self.engine.cache
-        while self.parked and cache is not None and len(self.engine.rows) >= cache.batch_size:
+        while (
+            self.parked and cache is not None and len(self.engine.rows) + n_slots > cache.batch_size
+        ):
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
