@@ -130,16 +130,18 @@ def test_a_cancelled_request_frees_its_slot(model):
 
 
 def test_a_full_queue_refuses_and_queues_nothing(model):
-    scheduler = make_scheduler(model, max_queue=2)  # not started: nothing leaves the queue
+    """max_queue counts the rows that must wait for a slot: with 2 free rows and a queue of 2,
+    four rows are taken (two start at the next turn) and a fifth is refused."""
+    scheduler = make_scheduler(model, max_batch=2, max_queue=2)  # not started: nothing leaves
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        scheduler.submit(Request([([1], greedy(2))] * 2, loop))
+        scheduler.submit(Request([([1], greedy(2))] * 4, loop))
         with pytest.raises(QueueFull):
             scheduler.submit(Request([([1], greedy(2))], loop))
 
     asyncio.run(run())
-    assert len(scheduler.waiting) == 2
+    assert len(scheduler.waiting) == 4
 
 
 def test_a_prompt_the_engine_refuses_fails_only_its_request(model):

@@ -154,8 +154,19 @@ def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
     }
 
 
+def add_adapter_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a LoRA adapter folder in peft's format (adapter_config.json + "
+        "adapter_model.safetensors, from glassformer finetune or peft) for --model; it is merged "
+        "into the weights before running, which computes the same and decodes as fast",
+    )
+
+
 def add_decode_flags(p: argparse.ArgumentParser) -> None:
-    """The flags shared by generate and chat: threads, device, precision and kernels."""
+    """The flags shared by generate, chat and serve: threads, device, precision, kernels and a
+    LoRA adapter."""
     add_threads_flag(p)
     add_device_flag(
         p,
@@ -179,6 +190,7 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the model as built, without the decode kernels (for comparison)",
     )
+    add_adapter_flag(p)
 
 
 @dataclass(frozen=True)
@@ -191,10 +203,14 @@ class DecodeOptions:
     plain: bool = False
     compile: bool = False
     threads: int | None = None
+    adapter: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
-        return cls(args.device, args.dtype, args.quantize, args.plain, compile, args.threads)
+        return cls(
+            args.device, args.dtype, args.quantize, args.plain, compile, args.threads,
+            getattr(args, "adapter", None),
+        )  # fmt: skip
 
     @property
     def cpu_only_flag(self) -> str | None:
@@ -227,15 +243,38 @@ def decode_device(options: DecodeOptions) -> torch.device:
 
 
 def load_with_tokenizer(
-    model_name: str, why: str, quantize: str | None = None
+    model_name: str, why: str, quantize: str | None = None, adapter: str | None = None
 ) -> tuple[nn.Module, Tokenizer]:
-    """--model and its tokenizer, which every command that reads text needs."""
+    """--model (with --adapter merged in) and its tokenizer, which every command that reads
+    text needs."""
     from glassformer.interop.pretrained import from_pretrained
 
-    model, tokenizer = from_pretrained(model_name, quantize=quantize)
+    if adapter is None:
+        model, tokenizer = from_pretrained(model_name, quantize=quantize)
+    else:
+        model, tokenizer = load_merged(model_name, adapter)
+        if quantize == "int8":
+            from glassformer.nn.quant import DEFAULT_GROUP_SIZE, quantize_int8
+
+            model = quantize_int8(model, DEFAULT_GROUP_SIZE)
     if tokenizer is None:
         raise ValueError(f"{model_name} has no tokenizer.json: {why}")
     return model, tokenizer
+
+
+def load_merged(model_name: str, adapter: str):
+    """(model, tokenizer): the float base model with the LoRA adapter folder `adapter` folded
+    into its weights. Merging (rather than running the adapter beside the weights) keeps one
+    matmul per projection and the decode kernels; the function computed is the same. --quantize
+    then rounds the merged weights, so the adapter's update is never lost to int8."""
+    from glassformer.interop.peft import load_adapter
+    from glassformer.interop.pretrained import from_pretrained
+    from glassformer.nn.lora import merge_lora
+
+    model, tokenizer = from_pretrained(model_name)
+    load_adapter(model, adapter)
+    merge_lora(model)
+    return model.eval(), tokenizer
 
 
 def load_for_decode(
@@ -244,7 +283,9 @@ def load_for_decode(
     """Check the flags, set threads, then load --model with its tokenizer, ready to decode."""
     device = decode_device(options)
     set_threads(options.threads)
-    model, tokenizer = load_with_tokenizer(model_name, why, quantize=options.quantize)
+    model, tokenizer = load_with_tokenizer(
+        model_name, why, quantize=options.quantize, adapter=options.adapter
+    )
     return prepare_for_decode(model, device, options), tokenizer
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from glassformer.cli.common import (
+    add_adapter_flag,
     add_command,
     add_command_group,
     add_device_flag,
@@ -31,7 +32,9 @@ def cmd_inspect_attention(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     set_threads(args.threads)
-    model, tokenizer = load_with_tokenizer(args.model, "inspect needs one to encode text")
+    model, tokenizer = load_with_tokenizer(
+        args.model, "inspect needs one to encode text", adapter=args.adapter
+    )
     model.to(device)
     view = attention_view(
         model,
@@ -145,6 +148,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-view", type=positive_int, default=48,
         help="most query/key tokens a heatmap shows, around the query (default 48)",
     )  # fmt: skip
+    add_adapter_flag(p)
     add_threads_flag(p)
     add_device_flag(
         p,

@@ -145,7 +145,8 @@ class Scheduler:
             Job(request, i, prompt, params) for i, (prompt, params) in enumerate(request.prompts)
         ]
         with self.wake:
-            if len(self.waiting) + len(jobs) > self.max_queue:
+            free = max(0, self.max_batch - len(self.running))  # rows the next turn admits at once
+            if len(self.waiting) + len(jobs) > self.max_queue + free:
                 raise QueueFull
             self.waiting.extend(jobs)
             self.metrics.set_gauges(queued_rows=len(self.waiting))

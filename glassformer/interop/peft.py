@@ -1,0 +1,367 @@
+"""LoRA adapters in peft's file format, both ways: adapter_config.json + adapter_model.safetensors
+with peft's tensor names, so `peft.PeftModel.from_pretrained(transformers_model, DIR)` runs a
+glassformer adapter, and an adapter peft wrote loads into glassformer (seed 002: LoRA moves the
+attention projections).
+
+The names come from the Hugging Face name table of the model's architecture (archs/): the rule
+that fuses model.layers.0.self_attn.{q,k,v}_proj into blocks.0.attn.qkv_proj says which rows of
+the fused matrix each peft module is. peft stores, per module M of the transformers model,
+
+    base_model.model.M.lora_A.weight  (r, K)      base_model.model.M.lora_B.weight  (O_M, r)
+
+and scales B A by lora_alpha / r (rank_pattern / alpha_pattern override both per module).
+
+A glassformer adapter that does not line up with one Hugging Face module is rewritten exactly:
+an adapter on the whole fused qkv becomes q, k and v adapters sharing its A; GPT-2's q, k and v
+adapters become one c_attn adapter of rank 3r (A stacked, B block-diagonal, alpha scaled by 3 so
+alpha / r is unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+from torch import Tensor, nn
+
+from glassformer.files import atomic_write_bytes, atomic_write_text
+from glassformer.interop.hf import architecture_for, default_model_type
+from glassformer.interop.hf_files import PICKLE_SUFFIXES, read_json, read_shapes, read_tensors
+from glassformer.interop.integrity import InteropError
+from glassformer.nn.lora import LoRASite, add_adapters, lora_modules, lora_sites
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel wraps the transformers model as base_model.model
+A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
+
+
+@dataclass(frozen=True)
+class HFPiece:
+    """One module of the transformers model (e.g. model.layers.0.self_attn.v_proj): rows
+    [start, start + size) of the glassformer Linear `module`."""
+
+    hf_name: str
+    module: str
+    start: int
+    size: int
+
+
+# --- the name mapping -------------------------------------------------------------------------
+
+
+def hf_pieces(model: nn.Module) -> tuple[str, dict[str, list[HFPiece]]]:
+    """(model_type, glassformer Linear -> the transformers modules it is made of), from the
+    architecture's name table, for every Linear LoRA can wrap."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or cfg.family != "gpt":
+        family = getattr(cfg, "family", type(model).__name__)
+        raise InteropError(
+            f"peft adapters are read and written for decoder-only models (family 'gpt': "
+            f"Llama, Qwen2, Mistral, GPT-2, SmolLM2), not {family!r}"
+        )
+    model_type = default_model_type(cfg)
+    arch = architecture_for(model_type)
+    table = arch.rules(arch.export_config(cfg), set())  # the ForCausalLM layout peft wraps
+    linears = {s.module: s.size for s in lora_sites(model) if s.name == s.module}
+    pieces: dict[str, list[HFPiece]] = {}
+    for rule in table:
+        module = rule.target.removesuffix(".weight")
+        if not rule.target.endswith(".weight") or module not in linears:
+            continue
+        out = linears[module]
+        # A fused rule splits along dim 0; a single source (maybe transposed) is the whole.
+        sizes = [out] if len(rule.sources) == 1 else [p.shape[0] for p in rule.split(
+            torch.empty(out, 1))]  # fmt: skip
+        start = 0
+        pieces[module] = []
+        for source, size in zip(rule.sources, sizes, strict=True):
+            pieces[module].append(HFPiece(source.removesuffix(".weight"), module, start, size))
+            start += size
+    return model_type, pieces
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _piece_adapter(wrapper, piece: HFPiece) -> tuple[Tensor, Tensor, int, float] | None:
+    """(A, B, rank, alpha) of the peft module `piece` from the glassformer adapters that cover
+    its rows, or None if none does. Several adapters combine exactly: A stacked, B block-wise."""
+    covering = []
+    for i, (start, size) in enumerate(wrapper.slices):
+        lo, hi = max(start, piece.start), min(start + size, piece.start + piece.size)
+        if lo < hi:
+            covering.append((i, lo, hi, start))
+    if not covering:
+        return None
+    scalings = {wrapper.scalings[i] for i, *_ in covering}
+    if len(scalings) > 1:
+        raise InteropError(
+            f"{piece.hf_name} would combine adapters of different alpha / rank {sorted(scalings)}: "
+            "peft has one scaling per module; train them with one rank and alpha"
+        )
+    rank = sum(wrapper.ranks[i] for i, *_ in covering)
+    A = torch.cat([wrapper.lora_A[i].detach() for i, *_ in covering])  # (rank, K)
+    B = A.new_zeros(piece.size, rank)  # (O_M, rank)
+    column = 0
+    for i, lo, hi, start in covering:
+        r = wrapper.ranks[i]
+        B[lo - piece.start : hi - piece.start, column : column + r] = wrapper.lora_B[i].detach()[
+            lo - start : hi - start
+        ]
+        column += r
+    return A, B, rank, scalings.pop() * rank
+
+
+def adapter_state(model: nn.Module) -> tuple[str, dict[str, Tensor], dict[str, tuple[int, float]]]:
+    """(model_type, peft tensor name -> tensor, peft module name -> (rank, alpha))."""
+    wrappers = lora_modules(model)
+    if not wrappers:
+        raise InteropError("the model has no LoRA adapters to save: apply_lora(model, ...) first")
+    model_type, pieces = hf_pieces(model)
+    tensors: dict[str, Tensor] = {}
+    shapes: dict[str, tuple[int, float]] = {}
+    for name, wrapper in wrappers:
+        if name not in pieces:
+            raise InteropError(f"{name} has no module in the {model_type} layout peft reads")
+        for piece in pieces[name]:
+            found = _piece_adapter(wrapper, piece)
+            if found is None:
+                continue
+            A, B, rank, alpha = found
+            tensors[PREFIX + piece.hf_name + A_SUFFIX] = A.float().contiguous()
+            tensors[PREFIX + piece.hf_name + B_SUFFIX] = B.float().contiguous()
+            shapes[piece.hf_name] = (rank, alpha)
+    return model_type, tensors, shapes
+
+
+def _target_modules(model: nn.Module, adapted: set[str]) -> list[str]:
+    """peft's target_modules: the short names (q_proj, v_proj) when every layer's module of
+    those names is adapted, else the full module names (peft matches either as a suffix)."""
+    _, pieces = hf_pieces(model)
+    every = {p.hf_name for group in pieces.values() for p in group}
+    short = {name.rsplit(".", 1)[-1] for name in adapted}
+    if {name for name in every if name.rsplit(".", 1)[-1] in short} == adapted:
+        return sorted(short)
+    return sorted(adapted)
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, base_model: str = "") -> Path:
+    """Write the model's LoRA adapters as peft does (adapter_config.json and
+    adapter_model.safetensors, each written atomically) and return the folder. base_model is
+    recorded as base_model_name_or_path (peft reads it to find the base when none is given)."""
+    model_type, tensors, ranks = adapter_state(model)
+    # r and lora_alpha: the glassformer adapters' own (apply_lora gives them one); a module that
+    # combines several adapters (GPT-2's c_attn) gets its rank in rank_pattern / alpha_pattern.
+    counts = Counter(
+        pair for _, w in lora_modules(model) for pair in zip(w.ranks, w.alphas, strict=True)
+    )
+    (rank, alpha), _ = counts.most_common(1)[0]
+    dropouts = [w.dropout.p for _, w in lora_modules(model) if isinstance(w.dropout, nn.Dropout)]
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model) or None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": max(dropouts, default=0.0),
+        "target_modules": _target_modules(model, set(ranks)),
+        "rank_pattern": {name: r for name, (r, _) in ranks.items() if r != rank},
+        "alpha_pattern": {name: a for name, (_, a) in ranks.items() if a != alpha},
+        "bias": "none",
+        "fan_in_fan_out": model_type == "gpt2",  # GPT-2's Conv1D stores weights as (in, out)
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "revision": None,
+    }
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InteropError(f"{out} is a file: give a folder to write the adapter into")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    atomic_write_text(out / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+# adapter_config.json values that change what the adapter computes and that glassformer does not
+# implement: key -> the values that are fine.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "use_dora": (False, None),
+    "use_rslora": (False, None),
+    "lora_bias": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, []),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None, {}, []),
+    "layer_replication": (None, []),
+}
+
+
+def read_adapter_config(folder: Path) -> dict[str, Any]:
+    """adapter_config.json, checked: a LoRA of positive r and lora_alpha, with no option that
+    would make glassformer compute something other than peft."""
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        raise InteropError(
+            f"{folder} has no {ADAPTER_CONFIG}: give a folder written by save_adapter, "
+            "glassformer finetune or peft's save_pretrained"
+        )
+    config = read_json(path)
+    if config.get("peft_type") != "LORA":
+        raise InteropError(
+            f"{path}: peft_type={config.get('peft_type')!r}; glassformer reads LoRA adapters "
+            "only (peft_type 'LORA')"
+        )
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InteropError(f"{path}: {key}={value!r} must be a number > 0")
+    for key, fine in UNSUPPORTED.items():
+        if config.get(key) not in fine:
+            raise InteropError(
+                f"{path}: {key}={config.get(key)!r} is not supported by glassformer's LoRA "
+                f"(supported: {fine[0]!r}); merge it with peft instead (merge_and_unload)"
+            )
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise InteropError(f"{path}: {key}={config.get(key)!r} must be an object")
+    return config
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """peft's rank_pattern / alpha_pattern lookup: a key matches a module name ending in it."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _adapter_tensors(folder: Path) -> dict[str, Tensor]:
+    path = folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        pickled = sorted(
+            p.name for p in folder.glob("adapter_model*") if p.suffix in PICKLE_SUFFIXES
+        )
+        hint = (
+            f"; {', '.join(pickled)} is pickled and glassformer never unpickles files: save it "
+            "again with peft's save_pretrained(dir) (safetensors is its default)"
+            if pickled
+            else ""
+        )
+        raise InteropError(f"{folder} has no {ADAPTER_WEIGHTS}{hint}")
+    read_shapes([path])  # a damaged header fails here, before anything is read
+    return read_tensors([path])
+
+
+def _modules_in_file(tensors: dict[str, Tensor], folder: Path) -> dict[str, tuple[Tensor, Tensor]]:
+    """peft module name -> (A, B); any other tensor (embedding adapters, DoRA magnitudes,
+    trained biases) is refused, naming it."""
+    found: dict[str, dict[str, Tensor]] = {}
+    strange = []
+    for name, tensor in tensors.items():
+        suffix = next((s for s in (A_SUFFIX, B_SUFFIX) if name.endswith(s)), None)
+        if not name.startswith(PREFIX) or suffix is None:
+            strange.append(name)
+            continue
+        module = name[len(PREFIX) : -len(suffix)]
+        found.setdefault(module, {})[suffix] = tensor
+    if strange:
+        raise InteropError(
+            f"{folder / ADAPTER_WEIGHTS} holds tensor(s) that are not LoRA A/B matrices of "
+            f"a causal LM: {', '.join(sorted(strange)[:4])}; glassformer reads plain LoRA only"
+        )
+    incomplete = sorted(m for m, pair in found.items() if len(pair) != 2)
+    if incomplete:
+        raise InteropError(
+            f"{folder / ADAPTER_WEIGHTS}: {', '.join(incomplete[:4])} lack lora_A or lora_B: "
+            "the file is damaged"
+        )
+    return {m: (pair[A_SUFFIX], pair[B_SUFFIX]) for m, pair in found.items()}
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
+    """Put the LoRA adapter of a peft folder (written by save_adapter or by peft) on `model`,
+    which must be the base it was trained on, without adapters yet. Returns the site names.
+    Every module and shape is checked before the model changes: an adapter for another model
+    or size is one error naming the tensor and both shapes."""
+    folder = Path(adapter_dir)
+    if not folder.is_dir():
+        raise InteropError(
+            f"{folder} is not a folder: give the adapter's folder (adapter_config.json)"
+        )
+    config = read_adapter_config(folder)
+    modules = _modules_in_file(_adapter_tensors(folder), folder)
+    if not modules:
+        raise InteropError(f"{folder / ADAPTER_WEIGHTS} holds no LoRA matrices")
+    model_type, pieces = hf_pieces(model)
+    by_hf = {p.hf_name: p for group in pieces.values() for p in group}
+    in_features = {s.module: _in_features(model, s.module) for s in lora_sites(model)}
+    sites_by_rows = {(s.module, s.start, s.size): s for s in lora_sites(model)}
+    sites: list[LoRASite] = []
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    weights: dict[str, tuple[Tensor, Tensor]] = {}
+    for hf_name, (A, B) in sorted(modules.items()):
+        if hf_name not in by_hf:
+            known = sorted({n.rsplit(".", 1)[-1] for n in by_hf})
+            raise InteropError(
+                f"{folder}: the adapter is for module {hf_name!r}, which this {model_type} model "
+                f"does not have (its modules end in {', '.join(known)}): the adapter was trained "
+                "on another architecture"
+            )
+        piece = by_hf[hf_name]
+        rank = int(_pattern_value(config.get("rank_pattern") or {}, hf_name, config["r"]))
+        alpha = float(
+            _pattern_value(config.get("alpha_pattern") or {}, hf_name, config["lora_alpha"])
+        )
+        expected = {
+            "lora_A": (rank, in_features[piece.module]),
+            "lora_B": (piece.size, rank),
+        }
+        for kind, tensor in (("lora_A", A), ("lora_B", B)):
+            if tuple(tensor.shape) != expected[kind]:
+                raise InteropError(
+                    f"{folder}: {PREFIX}{hf_name}.{kind}.weight has shape {tuple(tensor.shape)} "
+                    f"but this model with r={rank} needs {expected[kind]}: the adapter belongs "
+                    "to a model of another size (or its config's r does not match its tensors)"
+                )
+        site = sites_by_rows[(piece.module, piece.start, piece.size)]
+        sites.append(site)
+        ranks[site.name], alphas[site.name] = rank, alpha
+        weights[site.name] = (A, B)
+    dropout = config.get("lora_dropout") or 0.0
+    names = add_adapters(model, sites, ranks, alphas, float(dropout))
+    _copy_weights(model, weights)
+    return names
+
+
+def _in_features(model: nn.Module, module: str) -> int:
+    return model.get_submodule(module).in_features
+
+
+def _copy_weights(model: nn.Module, weights: dict[str, tuple[Tensor, Tensor]]) -> None:
+    by_site = {}
+    for name, wrapper in lora_modules(model):
+        for i, (start, size) in enumerate(wrapper.slices):
+            by_site[(name, start, size)] = (wrapper, i)
+    sites = {s.name: s for s in lora_sites(model)}
+    with torch.no_grad():
+        for site_name, (A, B) in weights.items():
+            site = sites[site_name]
+            wrapper, i = by_site[(site.module, site.start, site.size)]
+            wrapper.lora_A[i].copy_(A.to(wrapper.lora_A[i].dtype))
+            wrapper.lora_B[i].copy_(B.to(wrapper.lora_B[i].dtype))
