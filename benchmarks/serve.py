@@ -72,7 +72,8 @@ def prompts(n: int, length: int) -> list[list[int]]:
     tokenizer = tokenizer_from_gguf(read_gguf(resolve(MODEL)))
     text = "\n".join(shakespeare_plays("modern").values())[:200_000]
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return [ids[i * 997 : i * 997 + length] for i in range(n)]
+    stride = min(997, (len(ids) - length) // n)  # distinct windows that all fit in the text
+    return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
 async def one(client: openai.AsyncOpenAI, prompt: list[int], new_tokens: int) -> tuple[float, int]:

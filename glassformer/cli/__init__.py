@@ -18,6 +18,7 @@ from glassformer.cli import (
     bert,
     calc,
     chat,
+    finetune,
     generate,
     inspect,
     lab,
@@ -32,6 +33,7 @@ from glassformer.cli import (
 # In the order `glassformer --help` lists them.
 COMMAND_GROUPS = (
     train,
+    finetune,
     generate,
     chat,
     serve,

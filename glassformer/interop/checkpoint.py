@@ -348,6 +348,10 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[torch.nn
     if not tokenizer_file.is_file():
         return model, None
     try:
+        if (step_dir / "tokenizer_config.json").is_file():  # a pretrained model's tokenizer:
+            from glassformer.tokenizers import PretrainedTokenizer  # keep its chat template, eos
+
+            return model, PretrainedTokenizer.from_folder(step_dir)
         return model, load_tokenizer(tokenizer_file)
     except ValueError as err:
         raise CheckpointError(f"{tokenizer_file} cannot be loaded: {err}") from None

@@ -114,6 +114,11 @@ def _load_float(name_or_path: str | Path, dtype: torch.dtype):
         model, tokenizer = load_gguf(path)
         return model.to(dtype), tokenizer
     _refuse_pickles(path)
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        raise InteropError(
+            f"{path} holds a LoRA adapter, not a model: load its base model and pass this folder "
+            "as --adapter (or glassformer merge --model BASE --adapter DIR --out OUT)"
+        )
     config = path / "config.json" if path.is_dir() else None
     if config is not None and config.is_file():
         try:

@@ -356,6 +356,7 @@ def add_adapters(
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, leaf)
         wrapper = LoRALinear(base, [(s.start, s.size) for s in group], ranks, alphas, dropout)
+        wrapper.train(model.training)  # an adapter added to a model in eval mode drops nothing
         setattr(parent, leaf, wrapper)
     return [s.name for s in sites]
 

@@ -8,11 +8,13 @@ flow".) The format's names are re-exported here for the callers that know them f
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,11 @@ LOCK_FILE = ".lock"  # held by the one trainer writing into a run directory
 
 def _write_step_dir(
     directory: Path,
-    model: torch.nn.Module,
-    config: ModelConfig,
-    tokenizer: Any | None,
+    model_files: Callable[[Path], None],
     train_state_json: str,
     train_tensors: dict[str, Tensor] | None,
 ) -> None:
-    save_model_files(directory, model, config, tokenizer)
+    model_files(directory)
     (directory / TRAIN_STATE_FILE).write_text(train_state_json + "\n")
     if train_tensors is not None:
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in train_tensors.items()}
@@ -116,13 +116,16 @@ def save_checkpoint(
     train_state: dict[str, Any] | None = None,
     train_tensors: dict[str, Tensor] | None = None,
     keep_last: int | None = 2,
+    model_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write `out_dir/step-NNNNNN/` and point `out_dir/latest` at it; returns the step directory.
 
     Everything is written to a hidden temporary directory and fsynced, then renamed into place,
     then `latest` is replaced atomically, so a crash at any moment leaves the previous
     checkpoint loadable through `resolve_checkpoint`. `keep_last` older steps survive (None
-    keeps all). `tokenizer` is anything with `.save(directory)`.
+    keeps all). `tokenizer` is anything with `.save(directory)`. `model_files(directory)`, if
+    given, writes the model's files instead (a LoRA run writes its adapters, not the frozen
+    base); it must write config.json and model.safetensors, which mark a step complete.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an integer >= 0")
@@ -142,7 +145,11 @@ def save_checkpoint(
     aside: Path | None = None
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
-        _write_step_dir(tmp, model, config, tokenizer, state_json, train_tensors)
+        if model_files is None:
+            model_files = functools.partial(
+                save_model_files, model=model, config=config, tokenizer=tokenizer
+            )
+        _write_step_dir(tmp, model_files, state_json, train_tensors)
         if final.exists():
             # A directory cannot be renamed over a non-empty one: move the old one aside first.
             # If we die between the two renames, resolve_checkpoint finds it under .old-*.

@@ -184,14 +184,16 @@ def _build(cls: type, values: dict[str, Any], section: str):
     return cls(**values)
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
+def parse_override(
+    text: str, sections: tuple[str, ...] = ("model", "data", "train")
+) -> tuple[str, str, Any]:
     """'train.max_steps=100' -> ('train', 'max_steps', 100). Values are read as TOML."""
     key, sep, value = text.partition("=")
     section, dot, name = key.strip().partition(".")
-    if not sep or not dot or section not in ("model", "data", "train"):
+    if not sep or not dot or section not in sections:
         raise ConfigError(
-            f"--set {text!r} should look like section.key=value with section model, data or "
-            "train, e.g. --set train.max_steps=100"
+            f"--set {text!r} should look like section.key=value with section"
+            f" {', '.join(sections[:-1])} or {sections[-1]}, e.g. --set train.max_steps=100"
         )
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
@@ -234,3 +236,100 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
 
 def run_config_json(cfg: RunConfig) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+
+
+# --- fine-tuning a pretrained model -------------------------------------------------------------
+
+FINETUNE_METHODS = ("lora", "full")
+FOLIO_DATA = "folio"  # data = "folio": the built-in First Folio -> modern chat task
+
+
+@dataclass
+class FinetuneConfig:
+    """[finetune]: which pretrained model, which data, and how to adapt it (train/finetune.py)."""
+
+    model: str = "smollm2"  # an alias, a Hugging Face folder, a .gguf file or a glassformer run
+    data: str = ""  # a .jsonl of {"messages": [...]} or {"text": ...} lines, or "folio"
+    val_data: str | None = None  # None: the last val_fraction of `data` (folio: its own plays)
+    val_fraction: float = 0.05
+    method: str = "lora"  # "lora" (adapters only) or "full" (every weight)
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_targets: str = "q,v"  # "q,v", "all-linear" or module names, comma-separated
+    quantize: str | None = None  # "int8": a frozen int8 base under the adapters (QLoRA on CPU)
+    # longest example in tokens (a longer one is an error); None: 512 or the model's own limit
+    max_seq_len: int | None = None
+    packing: bool = False  # several examples per row, kept apart by document masks
+    folio_max_chars: int = 120  # data = "folio": longest speech (characters per side)
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "finetune.")
+        check_choice("finetune.method", self.method, FINETUNE_METHODS)
+        check_choice("finetune.quantize", self.quantize, (None, "int8"))
+        _non_empty("finetune.model", self.model)
+        _non_empty("finetune.val_data", self.val_data)
+        if not self.data.strip():
+            raise ConfigError(
+                'finetune.data is empty: give a .jsonl file of {"messages": [...]} or'
+                ' {"text": ...} lines (--data FILE.jsonl), or "folio" for the built-in task'
+            )
+        if self.lora_rank < 1:
+            raise ConfigError(
+                f"finetune.lora_rank={self.lora_rank} must be >= 1 (the adapters' inner size),"
+                " e.g. 8"
+            )
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"finetune.lora_alpha={self.lora_alpha!r} must be > 0, e.g. 16")
+        _in_unit_interval("finetune.lora_dropout", self.lora_dropout, high_open=True)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"finetune.val_fraction={self.val_fraction} must be in (0, 1)")
+        _at_least("finetune", self, ("max_seq_len", "folio_max_chars"), 2, {})
+        if self.quantize and self.method == "full":
+            raise ConfigError(
+                "finetune.quantize='int8' freezes int8 weights, which full fine-tuning would"
+                " have to train: use method='lora' with it, or drop quantize"
+            )
+
+
+@dataclass
+class FinetuneRunConfig:
+    """A fine-tuning run: [finetune] (model, data, method) and the trainer's own [train]."""
+
+    finetune: FinetuneConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "finetune": dataclasses.asdict(self.finetune),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> FinetuneRunConfig:
+        unknown = sorted(set(raw) - {"finetune", "train"})
+        if unknown:
+            raise ConfigError(f"unknown section(s) {unknown}: use [finetune] and [train]")
+        for section in ("finetune", "train"):
+            if not isinstance(raw.get(section, {}), dict):
+                raise ConfigError(f"{section}={raw[section]!r} must be a table: write [{section}]")
+        return cls(
+            finetune=_build(FinetuneConfig, raw.get("finetune", {}), "finetune"),
+            train=_build(TrainConfig, raw.get("train", {}), "train"),
+        )
+
+
+def load_finetune_config(
+    path: str | Path | None,
+    overrides: list[str] = (),
+    values: dict[str, dict[str, Any]] | None = None,
+) -> FinetuneRunConfig:
+    """[finetune] and [train] from a TOML file (or nothing), then `section.key=value` overrides,
+    then `values` ({section: {key: value}}, what command-line flags set: they win)."""
+    raw: dict[str, Any] = read_toml(path) if path is not None else {}
+    for text in overrides:
+        section, name, value = parse_override(text, sections=("finetune", "train"))
+        raw.setdefault(section, {})[name] = value
+    for section, table in (values or {}).items():
+        raw.setdefault(section, {}).update(table)
+    return FinetuneRunConfig.from_dict(raw)

@@ -30,6 +30,7 @@ from glassformer.interop.checkpoint import (
     list_checkpoints,
     load_model_weights,
     resolve_checkpoint,
+    save_model_files,
 )
 from glassformer.models import build_model
 from glassformer.tokenizers import load_tokenizer
@@ -169,10 +170,7 @@ class Trainer:
         self.cfg = run.train
         self.out_dir = Path(self.cfg.out_dir)
         self.progress = progress
-        # Refuse a bad or impossible [model] before touching the disk or reading the corpus. A
-        # declared vocab_size is checked as written; the tokenizer's replaces it below.
-        declared = run.model_config(vocab_size=run.model.get("vocab_size", 1))
-        check_training_memory(declared, self.cfg, activations=False)
+        self._check_before_start()
         make_out_dir(self.out_dir)
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
@@ -182,13 +180,35 @@ class Trainer:
             self.lock.release()
             raise
 
-    def _prepare(self, resume: bool, overwrite: bool) -> None:
+    def _check_before_start(self) -> None:
+        # Refuse a bad or impossible [model] before touching the disk or reading the corpus. A
+        # declared vocab_size is checked as written; the tokenizer's replaces it below.
         run = self.run
+        declared = run.model_config(vocab_size=run.model.get("vocab_size", 1))
+        check_training_memory(declared, self.cfg, activations=False)
+
+    def _prepare(self, resume: bool, overwrite: bool) -> None:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
         self.old_run = self._old_run_to_replace(resume, overwrite)
         start = self._resume_point() if resume else None
+        self.device = resolve_device(self.cfg.device)
+        self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
+        self.scaler = grad_scaler(self.device, self.half)
+        self._build(start)
+        self.optimizer = make_optimizer(self.model, self.cfg)  # the parameters that train
+        self.step = 0
+        self.tokens_seen = 0  # in this process (for tokens/s)
+        self.train_losses: list[float] = []
+        if start is not None:
+            self._restore(start)
+
+    def _build(self, start: ResumePoint | None) -> None:
+        """Set self.task, self.tokenizer, self.model_cfg and self.model (on self.device): a new
+        model from [model], or train.init_from's weights; a resume loads its own below. The
+        fine-tuning trainer (train/finetune.py) builds from a pretrained model instead."""
+        run = self.run
         init_dir = resolve_checkpoint(self.cfg.init_from) if self.cfg.init_from else None
         # A run started from pretrained weights must read text with their tokenizer.
         tokenizer_dir = start.step_dir if start else init_dir
@@ -196,18 +216,8 @@ class Trainer:
         self.tokenizer = self.task.tokenizer
         self.model_cfg = self.task.model_config(run)
         check_training_memory(self.model_cfg, self.cfg, activations=True)
-
-        self.device = resolve_device(self.cfg.device)
-        self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
-        self.scaler = grad_scaler(self.device, self.half)
         self.model = build_model(self.model_cfg).to(self.device)
-        self.optimizer = make_optimizer(self.model, self.cfg)
-        self.step = 0
-        self.tokens_seen = 0  # in this process (for tokens/s)
-        self.train_losses: list[float] = []
-        if start is not None:
-            self._restore(start)
-        elif init_dir is not None:
+        if start is None and init_dir is not None:
             init_matching_weights(self.model, init_dir)
 
     def close(self) -> None:
@@ -287,7 +297,7 @@ class Trainer:
         return saved if isinstance(saved, dict) else None
 
     def _restore(self, start: ResumePoint) -> None:
-        load_model_weights(self.model, start.step_dir / "model.safetensors")
+        self._load_weights(start.step_dir)
         tensors = start.tensors
         optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
         try:
@@ -302,7 +312,15 @@ class Trainer:
         self.train_losses = list(start.state["train_losses"])
         print(f"resumed from {start.step_dir} at step {self.step}")
 
+    def _load_weights(self, step_dir: Path) -> None:
+        """Put a step's trained weights into self.model (strict: every tensor must fit)."""
+        load_model_weights(self.model, step_dir / "model.safetensors")
+
     # --- saving ---
+
+    def _write_model_files(self, directory: Path) -> None:
+        """The model's part of a step folder: weights, config.json and the tokenizer."""
+        save_model_files(directory, self.model, self.model_cfg, self.tokenizer)
 
     def _write_run_config(self) -> None:
         atomic_write_text(self.out_dir / RUN_CONFIG_FILE, run_config_json(self.run) + "\n")
@@ -324,7 +342,7 @@ class Trainer:
                 self.step,
                 self.model,
                 self.model_cfg,
-                tokenizer=self.tokenizer,
+                model_files=self._write_model_files,
                 train_state=state,
                 train_tensors=tensors,
                 keep_last=self.cfg.keep_checkpoints,
@@ -400,9 +418,12 @@ class Trainer:
         if not self.old_run:  # with --overwrite it is written beside the first new checkpoint
             self._write_run_config()
         n_params = sum(p.numel() for p in self.model.parameters())
+        n_trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trained = "" if n_trained == n_params else f" ({n_trained:,} trained)"
         print(
-            f"model: {n_params / 1e6:.2f}M parameters | vocab {self.tokenizer.vocab_size} | "
-            f"task {self.task.name}: {self.task.n_train} training examples"
+            f"model: {n_params / 1e6:.2f}M parameters{trained} | vocab"
+            f" {self.tokenizer.vocab_size} | task {self.task.name}: {self.task.n_train} training"
+            " examples"
         )
         bar = _progress_bar(self.step, stop, enabled=self.progress)
         self.model.train()
