@@ -21,6 +21,7 @@ import torch
 
 from glassformer import ModelConfig
 from glassformer.cli import main
+from glassformer.config import ConfigError
 from glassformer.train.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -108,8 +109,15 @@ def test_config_values_are_typed_in_the_library_too() -> None:
 
 
 def test_every_shipped_config_loads() -> None:
+    from glassformer.train.config import load_finetune_config
+
     for path in sorted((REPO / "configs").glob("*.toml")):
-        load_run_config(path)
+        if "[finetune]" in path.read_text():
+            load_finetune_config(path)
+            with pytest.raises(ConfigError, match="glassformer finetune --config"):
+                load_run_config(path)  # glassformer train says which command runs it
+        else:
+            load_run_config(path)
 
 
 # --- configs that cannot fit are refused before allocating ------------------------------------

@@ -152,6 +152,11 @@ class RunConfig:
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         unknown = sorted(set(raw) - {"model", "data", "train"})
         if unknown:
+            if "finetune" in unknown:
+                raise ConfigError(
+                    "this file has a [finetune] section: run it with glassformer finetune "
+                    "--config FILE (glassformer train takes [model], [data] and [train])"
+                )
             raise ConfigError(f"unknown section(s) {unknown}: use [model], [data] and [train]")
         for section in ("model", "data", "train"):
             if not isinstance(raw.get(section, {}), dict):
