@@ -142,16 +142,12 @@ class LoRALinear(nn.Module):
         y = self.base(x)  # (..., O)
         if self.merged:
             return y
-        # Rows without an adapter pass through; each adapted block of rows gets its update.
-        pieces, cursor = [], 0
+        # Each adapted block of rows gets its update in place (rows without an adapter pass
+        # through): no copy of the whole output. Autograd allows it: a linear layer's backward
+        # needs its input and weight, not its output.
         for i, (start, size) in enumerate(self.slices):
-            if start > cursor:
-                pieces.append(y[..., cursor:start])
-            pieces.append(y[..., start : start + size] + self.delta(i, x).to(y.dtype))
-            cursor = start + size
-        if cursor < y.shape[-1]:
-            pieces.append(y[..., cursor:])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+            y[..., start : start + size] += self.delta(i, x).to(y.dtype)
+        return y
 
     def delta_weight(self, i: int) -> Tensor:
         """Adapter i as a weight update for its rows: scaling * B A, (S, K)."""
