@@ -1,0 +1,216 @@
+"""One OpenAI response as the engine's events arrive (server/app.py's routes build one per
+request): each choice's text decoded incrementally with stop strings held back while streaming,
+logprobs in OpenAI's shape (with each token's exact bytes for byte-level BPE vocabularies),
+finish_reason, usage, and the server-sent-event chunks of a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from glassformer.detokenize import IncrementalDecoder
+from glassformer.infer.sampling import TokenLogprob
+from glassformer.server.protocol import APIError, SamplingFields
+from glassformer.server.scheduler import Failed, Tokens
+from glassformer.tokenizers import byte_level_chars
+
+if TYPE_CHECKING:
+    from glassformer.server.app import API
+
+
+def token_bytes_table(tokenizer) -> dict[str, int] | None:
+    """For a byte-level BPE: the map from a vocabulary character to its byte, so a token's
+    exact bytes can be reported (`bytes` in logprobs); None for other tokenizers."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or type(hf.decoder).__name__ != "ByteLevel":
+        return None
+    return {char: byte for byte, char in byte_level_chars().items()}
+
+
+# --- one response ---------------------------------------------------------------------------------
+
+
+class Reply:
+    """One request's response as events arrive: each choice's text (decoded incrementally, stop
+    strings held back while streaming), logprobs, finish_reason and usage."""
+
+    def __init__(
+        self,
+        api: API,
+        kind: str,
+        id_prefix: str,
+        body: SamplingFields,
+        prompt: list[int],
+        n_top: int | None,
+    ) -> None:
+        self.api, self.kind, self.body, self.prompt, self.n_top = api, kind, body, prompt, n_top
+        self.chat = kind == "chat.completion"
+        self.id = f"{id_prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        tokenizer = api.served.tokenizer
+        self.decoders = [IncrementalDecoder(tokenizer) for _ in range(body.n)]
+        self.texts = [""] * body.n  # decoded so far
+        self.sent = [0] * body.n  # characters of texts already streamed
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
+        self.rows: list[Any] = [None] * body.n
+        self.failed: APIError | None = None
+        self.holdback = max((len(s) for s in body.stop or ()), default=1) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.failed is not None or all(row is not None for row in self.rows)
+
+    def take(self, event, include_usage: bool = False) -> list[dict]:
+        """Apply one event; returns the stream chunks it makes."""
+        if isinstance(event, Failed):
+            self.failed = APIError(event.status, event.message, kind="server_error")
+            return []
+        i = event.index
+        if isinstance(event, Tokens):
+            stop_ids = self.api.stop_ids
+            for token_id in event.token_ids:
+                if token_id not in stop_ids:
+                    self.texts[i] += self.decoders[i].push(token_id)
+            self.logprobs[i] += event.logprobs
+            new_logprobs = event.logprobs
+            end = max(self.sent[i], len(self.texts[i]) - self.holdback)
+            return [self._chunk(i, self._take_text(i, end), new_logprobs, None, include_usage)]
+        # Finished: the rest of the text, cut where a stop string begins.
+        self.rows[i] = event.row
+        self.texts[i] = _cut_at_stop(self.texts[i] + self.decoders[i].flush(), self.body.stop)
+        text = self._take_text(i, len(self.texts[i]))
+        return [self._chunk(i, text, [], self._finish_reason(i), include_usage)]
+
+    def _take_text(self, i: int, end: int) -> str:
+        piece = self.texts[i][self.sent[i] : end]
+        self.sent[i] = max(self.sent[i], end)
+        return piece
+
+    def _finish_reason(self, i: int) -> str:
+        return "stop" if self.rows[i].stop_reason in ("eos", "stop") else "length"
+
+    # --- wire formats -------------------------------------------------------------------------
+
+    def _header(self, chunk: bool) -> dict:
+        kind = self.kind + (".chunk" if chunk and self.chat else "")
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.api.served.name,
+            "system_fingerprint": self.api.fingerprint,
+        }
+
+    def opening_chunks(self, include_usage: bool) -> list[dict]:
+        """Chat streams open each choice with its role, as OpenAI's do."""
+        if not self.chat:
+            return []
+        chunks = []
+        for i in range(self.body.n):
+            choice = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            chunks.append(
+                self._with_usage({**self._header(True), "choices": [choice]}, include_usage)
+            )
+        return chunks
+
+    def _chunk(self, i, text, logprobs, finish_reason, include_usage) -> dict:
+        choice: dict[str, Any] = {"index": i}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or not finish_reason else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs) if logprobs else None
+        choice["finish_reason"] = finish_reason
+        return self._with_usage({**self._header(True), "choices": [choice]}, include_usage)
+
+    def _with_usage(self, chunk: dict, include_usage: bool) -> dict:
+        return {**chunk, "usage": None} if include_usage else chunk
+
+    def usage(self) -> dict:
+        completion = sum(len(row.tokens) for row in self.rows)
+        cached = self.rows[0].stats.cached_prompt_tokens
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(self.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def usage_chunk(self) -> dict:
+        return {**self._header(True), "choices": [], "usage": self.usage()}
+
+    def whole(self) -> dict:
+        """The non-streaming response."""
+        if self.failed:
+            raise self.failed
+        choices = []
+        for i in range(self.body.n):
+            logprobs = self._logprobs(self.logprobs[i]) if self.n_top is not None else None
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": self.texts[i]}
+            else:
+                choice["text"] = self.texts[i]
+            reason = self._finish_reason(i)
+            choices.append({**choice, "logprobs": logprobs, "finish_reason": reason})
+        return {**self._header(False), "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if self.n_top is None:
+            return None
+        piece = self._piece
+        if self.chat:
+            content = [
+                {
+                    **self._token_entry(e.token_id, e.logprob),
+                    "top_logprobs": [self._token_entry(t, lp) for t, lp in e.top],
+                }
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        tokens = [piece(e.token_id) for e in entries]
+        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,  # characters from the start of the completion
+        }
+
+    def _piece(self, token_id: int) -> str:
+        return self.api.served.tokenizer.decode([token_id])
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        return {
+            "token": self._piece(token_id),
+            "logprob": logprob if math.isfinite(logprob) else -9999.0,
+            "bytes": self._bytes(token_id),
+        }
+
+    def _bytes(self, token_id: int) -> list[int]:
+        table, tokenizer = self.api.token_bytes, self.api.served.tokenizer
+        if table is not None:
+            spelled = tokenizer.hf.id_to_token(token_id)
+            if spelled is not None and all(c in table for c in spelled):
+                return [table[c] for c in spelled]
+        return list(self._piece(token_id).encode("utf-8"))
+
+    @staticmethod
+    def sse(chunks: list[dict]) -> str:
+        return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+
+
+def _cut_at_stop(text: str, stops: list[str] | None) -> str:
+    found = [i for i in (text.find(s) for s in stops or ()) if i >= 0]
+    return text[: min(found)] if found else text
