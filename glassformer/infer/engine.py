@@ -32,6 +32,7 @@ from glassformer.infer.rows import (
     Row,
     TokenStream,
     check_integer_ids,
+    common_prefix_length,
     prompt_tensor,
 )
 from glassformer.infer.sampling import MAX_SEED, SamplingParams, resolve_eos
@@ -284,10 +285,8 @@ class Engine:
                 "continues= must be a finished row added with keep_cache=True whose slot is "
                 "still parked: add the whole conversation as a new row instead"
             )
-        held, shared = parked.context[: parked.length], 0
-        limit = min(len(held), len(row.prompt) - 1)
-        while shared < limit and held[shared] == row.prompt[shared]:
-            shared += 1
+        held = parked.context[: parked.length]
+        shared = min(common_prefix_length(held, row.prompt), len(row.prompt) - 1)
         if shared < len(held) and not hasattr(self.cache, "truncate"):
             shared = 0
         if len(row.prompt) > self.cache.max_seq_len:

@@ -64,6 +64,16 @@ class TokenStream:
         return next(self._tokens)
 
 
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences (token ids, or strings) share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def check_integer_ids(ids: Sequence[int] | Tensor) -> None:
     """Token ids are whole numbers: 1.5 or True would otherwise be cast to 1 without a word."""
     if isinstance(ids, Tensor):

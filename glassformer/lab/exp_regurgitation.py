@@ -22,6 +22,7 @@ import torch
 
 from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
+from glassformer.infer.rows import common_prefix_length
 from glassformer.lab import base as lab
 from glassformer.lab.fit import Schedule, fit, window_batches
 from glassformer.models import build_model
@@ -77,13 +78,8 @@ def verbatim_words(generated: str, reference: str) -> int:
 
 
 def verbatim_chars(generated: str, reference: str) -> int:
-    """Length of the common prefix of two strings."""
-    n = 0
-    for a, b in zip(generated, reference, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
+    """How many characters of `reference` the generation reproduces before it first differs."""
+    return common_prefix_length(generated, reference)
 
 
 def famous_texts() -> list[tuple[str, str, str]]:

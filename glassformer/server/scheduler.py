@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from glassformer.infer.engine import Engine, Row
+from glassformer.infer.rows import common_prefix_length
 from glassformer.infer.sampling import SamplingParams, TokenLogprob
 from glassformer.server.metrics import Metrics
 
@@ -245,7 +246,7 @@ class Scheduler:
         best, best_shared = None, 0
         for row in self.parked.values():
             held = row.context[: row.length]
-            shared = _shared_prefix(held, prompt)
+            shared = common_prefix_length(held, prompt)
             if shared > best_shared and 2 * shared >= len(held):
                 best, best_shared = row, shared
         return best
@@ -314,12 +315,3 @@ class Scheduler:
             parked_rows=len(self.parked),
             kv_cache_bytes=held,
         )
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
