@@ -11,63 +11,27 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import playwright.sync_api as playwright_api
 import pytest
 import torch
-
-pytest.importorskip("fastapi")
-playwright_api = pytest.importorskip("playwright.sync_api")
+from serving import start_server, stop_server
 
 CHROMIUM = "/usr/bin/chromium"
 SENTENCE = "The animal didn't cross the street because it was too tired"
 SAMPLING_PROMPT = "Write a one-line ad for these headphones:"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium"),
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server():
     """`glassformer serve --model smollm2 --embed-model minilm` on a free loopback port."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "glassformer", "serve", "--model", "smollm2",
-               "--embed-model", "minilm", "--host", "127.0.0.1", "--port", str(port),
-               "--threads", "1"]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"glassformer serve exited: {process.stdout.read().decode()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        process.kill()
-        raise RuntimeError("glassformer serve did not answer /health within 90 s")
+    process, url = start_server(["--model", "smollm2", "--embed-model", "minilm"])
     yield url
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_server(process)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +50,9 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def page(server):
+    if not Path(CHROMIUM).exists():  # a failure, not a skip: a skipped browser test proves nothing
+        pytest.fail(f"the browser tests drive Debian's chromium at {CHROMIUM}: apt-get install "
+                    "chromium (make setup does)")  # fmt: skip
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 800})

@@ -11,10 +11,6 @@ as a Hugging Face folder; the embedding model is the real all-MiniLM-L6-v2.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from serving import start_server, stop_server
 
 import glassformer as gf
 from glassformer.chat import END_OF_TURN_TOKENS
@@ -48,42 +45,6 @@ def tiny_chat_model(folder: Path) -> Path:
     save_hf_model(model, folder)
     tokenizer.save(folder)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "glassformer", "serve", *args, "--port", str(port),
-         "--threads", "1", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not answer /health within 90 s")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 @pytest.fixture(scope="module")

