@@ -4,6 +4,8 @@ directions against peft on small random transformers models (logits within 1e-4)
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from glassformer.nn.lora import (
     merge_lora,
     trainable_fraction,
 )
-from glassformer.nn.quant import quantize_int8
+from glassformer.nn.quant import parameter_count, quantize_int8
 
 ATOL = 1e-4
 VOCAB = 96
@@ -132,6 +134,22 @@ def test_lora_on_an_int8_base_trains_the_adapters_only_and_refuses_to_merge():
     assert model.blocks[0].attn.qkv_proj.lora_A[0].dtype == torch.float32
     with pytest.raises(ValueError, match="cannot merge LoRA into an int8 base"):
         merge_lora(model)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_int8_base_counts_the_parameters_of_its_float_model(tied):
+    # int8 weights are buffers, and a tied head gets its own int8 copy of the embedding table:
+    # neither may change the share of parameters LoRA trains.
+    float_model = _tiny_llama()
+    float_model.cfg = dataclasses.replace(float_model.cfg, tie_embeddings=tied)
+    if not tied:
+        float_model.lm_head.weight = torch.nn.Parameter(float_model.lm_head.weight.clone())
+    total = sum(p.numel() for p in float_model.parameters())
+    int8_model = quantize_int8(copy.deepcopy(float_model), group_size=16)
+    assert parameter_count(int8_model) == parameter_count(float_model) == total
+    apply_lora(float_model, "q,v", rank=4, alpha=8)
+    apply_lora(int8_model, "q,v", rank=4, alpha=8)
+    assert trainable_fraction(int8_model) == trainable_fraction(float_model)
 
 
 def test_adapter_trained_on_an_int8_base_saves_and_loads_into_the_float_base(tmp_path):

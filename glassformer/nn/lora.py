@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassformer.nn.quant import Int8Linear
+from glassformer.nn.quant import Int8Linear, parameter_count
 
 # The short names a target list may use, by the leaf name of the Linear they live in: each is a
 # block of output rows of that Linear (None = all its rows). Sizes are resolved per model.
@@ -390,10 +390,8 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 def trainable_fraction(model: nn.Module) -> float:
     """Trainable parameters / all parameters (int8 weights counted as the parameters they are;
     tied tensors once)."""
-    params = list(model.parameters())  # shared (tied) parameters come once
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    total = sum(p.numel() for p in params)
-    total += sum(m.weight.numel() for m in model.modules() if isinstance(m, Int8Linear))
+    total = parameter_count(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable / total if total else 0.0
 
 

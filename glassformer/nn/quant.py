@@ -150,6 +150,18 @@ def quantize_int8(model: nn.Module, group_size: int | None = DEFAULT_GROUP_SIZE)
     return model
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Parameters, with an Int8Linear's weight counted as the parameters it stands for (it is a
+    buffer) and shared (tied) parameters once: a tied lm_head's int8 copy of the embedding
+    table (quantize_int8) is the embedding's, already counted."""
+    total = sum(p.numel() for p in model.parameters())
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    head = getattr(model, "lm_head", None) if tied else None
+    return total + sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, Int8Linear) and m is not head
+    )
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and persistent buffer, counting shared (tied) storage once."""
     seen: set[int] = set()

@@ -33,6 +33,7 @@ from glassformer.interop.checkpoint import (
     save_model_files,
 )
 from glassformer.models import build_model
+from glassformer.nn.quant import parameter_count
 from glassformer.tokenizers import load_tokenizer
 from glassformer.train.checkpoint import RUN_CONFIG_FILE, TRAIN_STATE_FILE, save_checkpoint
 from glassformer.train.config import RunConfig, run_config_json
@@ -417,7 +418,7 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if not self.old_run:  # with --overwrite it is written beside the first new checkpoint
             self._write_run_config()
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = parameter_count(self.model)  # an int8 base's weights too
         n_trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         trained = "" if n_trained == n_params else f" ({n_trained:,} trained)"
         print(
