@@ -271,6 +271,14 @@ def report(contestants: dict[str, Contestant], tokens_per_step: int) -> None:
         f"glassformer LoRA / peft LoRA tokens/s: {speed:.2f}x ({verdict} the target >= "
         f"{SPEED_TARGET:.2f}x; same run, interleaved)"
     )
+    # Paired: the two LoRA steps of one round ran back to back, under the same load; the median
+    # of their ratios is less moved by load that drifts between rounds than the ratio of medians.
+    paired = [p / g for g, p in zip(lora.seconds, peft.seconds, strict=True)]
+    faster = sum(r >= 1.0 for r in paired)
+    print(
+        f"paired, round by round: median {statistics.median(paired):.2f}x, glassformer LoRA"
+        f" the faster of the two in {faster} of {len(paired)} rounds"
+    )
     print(
         f"glassformer LoRA / glassformer full tokens/s: "
         f"{rate['glassformer LoRA'] / rate['glassformer full']:.2f}x"
