@@ -84,9 +84,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
 
     steps, batch = ctx.pick(100, 40, 2), ctx.pick(8, 8, 2)
     n_speeches = ctx.pick(200, 48, 3)
-    # Quick mode compares the two ends, LoRA on q,v and every weight, trained long enough for
-    # LoRA to have learned the task (20 steps were not: it still copied); full mode adds LoRA
-    # on all linear layers.
+    # Quick mode compares the two ends, LoRA on q,v and every weight, for the 40 steps that
+    # about 11 minutes afford here (at 20 steps LoRA's chrF was 70.2, copying's 71.9); full mode
+    # adds LoRA on all linear layers.
     systems = ctx.pick(list(SYSTEMS), ["lora-qv", "full"], list(SYSTEMS))
     seeds = ctx.seeds(quick=1)
     with tempfile.TemporaryDirectory(prefix="lab-lora-base-") as tmp:
