@@ -25,6 +25,15 @@ from glassformer.tokenizers import PretrainedTokenizer
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
 
 
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The ids that end an assistant's turn: the tokenizer's EOS and whichever of
+    END_OF_TURN_TOKENS its vocabulary holds."""
+    stops = {tokenizer.eos_token_id}
+    if hasattr(tokenizer, "token_to_id"):
+        stops |= {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
+    return {i for i in stops if i is not None}
+
+
 @dataclass
 class Reply:
     text: str
@@ -55,9 +64,7 @@ class ChatSession:
                 "this model's tokenizer has no chat template, so chat cannot format a "
                 "conversation: use `glassformer generate` for plain continuation"
             )
-        stops = {self.tokenizer.eos_token_id}
-        stops |= {self.tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
-        self.stop_ids = {i for i in stops if i is not None}
+        self.stop_ids = end_of_turn_ids(self.tokenizer)
         # One slot of the whole context, kept between turns (a parked row holds the history).
         if self.engine.max_rows is None:
             self.engine.max_rows = 1

@@ -9,6 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer as HFTokenizer
 
+from glassformer.chat import end_of_turn_ids
 from glassformer.config import ModelConfig
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.pretrained import resolve
@@ -20,7 +21,6 @@ from glassformer.train.folio_eval import (
     modernise,
     score_outputs,
     shot_messages,
-    stop_ids,
 )
 from glassformer.train.translation import corpus_split
 
@@ -56,7 +56,7 @@ def test_modernise_is_a_plain_greedy_loop(smol):
     model = build_model(cfg).eval()
     n_new = 6
     got = modernise(model, smol, FOLIOS, max_new_tokens=n_new, rows=2)  # 3 prompts, 2 slots
-    stops = stop_ids(smol)
+    stops = end_of_turn_ids(smol)
     expected = []
     for prompt in chat_prompts(smol, FOLIOS):
         ids, new = list(prompt), []

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch import nn
 
 import glassformer
-from glassformer.chat import END_OF_TURN_TOKENS
+from glassformer.chat import end_of_turn_ids
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import NO_EOS, SamplingParams
@@ -216,9 +216,7 @@ class API:
         dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
         self.fingerprint = f"glassformer-{glassformer.__version__}-{served.name}-{dtype}"
         tokenizer = served.tokenizer
-        stops = {tokenizer.eos_token_id}
-        if hasattr(tokenizer, "token_to_id"):
-            stops |= {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
+        stops = end_of_turn_ids(tokenizer)
         if cfg.eos_token_id is not None and 0 <= cfg.eos_token_id < cfg.vocab_size:
             stops.add(cfg.eos_token_id)
         self.stop_ids = tuple(sorted(i for i in stops if i is not None))

@@ -60,14 +60,6 @@ def chat_prompts(
     ]
 
 
-def stop_ids(tokenizer: Any) -> set[int]:
-    """The tokens that end an assistant turn for this tokenizer."""
-    from glassformer.chat import END_OF_TURN_TOKENS
-
-    stops = {tokenizer.eos_token_id} | {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
-    return {i for i in stops if i is not None}
-
-
 @torch.no_grad()
 def modernise(
     model: nn.Module,
@@ -78,10 +70,11 @@ def modernise(
     rows: int = 16,
 ) -> list[str]:
     """Each speech modernised by a chat model: greedy, `rows` conversations decoded at a time."""
+    from glassformer.chat import end_of_turn_ids
     from glassformer.infer.engine import Engine
 
     prompts = chat_prompts(tokenizer, folios, shots)
-    stops = stop_ids(tokenizer)
+    stops = end_of_turn_ids(tokenizer)
     slot = min(max(len(p) for p in prompts) + max_new_tokens, model.cfg.max_seq_len)
     engine = Engine(model, max_rows=min(rows, len(prompts)), max_seq_len=slot)
     results = engine.generate_batch(
