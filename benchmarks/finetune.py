@@ -19,12 +19,21 @@ One training step is what `glassformer finetune` does per step (train/trainer.py
 forward, cross-entropy over the whole batch in fp32, backward, clip_grad_norm_ to
 train.grad_clip, AdamW from the trainer's own make_optimizer (fused, decay on matrices only,
 TrainConfig's betas and learning rate), zero_grad(set_to_none=True). transformers gets the
-same step with the same loss written out on its logits. The batch: --batch-size rows of
---seq-len + 1 tokens of Hamlet through SmolLM2's tokenizer (inputs are the first --seq-len,
-targets the last), the same batch every step and for every contestant. After --warmup untimed
-steps, each round times one step of every contestant in turn (interleaved, so load from other
-processes hits all alike, and who goes first rotates); tokens/s is batch * seq_len over the
-median step time.
+same step with the same loss written out on its logits, the way transformers computes it with
+`labels` (logits at every position, -100 ignored). The batch, the same every step and for every
+contestant:
+
+    --data folio (default)  what `glassformer finetune --config configs/smollm2-lora-folio.toml`
+                            trains on: its first batch of --batch-size (default: the config's 8)
+                            chat conversations, right-padded, loss on the assistant's tokens only
+                            (about 1 position in 7). glassformer's loss runs the head only there.
+    --data hamlet           --batch-size rows of --seq-len + 1 tokens of Hamlet (default 4 x 128),
+                            a loss at every position: plain language-model training.
+
+After --warmup untimed steps, each round times one step of every contestant in turn
+(interleaved, so load from other processes hits all alike, and who goes first rotates);
+tokens/s is the positions of the batch (padding included, the same for all) over the median
+step time.
 
 Memory is counted, not sampled: bytes of the trainable parameters, their gradients (after
 backward, before zero_grad) and the optimizer state (every tensor in optimizer.state: exp_avg,
@@ -32,8 +41,9 @@ exp_avg_sq, step), plus the frozen weights for context. Activations are not coun
 the same for all three up to the adapters' small extra). The process's peak RSS (all three
 models together) is printed once.
 
-    python benchmarks/finetune.py                    # 4 x 128 tokens, 10 timed steps, 2 threads
-    python benchmarks/finetune.py --steps 2 --warmup 1 --batch-size 1 --seq-len 32   # smoke run
+    python benchmarks/finetune.py                    # the Folio chat batch, 10 timed steps
+    python benchmarks/finetune.py --data hamlet      # 4 x 128 tokens of plain text
+    python benchmarks/finetune.py --data hamlet --steps 2 --warmup 1 --batch-size 1 --seq-len 32
 
 It prints one table, a row per contestant: tokens/s, ms/step, spread, trainable parameters, MB
 of trainable weights, gradients, optimizer state and frozen weights, loss at the first and last
@@ -67,12 +77,19 @@ from glassformer.interop.hf import save_hf_model
 from glassformer.interop.peft import adapter_state
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.nn.lora import apply_lora
-from glassformer.train.config import TrainConfig
+from glassformer.train.config import TrainConfig, load_finetune_config
+from glassformer.train.finetune import (
+    FinetuneTask,
+    example_length,
+    load_examples,
+    pad_token_id,
+)
 from glassformer.train.trainer import make_optimizer
 
 MB = 1e6
 SPEED_TARGET = 1.0  # glassformer LoRA tokens/s / peft LoRA tokens/s, at least
 OPTIMIZER_TARGET = 0.02  # LoRA optimizer state / full fine-tuning's, under
+FOLIO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-lora-folio.toml"
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -148,11 +165,13 @@ def glassformer_loss(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
 
 
 def transformers_loss(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    """glassformer's loss on transformers' logits: cross-entropy in fp32 over every position."""
+    """glassformer's loss on transformers' logits, as transformers computes it from `labels`:
+    logits at every position, cross-entropy in fp32 where the target is not -100."""
 
     def loss(inputs: Tensor, targets: Tensor) -> Tensor:
         logits = model(input_ids=inputs, use_cache=False).logits  # (B, T, V)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        flat = logits.float().view(-1, logits.shape[-1])
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-100)
 
     return loss
 
@@ -203,7 +222,7 @@ def peft_lora(glass_lora: nn.Module, folder: Path, dropout: float) -> nn.Module:
     return model
 
 
-def batch_tokens(tokenizer, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+def hamlet_batch(tokenizer, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
     """(inputs, targets), each (B, T): rows of T + 1 consecutive Hamlet tokens, shifted by one."""
     text = shakespeare_plays("modern")["hamlet"]
     ids = tokenizer.encode(text)
@@ -212,6 +231,17 @@ def batch_tokens(tokenizer, batch_size: int, seq_len: int) -> tuple[Tensor, Tens
         raise SystemExit(f"Hamlet has {len(ids)} tokens, the batch needs {need}")
     rows = torch.tensor(ids[:need], dtype=torch.long).view(batch_size, seq_len + 1)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def folio_batch(tokenizer, model_positions: int, batch_size: int | None) -> tuple[Tensor, Tensor]:
+    """(inputs, targets), each (B, T): the first batch the Folio LoRA config trains on, built by
+    the fine-tuning code itself (targets -100 outside the assistant's replies)."""
+    run = load_finetune_config(FOLIO_CONFIG)
+    ft, cfg = run.finetune, run.train
+    train, val = load_examples(ft, tokenizer, example_length(ft, model_positions), cfg.seed)
+    task = FinetuneTask(train, val, tokenizer, pad_token_id(tokenizer), pack_len=0)
+    batch = task.train_batch(0, batch_size or cfg.batch_size, cfg.seed)
+    return batch["input_ids"], batch["targets"]
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -316,8 +346,22 @@ def parse_args() -> argparse.Namespace:
         help="untimed steps before timing (the first allocates the optimizer state and is where "
         "memory is counted)",
     )
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument(
+        "--data",
+        choices=("folio", "hamlet"),
+        default="folio",
+        help="folio: the Folio LoRA config's chat batch (loss on the replies); hamlet: plain text",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, help="sequences per step (default: folio 8, hamlet 4)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=128,
+        help="tokens per sequence (hamlet; folio rows are "
+        "as long as the batch's longest conversation)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     parser.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / r)")
@@ -330,7 +374,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (the first step always warms up)")
-    if min(args.batch_size, args.seq_len, args.threads, args.rank) < 1:
+    if min(args.batch_size or 1, args.seq_len, args.threads, args.rank) < 1:
         parser.error("--batch-size, --seq-len, --threads and --rank must be >= 1")
     return args
 
@@ -344,7 +388,13 @@ def main() -> None:
     base, tokenizer = from_pretrained("smollm2")  # fp32
     if args.seq_len > base.cfg.max_seq_len:
         raise SystemExit(f"--seq-len {args.seq_len} is more than SmolLM2's {base.cfg.max_seq_len}")
-    inputs, targets = batch_tokens(tokenizer, args.batch_size, args.seq_len)
+    if args.data == "hamlet":
+        inputs, targets = hamlet_batch(tokenizer, args.batch_size or 4, args.seq_len)
+        batch_name = "Hamlet, a loss at every position"
+    else:
+        inputs, targets = folio_batch(tokenizer, base.cfg.max_seq_len, args.batch_size)
+        learned = int((targets != -100).sum())
+        batch_name = f"Folio chat, a loss on {learned} of them: the replies"
 
     full = copy.deepcopy(base).train().requires_grad_(True)
     lora = copy.deepcopy(base).train()
@@ -363,10 +413,10 @@ def main() -> None:
         optimizer = make_optimizer(model, cfg)
         contestants[name] = Contestant(name, model, loss_fn, optimizer, cfg.grad_clip)
 
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = inputs.numel()
     print(
-        f"SmolLM2-135M fp32 | batch {args.batch_size} x {args.seq_len} = {tokens_per_step} "
-        f"tokens/step (Hamlet) | threads {torch.get_num_threads()} | LoRA r={args.rank} "
+        f"SmolLM2-135M fp32 | batch {inputs.shape[0]} x {inputs.shape[1]} = {tokens_per_step} "
+        f"tokens/step ({batch_name}) | threads {torch.get_num_threads()} | LoRA r={args.rank} "
         f"alpha={args.alpha:g} on {args.targets} ({len(sites)} adapters), dropout 0\n"
         f"AdamW fused (trainer's make_optimizer), lr {cfg.learning_rate:g}, betas "
         f"({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay} on matrices, grad clip "

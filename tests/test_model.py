@@ -265,6 +265,33 @@ def test_gpt_loss_adds_moe_aux_loss() -> None:
     assert float(out.loss) == pytest.approx(float(ce) + 0.1 * aux, rel=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt_loss_on_learned_positions_equals_loss_on_all_logits(tied: bool) -> None:
+    """The loss runs the head only where targets are not -100 (a chat fine-tune's replies):
+    the value and every gradient equal cross-entropy over the full (B, T, V) logits."""
+    torch.manual_seed(0)
+    model = GPT(_cfg(tie_embeddings=tied, position="rope", norm="rms")).train()
+    ids = torch.randint(0, VOCAB, (3, 12))
+    targets = ids.roll(-1, dims=1)
+    targets[0, :7] = -100  # a prompt
+    targets[1, 4:] = -100  # right padding
+    targets[2, ::3] = -100  # scattered
+    documents = torch.tensor([[0] * 12, [0] * 12, [0] * 5 + [1] * 7])
+
+    model.zero_grad()
+    out = model.loss(ids, targets, document_ids=documents)
+    out.loss.backward()
+    ours = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model.zero_grad()
+    logits = model(ids, document_ids=documents)  # (B, T, V): every position
+    reference = F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-100)
+    reference.backward()
+    assert out.ce_loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
 def test_moe_with_one_expert_equals_dense_ffn(kind: str) -> None:
     moe = MoE(_moe_cfg(n_experts=1, n_experts_per_token=1, moe_expert_ffn=kind, bias=True))

@@ -187,8 +187,15 @@ class GPT(nn.Module):
     def loss(self, input_ids: Tensor, targets: Tensor, **kwargs) -> LossOutput:
         """Teacher forcing (seed 000 §2.2): every position predicts its next token at once.
 
-        targets: (B, T) ids, -100 where no loss is wanted (padding, document boundaries)."""
-        logits = self(input_ids, **kwargs)  # (B, T, V)
+        targets: (B, T) ids, -100 where no loss is wanted (padding, document boundaries, the
+        prompt of a chat example). The head runs only where a loss is taken: its V-wide logits
+        are the largest matmul of a small model, and a chat fine-tune learns a minority of the
+        tokens it reads."""
+        x = self.hidden_states(input_ids, **kwargs)  # (B, T, C)
+        keep = targets != -100
+        if not bool(keep.all()):
+            x, targets = x[keep], targets[keep]  # (N, C), (N,): the positions that are learned
+        logits = self.lm_head(x)  # (B, T, V) or (N, V)
         ce = F.cross_entropy(
             logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
         )

@@ -374,6 +374,13 @@ def _atomic_copy(source: Path, target: Path) -> None:
 DEFAULT_MAX_SEQ_LEN = 512
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id padding rows are filled with: the tokenizer's pad token, else its end of text."""
+    pad_id = tokenizer.pad_token_id
+    pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
+    return pad_id or 0
+
+
 def example_length(ft: FinetuneConfig, model_positions: int) -> int:
     """The longest example allowed: finetune.max_seq_len, or 512 within the model's limit."""
     if ft.max_seq_len is None:
@@ -410,9 +417,9 @@ class FinetuneTrainer(Trainer):
         max_len = example_length(ft, model.cfg.max_seq_len)
         self.tokenizer, self.model_cfg = tokenizer, model.cfg
         train, val = load_examples(ft, tokenizer, max_len, self.cfg.seed)
-        pad_id = tokenizer.pad_token_id
-        pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
-        self.task = FinetuneTask(train, val, tokenizer, pad_id or 0, max_len * ft.packing)
+        self.task = FinetuneTask(
+            train, val, tokenizer, pad_token_id(tokenizer), max_len * ft.packing
+        )
         if ft.method == "lora":
             self.lora_sites = apply_lora(
                 model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout
