@@ -23,6 +23,19 @@ figure is the median over --runs runs of --steps steps, after --warmup untimed s
 
     python benchmarks/train_throughput.py
     python benchmarks/train_throughput.py --nanogpt /tmp/nanogpt/model.py   # karpathy/nanoGPT
+
+Scaling over processes (issue 17), `--procs 1 2`: the same model and global batch trained by
+P processes of --threads / P threads each, launched by torchrun (DDP over gloo on loopback,
+through the trainer's own train/distributed.py: each rank takes its rows of the global batch).
+Each P is one torchrun job per run, the jobs interleaved (1 2 1 2 ... with the order rotating),
+each reporting the median of --steps timed steps after --warmup. Per P it prints tokens/s,
+ms/step, and what gradient synchronisation costs: "exposed all-reduce" is the median step minus
+the median step taken under DDP's no_sync() (the same work without any all-reduce, measured in
+the same job, interleaved), and "all-reduce alone" times one all-reduce of every gradient's
+bytes with nothing else running. Scaling efficiency is tokens/s at P processes over tokens/s at
+one process: the same cores either way, so 1.00 is the ideal.
+
+    python benchmarks/train_throughput.py --procs 1 2 --runs 3 --steps 4
 """
 
 from __future__ import annotations
@@ -31,8 +44,12 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -312,6 +329,132 @@ def report(
             print(f"glassformer/nanoGPT {mode}: tokens/s {ratio:.2f}x (same run, interleaved)")
 
 
+# --- scaling over processes (--procs) --------------------------------------------------------
+
+
+def scaling_worker(args: argparse.Namespace) -> None:
+    """One rank of a --procs job (under torchrun): time DDP steps, steps without gradient sync,
+    and one all-reduce of all the gradients; rank 0 prints the timings as one JSON line."""
+    import torch.distributed as dist
+
+    from glassformer.train.distributed import Parallel
+
+    parallel = Parallel.start("auto", torch.device("cpu"))
+    world = parallel.ranks.world_size
+    torch.set_num_threads(max(1, args.threads // world))
+    torch.manual_seed(args.seed)  # every rank builds the same model (DDP checks it)
+    cfg = ModelConfig.preset(args.preset, dropout=0.0, attention_backend=args.attention)
+    model = GPT(cfg).train()
+    parallel.wrap(model, None)
+    optimizer = make_optimizer(model, args.optimizer, args.lr, args.weight_decay)
+    generator = torch.Generator().manual_seed(args.seed)
+    transitions = bigram_chain(cfg.vocab_size, args.branching, generator)
+    n_steps = args.warmup + 2 * args.steps
+    batches = sample_batches(transitions, n_steps, args.batch_size, cfg.max_seq_len, generator)
+
+    def step(index: int, sync: bool) -> float:
+        inputs, targets = batches[index]
+        rows, weight = parallel.shard({"input_ids": inputs, "targets": targets})
+        start = time.perf_counter()
+        with parallel.gradient_sync(sync):
+            (parallel.loss(**rows).loss * weight).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for index in range(args.warmup):
+        step(index, sync=True)
+    synced, local = [], []
+    for i in range(args.steps):  # interleaved: load from other processes hits both alike
+        synced.append(step(args.warmup + 2 * i, sync=True))
+        local.append(step(args.warmup + 2 * i + 1, sync=False))
+    allreduce = []
+    if world > 1:
+        flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(flat)
+            allreduce.append(time.perf_counter() - start)
+    if parallel.is_main:
+        result = {"procs": world, "threads": torch.get_num_threads(), "step_s": synced}
+        result |= {"local_step_s": local, "allreduce_s": allreduce}
+        print("RESULT " + json.dumps(result), flush=True)
+    parallel.close()
+
+
+def scaling(args: argparse.Namespace) -> None:
+    """Launch one torchrun job per (run, P), interleaved, and print the scaling table."""
+    from glassformer.train.distributed import Parallel  # noqa: F401  (fail early if missing)
+
+    cfg = ModelConfig.preset(args.preset)
+    tokens_per_step = args.batch_size * cfg.max_seq_len
+    bad = [p for p in args.procs if p < 1 or args.batch_size % p or args.threads % p]
+    if bad:
+        raise SystemExit(
+            f"--procs {bad}: each P must divide --batch-size ({args.batch_size}) and --threads"
+            f" ({args.threads})"
+        )
+    print(
+        f"{args.preset}: batch {args.batch_size} x {cfg.max_seq_len} = {tokens_per_step} tokens"
+        f" per step (global) | {args.threads} threads in all, split over the processes | DDP,"
+        f" gloo on 127.0.0.1 | {args.warmup} warm-up steps, then {args.steps} timed steps per"
+        f" job, median of {args.runs} interleaved jobs per P | torch {torch.__version__}"
+    )
+    results: dict[int, list[dict]] = {p: [] for p in args.procs}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for run in range(args.runs):
+        order = args.procs[run % len(args.procs) :] + args.procs[: run % len(args.procs)]
+        for procs in order:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                       str(procs), "--master-addr", "127.0.0.1", "--master-port",
+                       str(_free_port()), __file__, "--worker", *sys.argv[1:]]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"the {procs}-process job failed:\n{done.stderr[-3000:]}")
+            results[procs].append(json.loads(lines[-1].removeprefix("RESULT ")))
+
+    def median_of_medians(rows: list[dict], key: str) -> float:
+        return statistics.median(statistics.median(r[key]) for r in rows) if rows[0][key] else 0
+
+    rows, rates = [], {}
+    for procs, runs in results.items():
+        step = median_of_medians(runs, "step_s")
+        local = median_of_medians(runs, "local_step_s")
+        alone = median_of_medians(runs, "allreduce_s")
+        rates[procs] = tokens_per_step / step
+        exposed = f"{(step - local) * 1000:,.0f}" if procs > 1 else "-"
+        rows.append(
+            [
+                f"{procs} x {runs[0]['threads']} threads",
+                f"{rates[procs]:,.0f}",
+                f"{step * 1000:,.0f}",
+                f"{local * 1000:,.0f}" if procs > 1 else "-",
+                exposed,
+                f"{alone * 1000:,.1f}" if procs > 1 else "-",
+            ]
+        )
+    header = ["processes", "tokens/s", "ms/step", "ms/step no sync", "exposed all-reduce ms"]
+    print_table(rows, [*header, "all-reduce alone ms"])
+    base = min(args.procs)
+    for procs in args.procs:
+        if procs != base:
+            print(
+                f"scaling efficiency {procs} processes vs {base}: "
+                f"{rates[procs] / rates[base]:.2f} (tokens/s ratio on the same {args.threads}"
+                " cores; 1.00 is ideal)"
+            )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -371,6 +514,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--branching", type=int, default=4, help="successors per token in the data")
     parser.add_argument("--seed", type=int, default=1337, help="seed for weights and data")
+    parser.add_argument(
+        "--procs",
+        type=int,
+        nargs="+",
+        help="scaling mode: train with each of these process counts (torchrun, DDP over gloo),"
+        " --threads split among them, and compare tokens/s",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -382,6 +533,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.worker:
+        return scaling_worker(args)
+    if args.procs:
+        return scaling(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     cfg = ModelConfig.preset(args.preset, dropout=0.0, attention_backend=args.attention)

@@ -78,9 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # ConfigError, CheckpointError, InteropError too
         if args.debug or os.environ.get("GLASSFORMER_DEBUG"):
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print(f"error{_on_rank()}: {one_line(err)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _on_rank() -> str:
+    """ " on rank R of N" in a process that torchrun started with others, so that each error
+    says which process it came from; nothing alone."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f" on rank {rank} of {world}" if world not in ("", "1") else ""
 
 
 def one_line(err: BaseException) -> str:

@@ -12,11 +12,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     """train a model from a TOML config
 
     Train a model. The TOML file has [model], [data] and [train] tables; see configs/ for
-    examples.
+    examples. On several processes: torchrun --nproc-per-node N -m glassformer train --config C
+    (train.strategy = "ddp" or "fsdp"; see docs/distributed.md).
     """
     from glassformer.train.config import load_run_config
+    from glassformer.train.distributed import quiet_unless_main
     from glassformer.train.trainer import train
 
+    quiet_unless_main()
     overrides = list(args.set or [])
     if args.device is not None:
         overrides.append(f"train.device={args.device}")  # after --set: the flag wins

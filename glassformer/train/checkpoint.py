@@ -55,18 +55,21 @@ LOCK_FILE = ".lock"  # held by the one trainer writing into a run directory
 # --- saving a step ----------------------------------------------------------------------------
 
 
-def _write_step_dir(
+def write_step_files(
     directory: Path,
+    step: int,
     model_files: Callable[[Path], None],
-    train_state_json: str,
+    train_state: dict[str, Any] | None,
     train_tensors: dict[str, Tensor] | None,
 ) -> None:
+    """A step's files: the model's (model_files(directory)), train_state.json and, if given,
+    train_state.safetensors. Nothing is fsynced: commit_step_dir does that."""
+    train_state_json = _train_state_json(step, train_state)
     model_files(directory)
     (directory / TRAIN_STATE_FILE).write_text(train_state_json + "\n")
     if train_tensors is not None:
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in train_tensors.items()}
         safetensors.torch.save_file(cpu, str(directory / TRAIN_TENSORS_FILE))
-    fsync_tree(directory)
 
 
 def _train_state_json(step: int, train_state: dict[str, Any] | None) -> str:
@@ -136,28 +139,47 @@ def save_checkpoint(
             f"keep_last={keep_last!r} must be an integer >= 1 (the newest checkpoint is always"
             " kept), or None to keep every checkpoint"
         )
-    state_json = _train_state_json(step, train_state)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = step_dir_name(step)
-    final = out_dir / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out_dir))
-    aside: Path | None = None
+    _train_state_json(step, train_state)  # refuse a bad state before touching the disk
+    tmp = begin_step_dir(out_dir, step)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
         if model_files is None:
             model_files = functools.partial(
                 save_model_files, model=model, config=config, tokenizer=tokenizer
             )
-        _write_step_dir(tmp, model_files, state_json, train_tensors)
+        write_step_files(tmp, step, model_files, train_state, train_tensors)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_step_dir(out_dir, step, tmp, keep_last)
+
+
+def begin_step_dir(out_dir: str | Path, step: int) -> Path:
+    """A new hidden temporary folder in out_dir to write step `step` into (then
+    commit_step_dir). Several processes may write into it: the ranks of a sharded run."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{step_dir_name(step)}-", dir=out_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
+    return tmp
+
+
+def commit_step_dir(out_dir: str | Path, step: int, tmp: Path, keep_last: int | None = 2) -> Path:
+    """Make the complete folder `tmp` step `step` of the run: fsync it, rename it into place,
+    then point `latest` at it (each an atomic step, so a crash at any moment leaves `latest`
+    naming a complete step), and prune older steps to keep_last. On failure tmp is removed."""
+    out_dir = Path(out_dir)
+    final = out_dir / step_dir_name(step)
+    aside: Path | None = None
+    try:
+        fsync_tree(tmp)
         if final.exists():
             # A directory cannot be renamed over a non-empty one: move the old one aside first.
             # If we die between the two renames, resolve_checkpoint finds it under .old-*.
-            aside = out_dir / f".old-{name}-{secrets.token_hex(4)}"
+            aside = out_dir / f".old-{final.name}-{secrets.token_hex(4)}"
             os.replace(final, aside)
         os.replace(tmp, final)
         fsync_dir(out_dir)
-        atomic_write_text(out_dir / LATEST_FILE, name + "\n")
+        atomic_write_text(out_dir / LATEST_FILE, final.name + "\n")
     except BaseException:
         if aside is not None and not final.exists():
             # Put the old checkpoint back where `latest` may point; if even that fails,

@@ -15,6 +15,8 @@ from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice, 
 from glassformer.data.corpus import SPELLINGS
 from glassformer.devices import DEVICES
 
+STRATEGIES = ("auto", "single", "ddp", "fsdp")  # train.strategy: train/distributed.py
+
 CHUNKINGS = ("sliding", "truncate", "pack")
 TOKENIZERS = ("char", "bpe")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -94,12 +96,16 @@ class TrainConfig:
     dtype: str = "fp32"
     device: str = "auto"  # "auto" (cuda, then mps, then cpu), "cpu", "cuda" or "mps"
     threads: int | None = None  # torch threads; None keeps torch's default
+    # Under torchrun: "ddp", "fsdp", or "auto" (one process: single; more: ddp). See
+    # train/distributed.py.
+    strategy: str = "auto"
     init_from: str | None = None  # start from these weights (a checkpoint), e.g. fine-tuning
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
         check_choice("train.dtype", self.dtype, DTYPES)
         check_choice("train.device", self.device, DEVICES)
+        check_choice("train.strategy", self.strategy, STRATEGIES)
         _non_empty("train.out_dir", self.out_dir)
         _non_empty("train.init_from", self.init_from)
         counts = ("max_steps", "batch_size", "grad_accum_steps", "eval_interval", "eval_batches")

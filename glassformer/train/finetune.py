@@ -399,7 +399,12 @@ class FinetuneTrainer(Trainer):
     run: FinetuneRunConfig
 
     def _check_before_start(self) -> None:
-        pass  # the model's size is known once it is loaded; loading checks the memory
+        # The model's size is known once it is loaded; loading checks the memory.
+        if self.parallel.sharded:
+            raise ConfigError(
+                "train.strategy='fsdp' is for `glassformer train`; a fine-tune saves adapters or"
+                " a pretrained model's own files from one whole copy: use train.strategy=ddp"
+            )
 
     def _build(self, start: ResumePoint | None) -> None:
         ft = self.run.finetune

@@ -102,13 +102,14 @@ class RunLock:
     stale and taken over with a note; release() removes the lock only while it is still ours.
     Use it as a context manager, or call acquire() and release()."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, enabled: bool = True) -> None:
         self.path = Path(out_dir) / LOCK_FILE
         self.owner = {"pid": os.getpid(), "host": socket.gethostname()}
         self.held = False
+        self.enabled = enabled  # False on the ranks of a multi-process run other than rank 0
 
     def acquire(self) -> None:
-        if self.held:
+        if self.held or not self.enabled:
             return
         for _attempt in range(3):  # a stale lock is removed, then taken like a missing one
             try:

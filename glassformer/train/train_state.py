@@ -54,6 +54,21 @@ def load_optimizer_state(
     optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, Tensor]
 ) -> None:
     """Inverse of `optimizer_state_to_tensors`: load the saved state into `optimizer`."""
+    state_dict = optimizer_state_dict(optimizer, meta, tensors)
+    try:
+        optimizer.load_state_dict(state_dict)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(
+            f"the saved optimizer state does not fit this optimizer ({err}): build the model and"
+            " optimizer from the checkpoint's config before resuming"
+        ) from None
+
+
+def optimizer_state_dict(
+    optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, Tensor]
+) -> dict[str, Any]:
+    """The saved state as `optimizer.state_dict()` has it (state and param groups keyed by
+    parameter index), with the optimizer's own types where JSON has none (tuples)."""
     prefix = meta.get("prefix", "optimizer")
 
     def join(entry: dict[str, Any], where: str) -> dict[str, Any]:
@@ -84,13 +99,7 @@ def load_optimizer_state(
                 group[key] = tuple(value)
         groups.append(group)
     state = {int(index): join(entry, f"state.{index}") for index, entry in meta["state"].items()}
-    try:
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(
-            f"the saved optimizer state does not fit this optimizer ({err}): build the model and"
-            " optimizer from the checkpoint's config before resuming"
-        ) from None
+    return {"state": state, "param_groups": groups}
 
 
 def rng_state_tensors(generators: dict[str, torch.Generator] | None = None) -> dict[str, Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +36,25 @@ from glassformer.interop.checkpoint import (
 from glassformer.models import build_model
 from glassformer.nn.quant import parameter_count
 from glassformer.tokenizers import load_tokenizer
-from glassformer.train.checkpoint import RUN_CONFIG_FILE, TRAIN_STATE_FILE, save_checkpoint
+from glassformer.train.checkpoint import (
+    RUN_CONFIG_FILE,
+    TRAIN_STATE_FILE,
+    begin_step_dir,
+    commit_step_dir,
+    save_checkpoint,
+    step_dir_name,
+    write_step_files,
+)
 from glassformer.train.config import RunConfig, run_config_json
+from glassformer.train.distributed import (
+    SHARDS_DIR,
+    Parallel,
+    full_weights,
+    load_full_optimizer,
+    load_sharded,
+    restart_count,
+    save_sharded,
+)
 from glassformer.train.guards import (
     check_training_memory,
     config_changes,
@@ -55,6 +73,7 @@ from glassformer.train.run_dir import (
 from glassformer.train.tasks import Task, make_task
 from glassformer.train.train_state import (
     load_optimizer_state,
+    optimizer_state_dict,
     optimizer_state_to_tensors,
     restore_rng_state,
     rng_state_tensors,
@@ -157,7 +176,11 @@ class Trainer:
     """One training run in train.out_dir. It holds the run's lock from construction until fit()
     returns (or close()). resume=True continues from the newest intact checkpoint;
     overwrite=True starts over in a folder that holds a run, deleting the old step
-    directories only once this run has saved its first checkpoint."""
+    directories only once this run has saved its first checkpoint.
+
+    Under torchrun every process builds its own Trainer: train.strategy says how they share
+    the work (train/distributed.py); rank 0 alone holds the lock and writes the files, and a
+    job restarted by torchrun's agent resumes from the newest checkpoint by itself."""
 
     def __init__(
         self, run: RunConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
@@ -170,10 +193,16 @@ class Trainer:
         self.run = run
         self.cfg = run.train
         self.out_dir = Path(self.cfg.out_dir)
-        self.progress = progress
+        self.parallel = Parallel.start(self.cfg.strategy, resolve_device(self.cfg.device))
+        self.parallel.check_same_config(run_config_json(run))
+        self.parallel.check_batch_size(self.cfg.batch_size)
+        self.progress = progress and self.parallel.is_main
+        if restart_count() > 0:  # torchrun's agent restarted the job after a worker died
+            print(f"restart {restart_count()}: resuming from the newest checkpoint")
+            resume, overwrite = True, False
         self._check_before_start()
         make_out_dir(self.out_dir)
-        self.lock = RunLock(self.out_dir)
+        self.lock = RunLock(self.out_dir, enabled=self.parallel.is_main)
         self.lock.acquire()
         try:
             self._prepare(resume, overwrite)
@@ -194,10 +223,13 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.old_run = self._old_run_to_replace(resume, overwrite)
         start = self._resume_point() if resume else None
-        self.device = resolve_device(self.cfg.device)
+        self.device = self.parallel.device  # under torchrun on GPUs: cuda:LOCAL_RANK
         self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
         self.scaler = grad_scaler(self.device, self.half)
         self._build(start)
+        if start is not None and not _sharded(start.step_dir):
+            self._load_weights(start.step_dir)  # whole weights go in before any sharding
+        self.parallel.wrap(self.model, self.half)  # DDP or FSDP; nothing for one process
         self.optimizer = make_optimizer(self.model, self.cfg)  # the parameters that train
         self.step = 0
         self.tokens_seen = 0  # in this process (for tokens/s)
@@ -298,11 +330,18 @@ class Trainer:
         return saved if isinstance(saved, dict) else None
 
     def _restore(self, start: ResumePoint) -> None:
-        self._load_weights(start.step_dir)
+        """The optimizer state, RNG and step of `start` (whole weights are already in)."""
         tensors = start.tensors
         optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
+        meta = start.state["optimizer"]
         try:
-            load_optimizer_state(self.optimizer, start.state["optimizer"], optim_tensors)
+            if _sharded(start.step_dir):  # weights and moments from every rank's shard
+                load_sharded(start.step_dir, self.model, self.optimizer, meta["param_groups"])
+            elif self.parallel.sharded:
+                state_dict = optimizer_state_dict(self.optimizer, meta, optim_tensors)
+                load_full_optimizer(self.model, self.optimizer, state_dict)
+            else:
+                load_optimizer_state(self.optimizer, meta, optim_tensors)
         except (KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(
                 f"{start.step_dir / TRAIN_STATE_FILE} holds a malformed optimizer state"
@@ -327,15 +366,35 @@ class Trainer:
         atomic_write_text(self.out_dir / RUN_CONFIG_FILE, run_config_json(self.run) + "\n")
 
     def save(self) -> Path:
+        """Write step-NNNNNN and point `latest` at it. Every rank calls it: with FSDP each
+        writes its shard; otherwise rank 0 writes what every rank holds."""
         self._check_weights_finite()
-        optim_meta, optim_tensors = optimizer_state_to_tensors(self.optimizer)
-        state = {
+        if self.parallel.sharded:
+            step_dir = self._save_sharded()
+        else:
+            if self.parallel.is_main:
+                self._save_whole()
+            self.parallel.barrier()
+            step_dir = self.out_dir / step_dir_name(self.step)
+        if self.old_run and self.parallel.is_main:
+            # --overwrite: this run has a checkpoint now, so the old one can go
+            remove_step_dirs(self.out_dir, self.old_run, keep=step_dir.name)
+            self._write_run_config()
+        self.old_run = []
+        return step_dir
+
+    def _train_state(self, optimizer_meta: dict[str, Any]) -> dict[str, Any]:
+        return {
             "step": self.step,
             "train_losses": self.train_losses,
-            "optimizer": optim_meta,
+            "optimizer": optimizer_meta,
             "run_config": self.run.to_dict(),
         }
+
+    def _save_whole(self) -> Path:
+        optim_meta, optim_tensors = optimizer_state_to_tensors(self.optimizer)
         tensors = {**optim_tensors, **rng_state_tensors()}
+        state = self._train_state(optim_meta)
         previous = newest_checkpoint(self.out_dir)
         try:
             step_dir = save_checkpoint(
@@ -351,11 +410,39 @@ class Trainer:
         except (OSError, safetensors.SafetensorError) as err:
             needed = checkpoint_nbytes(self.model, tensors)
             raise save_failed(self.out_dir, self.step, err, previous, needed) from err
-        if self.old_run:  # --overwrite: this run has a checkpoint now, so the old one can go
-            remove_step_dirs(self.out_dir, self.old_run, keep=step_dir.name)
-            self.old_run = []
-            self._write_run_config()
         return step_dir
+
+    def _save_sharded(self) -> Path:
+        """FSDP: rank 0 opens the step's temporary folder, every rank writes its shard of the
+        weights and AdamW moments into it (torch.distributed.checkpoint), rank 0 adds the whole
+        weights (model.safetensors, gathered: what generate reads), config, tokenizer and
+        trainer state, and commits the folder only once all of it is there."""
+        main = self.parallel.is_main
+        tmp = Path(
+            self.parallel.broadcast_text(
+                str(begin_step_dir(self.out_dir, self.step)) if main else ""
+            )
+        )
+        try:
+            groups = save_sharded(tmp, self.model, self.optimizer)
+            weights = full_weights(self.model)  # collective; rank 0 gets the tensors
+            if main:
+                whole = build_model(self.model_cfg)
+                whole.load_state_dict(weights)
+                write_step_files(
+                    tmp,
+                    self.step,
+                    lambda d: save_model_files(d, whole, self.model_cfg, self.tokenizer),
+                    self._train_state({"sharded": True, "param_groups": groups}),
+                    rng_state_tensors(),
+                )
+                commit_step_dir(self.out_dir, self.step, tmp, self.cfg.keep_checkpoints)
+        except BaseException:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.parallel.barrier()
+        return self.out_dir / step_dir_name(self.step)
 
     # --- divergence ---
 
@@ -370,8 +457,9 @@ class Trainer:
 
     def _check_weights_finite(self) -> None:
         # A finite loss can still come with overflowing gradients: never save such weights.
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(_local(p)).all()]
+        if self.parallel.any_rank(bool(bad)):  # every rank stops, not only the one that saw it
+            bad = bad or ["on another rank"]
             raise self._diverged(f"the weights became NaN/inf ({bad[0]}, ...)", self.step)
 
     # --- training ---
@@ -381,16 +469,20 @@ class Trainer:
         lr = learning_rate(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum_steps):
             micro_step = self.step * cfg.grad_accum_steps + micro
-            batch = self.task.train_batch(micro_step, cfg.batch_size, cfg.seed)
+            batch = self.task.train_batch(micro_step, cfg.batch_size, cfg.seed)  # all ranks'
             self.tokens_seen += self.task.tokens_in(batch)
-            with autocast(self.device, self.half):
-                out = self.model.loss(**to_device(batch, self.device))
-            loss = out.loss / cfg.grad_accum_steps
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += out.ce_loss.item() / cfg.grad_accum_steps
+            rows, weight = self.parallel.shard(batch)  # this rank's rows (all of them alone)
+            last = micro == cfg.grad_accum_steps - 1
+            with self.parallel.gradient_sync(last):  # inner micro-steps: no all-reduce
+                with autocast(self.device, self.half):
+                    out = self.parallel.loss(**to_device(rows, self.device))
+                loss = out.loss * (weight / cfg.grad_accum_steps)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += out.ce_loss.detach().float() * (weight / cfg.grad_accum_steps)
+        total = self.parallel.global_mean(total)  # the whole batch's loss, the same on every rank
         if not math.isfinite(total):  # stop before the update spreads it into the weights
             raise self._diverged(f"the training loss became {total}", self.step + 1)
         if self.scaler:
@@ -461,6 +553,16 @@ class Trainer:
         )
 
 
+def _sharded(step_dir: Path) -> bool:
+    """A step written by an FSDP run: weights and moments in per-rank shards."""
+    return (step_dir / SHARDS_DIR).is_dir()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a sharded (DTensor) parameter; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _progress_bar(initial: int, total: int, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -479,4 +581,8 @@ def train(
     run: RunConfig, resume: bool = False, progress: bool = True, overwrite: bool = False
 ) -> TrainResult:
     """Train (or resume) the run described by `run` and return its losses."""
-    return Trainer(run, resume=resume, progress=progress, overwrite=overwrite).fit()
+    trainer = Trainer(run, resume=resume, progress=progress, overwrite=overwrite)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.parallel.close()
