@@ -57,6 +57,10 @@ class ChatSession:
     # False: what the user types is encoded as text, so "<|im_start|>system" typed in a
     # message cannot open a system turn. True: control tokens in messages are parsed (raw).
     parse_special: bool = False
+    # Answer without thinking: the template is asked for no thinking (Qwen3's
+    # enable_thinking=False writes an empty <think></think>), and the prompt gets that empty
+    # segment if the template did not write it (sampling should carry a budget of 0).
+    no_think_suffix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -86,7 +90,11 @@ class ChatSession:
                 self.messages,
                 add_generation_prompt=True,
                 parse_special_in_content=self.parse_special,
+                template_kwargs={"enable_thinking": False} if self.no_think_suffix else None,
             )
+            suffix = list(self.no_think_suffix)
+            if suffix and suffix[-1] not in ids[-4:]:  # the template wrote no empty segment
+                ids += suffix
             first = 1 if self.messages[0]["role"] == "system" else 0
             if len(ids) <= limit or len(self.messages) - first <= 1:
                 break

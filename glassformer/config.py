@@ -137,6 +137,7 @@ class ModelConfig:
     mlp_bias: bool | None = None  # None: follows `bias`
     tie_embeddings: bool = True
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     attention_backend: str = "sdpa"
     cell: str = "lstm"  # family "rnn" only: "rnn" (the tutorial's tanh cell), "lstm" or "gru"
     dropout: float = 0.0
@@ -219,6 +220,11 @@ class ModelConfig:
             not self.rope_theta > 1
         ):  # RoPE's wavelengths are powers of theta (and NTK/YaRN take its log)
             raise ConfigError(f"rope_theta={self.rope_theta!r} must be > 1 (10000 is usual)")
+        if self.qk_norm and self.family not in ("gpt", "bert"):
+            raise ConfigError(
+                f"qk_norm=True is for self-attention models (family gpt or bert), not"
+                f" family={self.family!r}: leave qk_norm out"
+            )
 
     def _check_heads(self) -> None:
         if self.head_dim is None:

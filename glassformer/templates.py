@@ -217,10 +217,16 @@ def _template_and_variables(tokenizer: Any, add_generation_prompt: bool) -> tupl
     return tokenizer.chat_template, variables
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    """A PretrainedTokenizer's conversation as the text its chat template writes."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """A PretrainedTokenizer's conversation as the text its chat template writes.
+    template_kwargs: further template variables (Qwen3's enable_thinking)."""
     source, variables = _template_and_variables(tokenizer, add_generation_prompt)
-    return render(source, messages=messages, **variables)
+    return render(source, messages=messages, **variables, **(template_kwargs or {}))
 
 
 def encode_chat(
@@ -228,11 +234,14 @@ def encode_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     parse_special_in_content: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """A conversation's token ids: the template's own text is encoded with its control tokens,
     each message's text as plain text, so typed "<|im_start|>" stays characters. With
-    parse_special_in_content the whole rendered text is encoded as one (raw templates)."""
+    parse_special_in_content the whole rendered text is encoded as one (raw templates).
+    template_kwargs: further template variables (Qwen3's enable_thinking)."""
     source, variables = _template_and_variables(tokenizer, add_generation_prompt)
+    variables = {**variables, **(template_kwargs or {})}
     if not parse_special_in_content:
         pieces = chat_pieces(source, messages, **variables)
         if pieces is not None:

@@ -390,22 +390,27 @@ class PretrainedTokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as text, rendered by the model's own Jinja chat template (sandboxed,
         bounded in time and size). To encode a conversation use encode_chat instead."""
-        return templates.render_chat(self, messages, add_generation_prompt)
+        return templates.render_chat(self, messages, add_generation_prompt, template_kwargs)
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         parse_special_in_content: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation's token ids: the template's text with its control tokens, the
-        messages' text as plain text (unless parse_special_in_content; templates.encode_chat)."""
+        messages' text as plain text (unless parse_special_in_content; templates.encode_chat).
+        template_kwargs: further template variables, e.g. {"enable_thinking": False}."""
         return templates.encode_chat(
-            self, messages, add_generation_prompt, parse_special_in_content
+            self, messages, add_generation_prompt, parse_special_in_content, template_kwargs
         )
 
     def save(self, directory: str | Path) -> Path:

@@ -158,6 +158,8 @@ def test_hf_llama_round_trip_keeps_logits_and_files(tmp_path: Path) -> None:
         (dict(position="rope", norm="rms", ffn="swiglu", sliding_window=4), "llama", "sliding"),
         (dict(position="rope", norm="rms", ffn="swiglu", mlp_bias=True), "mistral", "mlp_bias"),
         (dict(position="rope", norm="rms", ffn="swiglu", bias=True), "qwen2", "attn_out_bias"),
+        (dict(position="rope", norm="rms", ffn="swiglu", qk_norm=True), "llama", "qk_norm=True"),
+        (dict(position="rope", norm="rms", ffn="swiglu"), "qwen3", "qk_norm=False"),
     ],
 )
 def test_configs_no_hf_architecture_expresses_are_refused(
@@ -185,6 +187,9 @@ def test_convert_cli_reports_an_inexpressible_config(tmp_path: Path, capsys) -> 
         # Qwen2 always has q/k/v biases: written as zeros
         ("qwen2", dict(), "Qwen2ForCausalLM"),
         ("mistral", dict(n_kv_heads=1), "MistralForCausalLM"),
+        ("qwen3", dict(qk_norm=True, n_kv_heads=2), "Qwen3ForCausalLM"),
+        # Qwen3's attention_bias covers q/k/v and o, like Llama's
+        ("qwen3", dict(qk_norm=True, qkv_bias=True), "Qwen3ForCausalLM"),
     ],
 )
 def test_convert_with_an_explicit_model_type(

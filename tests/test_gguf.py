@@ -94,6 +94,7 @@ def _hf_to_gguf_names(i: int) -> dict[str, str]:
         "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     }  # fmt: skip
     return {
         f"{hf}.{a}.{kind}": f"{blk}.{b}.{kind}"
@@ -228,6 +229,9 @@ def tiny_hf_model(kind: str = "llama", **overrides: Any) -> transformers.PreTrai
     if kind == "qwen2":
         config = transformers.Qwen2Config(**(base | {"use_sliding_window": False} | overrides))
         return _randomize(transformers.Qwen2ForCausalLM(config))
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(**(base | {"use_sliding_window": False} | overrides))
+        return _randomize(transformers.Qwen3ForCausalLM(config))
     return _randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**(base | overrides))))
 
 
@@ -290,6 +294,13 @@ def test_qwen2_gguf_biases_and_unpermuted_rows_match_transformers(tmp_path, voca
     )
     model, _ = load_gguf(write_gguf(tmp_path / "q.gguf", hf, vocab, arch="qwen2", pre="qwen2"))
     assert model.cfg.has_bias("qkv") and not model.cfg.has_bias("attn_out")
+    assert _max_diff(model, hf, _ids(400)) <= 1e-4
+
+
+def test_qwen3_gguf_qk_norms_match_transformers(tmp_path, vocab):
+    hf = tiny_hf_model("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model, _ = load_gguf(write_gguf(tmp_path / "q3.gguf", hf, vocab, arch="qwen3", pre="qwen2"))
+    assert model.cfg.qk_norm and model.cfg.head_dim == 16
     assert _max_diff(model, hf, _ids(400)) <= 1e-4
 
 

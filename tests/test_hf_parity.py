@@ -60,6 +60,10 @@ def _qwen2(**kw: Any) -> transformers.Qwen2Config:
     return _llama_like(transformers.Qwen2Config, **kw)
 
 
+def _qwen3(**kw: Any) -> transformers.Qwen3Config:
+    return _llama_like(transformers.Qwen3Config, **(dict(head_dim=8) | kw))
+
+
 def _mistral(**kw: Any) -> transformers.MistralConfig:
     return _llama_like(transformers.MistralConfig, **(dict(sliding_window=None) | kw))
 
@@ -125,6 +129,12 @@ CASES: dict[str, transformers.PretrainedConfig] = {
         num_attention_heads=8, num_key_value_heads=1, rope_parameters=_rope(theta=1e6)
     ),
     "qwen2-sliding-window": _qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=0),
+    # Qwen3: per-head RMSNorm on q and k, explicit head_dim, one attention_bias for q/k/v/o
+    "qwen3-gqa-tied": _qwen3(num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3-mqa-head_dim16-bias": _qwen3(
+        num_key_value_heads=1, head_dim=16, attention_bias=True, rope_parameters=_rope(theta=1e6)
+    ),
+    "qwen3-sliding-window": _qwen3(use_sliding_window=True, sliding_window=6, max_window_layers=0),
     # Mistral: sliding windows shorter than prompt + continuation
     "mistral-window8-gqa": _mistral(sliding_window=8, num_key_value_heads=2),
     "mistral-window5-mqa-head_dim": _mistral(sliding_window=5, num_key_value_heads=1, head_dim=16),
@@ -155,6 +165,10 @@ def saved(tmp_path_factory):
         if name not in folders:
             torch.manual_seed(sum(map(ord, name)))
             model = transformers.AutoModelForCausalLM.from_config(CASES[name])
+            with torch.no_grad():  # norm gains start at 1: make a swapped or missing one show
+                for param_name, param in model.named_parameters():
+                    if param.dim() == 1 and "norm" in param_name:
+                        param.normal_(1.0, 0.2)
             folder = tmp_path_factory.mktemp(name)
             model.save_pretrained(folder)
             folders[name] = folder

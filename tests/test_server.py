@@ -30,10 +30,11 @@ from glassformer.interop.pretrained import from_pretrained, resolve
 API_KEY = "test-key-123"
 
 
-def tiny_chat_model(folder: Path) -> Path:
-    tokenizer = tokenizer_from_gguf(read_gguf(resolve("smollm2")))
+def tiny_chat_model(folder: Path, tokenizer=None) -> Path:
+    """A tiny random model with SmolLM2's tokenizer (or `tokenizer`), as a HF folder."""
+    tokenizer = tokenizer or tokenizer_from_gguf(read_gguf(resolve("smollm2")))
     cfg = gf.ModelConfig(
-        vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+        vocab_size=tokenizer.hf.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
         max_seq_len=256, position="rope", norm="rms", ffn="swiglu",
         eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip

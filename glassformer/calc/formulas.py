@@ -150,9 +150,12 @@ def _attention_row(cfg: ModelConfig, layers: int, name: str) -> Row:
     d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     weights = d * q + 2 * d * kv + q * d  # W_Q, W_K, W_V (kv heads only: GQA/MQA), W_O
     biases = (q + 2 * kv) * cfg.has_bias("qkv") + d * cfg.has_bias("attn_out")
+    qk_norms = 2 * cfg.head_dim * cfg.qk_norm  # Qwen3's q/k RMSNorm gains
     mha = q == kv == d  # the tutorial's "4 x [4096 x 4096]"
     shape = f"4 x {_m(d, d)}" if mha else f"{_m(d, q)} + 2 x {_m(d, kv)} + {_m(q, d)}"
     shape += " + biases" if biases else ""
+    shape += " + q/k norms" if qk_norms else ""
+    biases += qk_norms
     return Row(
         name, shape, layers * (weights + biases), "attention", layers, matmul=layers * weights
     )

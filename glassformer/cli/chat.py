@@ -12,8 +12,10 @@ from glassformer.cli.common import (
     add_command,
     add_decode_flags,
     add_sampling_flags,
+    add_thinking_flags,
     load_for_decode,
     sampling_kwargs,
+    thinking_options,
 )
 
 
@@ -30,13 +32,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "chat needs one with a chat template")
-    sampling = SamplingParams(**sampling_kwargs(args, eos_token_id=None))
+    thinking, suffix = thinking_options(args, tokenizer, args.model)
+    sampling = SamplingParams(**sampling_kwargs(args, eos_token_id=None), **thinking)
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")
     session = ChatSession(
         Engine(model, tokenizer=tokenizer), tokenizer, system=args.system, sampling=sampling,
-        parse_special=args.parse_special,
+        parse_special=args.parse_special, no_think_suffix=tuple(suffix),
     )  # fmt: skip
     run_chat(session)
 
@@ -54,4 +57,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(by default typed text can never forge a turn)",
     )
     add_sampling_flags(p, max_new_tokens=512, temperature=0.7)
+    add_thinking_flags(p)
     add_decode_flags(p)

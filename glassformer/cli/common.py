@@ -139,6 +139,50 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
     p.add_argument("--seed", type=seed, help="seed for reproducible sampling")
 
 
+def add_thinking_flags(p: argparse.ArgumentParser) -> None:
+    """generate, chat and serve: the thinking segment of a model that thinks (<think> ...
+    </think>, seed 000 §2.5.2)."""
+    p.add_argument(
+        "--thinking-budget",
+        type=int,
+        metavar="N",
+        help="a thinking model may think for at most N tokens; then </think> is emitted for it "
+        "and it answers (default: no limit)",
+    )
+    p.add_argument(
+        "--no-think",
+        action="store_true",
+        help="answer at once: the prompt ends with an empty thinking segment (Qwen3's "
+        "enable_thinking=False) and no thinking token is allowed",
+    )
+
+
+def thinking_options(
+    args: argparse.Namespace, tokenizer, model_name: str
+) -> tuple[dict, list[int]]:
+    """(SamplingParams keywords, ids to append to the prompt) for the thinking flags. A model
+    whose tokenizer has the markers always gets them, so its stats split thinking from answer;
+    asking for a budget or --no-think on one without them is an error naming both."""
+    from glassformer.infer.thinking import (
+        check_budget,
+        no_think_suffix,
+        require_markers,
+        thinking_markers,
+    )
+
+    budget = getattr(args, "thinking_budget", None)
+    no_think = getattr(args, "no_think", False)
+    check_budget(budget)
+    if no_think and budget is not None:
+        raise ValueError("--no-think and --thinking-budget both set: --no-think is a budget of 0")
+    flag = "--no-think" if no_think else "--thinking-budget" if budget is not None else None
+    markers = require_markers(tokenizer, model_name, flag) if flag else thinking_markers(tokenizer)
+    if markers is None:
+        return {}, []
+    kwargs = {"think_ids": markers.ids, "thinking_budget": 0 if no_think else budget}
+    return kwargs, no_think_suffix(markers) if no_think else []
+
+
 def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
     """The generation keywords that add_sampling_flags' flags set, for every generate path."""
     return {

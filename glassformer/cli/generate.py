@@ -14,9 +14,11 @@ from glassformer.cli.common import (
     add_command,
     add_decode_flags,
     add_sampling_flags,
+    add_thinking_flags,
     load_for_decode,
     positive_int,
     sampling_kwargs,
+    thinking_options,
 )
 from glassformer.cli.stats import format_batch_stats, format_stats
 
@@ -34,6 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, tokenizer = load_for_decode(args.model, options, "generate needs one to encode text")
     if args.show_top and (len(args.prompt) > 1 or args.compile):
         raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
+    args.thinking, args.prompt_suffix = thinking_options(args, tokenizer, args.model)
     if args.show_top:
         _generate_show_top(args, Engine(model, tokenizer=tokenizer), tokenizer)
     elif len(args.prompt) > 1:
@@ -50,8 +53,9 @@ def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
 
     prompt = args.prompt[0]
     stream = engine.stream(
-        tokenizer.encode(prompt),
+        _encode(args, tokenizer, prompt),
         **sampling_kwargs(args, tokenizer.eos_token_id),
+        **args.thinking,
         on_full_context=args.on_full_context,
     )
     decoder = IncrementalDecoder(tokenizer)
@@ -75,8 +79,12 @@ def _generate_show_top(args: argparse.Namespace, engine, tokenizer) -> None:
 
     from glassformer.infer.sampling import SamplingParams
 
-    params = SamplingParams(**sampling_kwargs(args, tokenizer.eos_token_id), logprobs=args.show_top)
-    row = engine.add(tokenizer.encode(args.prompt[0]), params, on_full_context=args.on_full_context)
+    params = SamplingParams(
+        **sampling_kwargs(args, tokenizer.eos_token_id), **args.thinking, logprobs=args.show_top
+    )
+    row = engine.add(
+        _encode(args, tokenizer, args.prompt[0]), params, on_full_context=args.on_full_context
+    )
     print(f"prompt: {args.prompt[0]!r}")
     for step, token_id in enumerate(engine.follow(row), start=1):
         entry = row.logprobs[step - 1]
@@ -98,8 +106,9 @@ def _generate_compiled(args: argparse.Namespace, model: nn.Module, tokenizer) ->
 
     print("compiling the decode step (once per process)...", file=sys.stderr)
     result = CompiledDecoder(model, tokenizer=tokenizer).generate(
-        tokenizer.encode(args.prompt[0]),
+        _encode(args, tokenizer, args.prompt[0]),
         **sampling_kwargs(args, tokenizer.eos_token_id),
+        **args.thinking,
     )
     ids = [t for t in result.token_ids if t != tokenizer.eos_token_id]
     print(args.prompt[0] + tokenizer.decode(ids))
@@ -111,8 +120,9 @@ def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
     """Several prompts: generate them together (a row each), then print each prompt and its
     continuation on a line of its own, numbered from 1 (a batch does not stream)."""
     results = engine.generate_batch(
-        [tokenizer.encode(prompt) for prompt in args.prompt],
+        [_encode(args, tokenizer, prompt) for prompt in args.prompt],
         **sampling_kwargs(args, tokenizer.eos_token_id),
+        **args.thinking,
         on_full_context=args.on_full_context,
     )
     for number, (prompt, result) in enumerate(zip(args.prompt, results, strict=True), start=1):
@@ -121,6 +131,11 @@ def _generate_batch(args: argparse.Namespace, engine, tokenizer) -> None:
         print(f"[{number}] {prompt}{text}")
     if args.stats:
         print(format_batch_stats([result.stats for result in results]), file=sys.stderr)
+
+
+def _encode(args: argparse.Namespace, tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids, with --no-think's empty thinking segment after them."""
+    return tokenizer.encode(prompt) + args.prompt_suffix
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -138,6 +153,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ".gguf file",
     )
     add_sampling_flags(p, max_new_tokens=200, temperature=0.8)
+    add_thinking_flags(p)
     add_decode_flags(p)
     p.add_argument(
         "--compile",

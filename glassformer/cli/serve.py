@@ -10,9 +10,11 @@ from glassformer.cli.common import (
     DecodeOptions,
     add_command,
     add_decode_flags,
+    add_thinking_flags,
     load_for_decode,
     load_with_tokenizer,
     positive_int,
+    thinking_options,
 )
 
 
@@ -32,6 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError("--api-key is empty: give a key, or drop the flag to serve without one")
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "serve needs one to encode text")
+    thinking, _ = thinking_options(args, tokenizer, args.model)  # checks the flags
     served = Served(model, tokenizer, served_name(args.model))
     if args.embed_model:
         embed_model, embed_tokenizer = load_with_tokenizer(
@@ -50,6 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_seq_len=args.max_seq_len,
         prefix_cache_bytes=args.prefix_cache_mb * 2**20,
+        thinking_budget=thinking.get("thinking_budget"),
     )
     app = create_app(served, server_options)
     print(
@@ -62,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "serve", cmd_serve)
+    add_thinking_flags(p)
     p.add_argument(
         "--model", required=True, help="alias (smollm2), Hugging Face folder, .gguf file or run"
     )

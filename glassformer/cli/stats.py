@@ -25,6 +25,18 @@ def format_stats(stats: GenerationStats) -> str:
         f"stop: {stats.stop_reason}] time to first token {stats.time_to_first_token_s * 1e3:.1f}"
         f" ms | decode {stats.decode_tokens_per_s:.1f} tok/s | prefill "
         f"{stats.prefill_tokens_per_s:.0f} tok/s | {_kv_cache(stats)}{shifted}"
+        f"{format_thinking(stats)}"
+    )
+
+
+def format_thinking(stats: GenerationStats) -> str:
+    """The split of a thinking model's output: thinking and answer tokens and seconds."""
+    if not stats.thinking_tokens:
+        return ""
+    ended = " (budget spent: </think> emitted)" if stats.thinking_forced_end else ""
+    return (
+        f"\nthinking {stats.thinking_tokens} tokens in {stats.thinking_time_s:.2f} s{ended}"
+        f" | answer {stats.answer_tokens} tokens in {stats.answer_time_s:.2f} s"
     )
 
 
@@ -51,5 +63,5 @@ def format_reply_stats(stats: GenerationStats, reply_tokens: int, stop_reason: s
         f"[{reply_tokens} tokens | time to first token "
         f"{stats.time_to_first_token_s * 1e3:.0f} ms | {stats.decode_tokens_per_s:.1f} tok/s | "
         f"prompt {stats.prompt_tokens} tokens ({stats.cached_prompt_tokens} cached) | "
-        f"stop: {stop_reason}]"
+        f"stop: {stop_reason}]{format_thinking(stats)}"
     )

@@ -25,6 +25,7 @@ from glassformer.infer.sampling import (
     sample,
     token_logprobs,
 )
+from glassformer.infer.thinking import Segments
 
 
 @dataclass
@@ -42,6 +43,19 @@ class GenerationStats:
     context_shifts: int = 0  # times a full context window was cut to its second half
     batch_size: int = 1  # the most rows decoded in one step while this row was generating
     cached_prompt_tokens: int = 0  # prompt tokens reused from the previous turn's cache
+    # Thinking (seed 000 §2.5.2): the generated tokens of the thinking segment, its markers
+    # included, and the time from the start until its end marker; the rest is the answer.
+    thinking_tokens: int = 0
+    thinking_time_s: float = 0.0
+    thinking_forced_end: bool = False  # the budget ran out and the row emitted the end marker
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.generated_tokens - self.thinking_tokens
+
+    @property
+    def answer_time_s(self) -> float:
+        return self.total_time_s - self.thinking_time_s
 
 
 @dataclass
@@ -139,7 +153,13 @@ class Row:
         self.slot = -1
         self.keep_cache = False  # park the slot when finished, for a next turn to continue
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        self.text = ""
+        self.text = ""  # the answer (everything outside the thinking segment)
+        self.reasoning = ""  # the thinking segment's text, without its markers
+        # Thinking or answer (infer/thinking.py): the prompt may open a segment (a template
+        # that ends with "<think>\n", as DeepSeek-R1's does), or the reply's first token.
+        think_ids = params.think_ids
+        self.segments = Segments(think_ids, prompt) if think_ids is not None else None
+        self.thought = 0  # tokens inside the current segment, markers not counted
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.t_start = time.perf_counter()
         self.t_first = 0.0
@@ -149,6 +169,11 @@ class Row:
         return len(self.context) - 1
 
     @property
+    def thinking(self) -> bool:
+        """Inside a thinking segment now."""
+        return self.segments is not None and self.segments.thinking
+
+    @property
     def finished(self) -> bool:
         return self.stop_reason is not None
 
@@ -156,6 +181,14 @@ class Row:
         """Pick this row's next token from its logits (1, V); with params.logprobs set, also
         record its log-probability and the top candidates (row.logprobs)."""
         params = self.params
+        budget = params.thinking_budget
+        if self.thinking and budget is not None and self.thought >= budget:
+            # The budget is spent: close the segment now, the model answers from here on.
+            self.stats.thinking_forced_end = True
+            token = params.think_ids[1]
+            if params.logprobs is not None:
+                self.logprobs.append(token_logprobs(logits, token, params.logprobs))
+            return token
         if params.repetition_penalty != 1.0:
             seen = torch.tensor([self.context], device=logits.device)
             logits = penalize_repetition(logits, seen, params.repetition_penalty)
@@ -186,14 +219,27 @@ class Row:
         stats.total_time_s = now - self.t_start
         stats.batch_size = max(stats.batch_size, rows_in_step)
         params = self.params
-        if self.decoder is not None:
-            self.text += self.decoder.push(token)
+        piece = self.decoder.push(token) if self.decoder is not None else ""
+        self._route(token, piece, now)
         if token == self.eos_token_id:
             self.stop("eos")
         elif token in params.stop_token_ids or (params.stop and self._cut_at_stop_string()):
             self.stop("stop")
         elif len(self.tokens) >= params.max_new_tokens:
             self.stop("max_new_tokens")
+
+    def _route(self, token: int, piece: str, now: float) -> None:
+        """Thinking or answer: count the token and put its text where it belongs (the markers'
+        own text goes to neither)."""
+        kind = self.segments.push(token) if self.segments is not None else "answer"
+        if kind == "answer":
+            self.text += piece
+            return
+        self.stats.thinking_tokens += 1
+        self.stats.thinking_time_s = now - self.t_start
+        if kind == "thinking":
+            self.thought += 1
+            self.reasoning += piece
 
     def _cut_at_stop_string(self) -> bool:
         """Whether the text now contains a stop string; if so, cut the text where it begins

@@ -59,6 +59,23 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
         )
 
 
+def _check_thinking(think_ids: tuple[int, int] | None, budget: int | None) -> None:
+    if budget is not None and not (_whole(budget) and budget >= 0):
+        raise ValueError(
+            f"thinking_budget={budget!r} is not allowed: use a whole number >= 0 (the most "
+            "thinking tokens before the answer; 0 answers at once), or None for no limit"
+        )
+    if think_ids is not None and not (
+        len(think_ids) == 2 and all(_whole(i) and i >= 0 for i in think_ids)
+    ):
+        raise ValueError(f"think_ids={think_ids!r} must be two token ids: (start, end) markers")
+    if budget is not None and think_ids is None:
+        raise ValueError(
+            "thinking_budget needs the model's thinking markers (think_ids): this model's "
+            "tokenizer has none, or they were not passed"
+        )
+
+
 GREEDY_BELOW = 1e-5  # temperatures this small sample as greedy (see SamplingParams.is_greedy)
 MAX_SEED = 2**64 - 1  # torch.Generator takes a 64-bit unsigned seed
 
@@ -148,6 +165,10 @@ class SamplingParams:
     logprobs: record each new token's log-probability and that many top candidates (0: the
     chosen token's only), under the model's distribution after the penalties and before
     temperature and the cuts (what the model thinks; see token_logprobs).
+    think_ids: (start, end) ids of the model's thinking markers (<think>, </think>; see
+    infer/thinking.py): the row then tells thinking tokens from answer tokens.
+    thinking_budget: at most this many tokens inside a thinking segment; when they are spent
+    the row emits the end marker itself and the model goes on to answer (None: no limit).
     """
 
     temperature: float = 1.0
@@ -163,6 +184,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    think_ids: tuple[int, int] | None = None
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -191,6 +214,7 @@ class SamplingParams:
                 f"logprobs={self.logprobs!r} is not allowed: use a whole number >= 0 (the top "
                 "candidates to record per token), or None to record none"
             )
+        _check_thinking(self.think_ids, self.thinking_budget)
         make_generator(self.seed)  # checks the seed
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))

@@ -39,9 +39,9 @@ from glassformer.models.gpt import GPT
 from glassformer.tokenizers import PretrainedTokenizer
 
 # llama.cpp's "llama" rotates adjacent pairs (2i, 2i+1), so its converter permutes the q/k rows
-# of every Llama-layout model (Mistral files are "llama" too); "qwen2" rotates (i, i + D/2) like
-# Hugging Face and glassformer, and its rows are stored unpermuted.
-SUPPORTED_ARCHITECTURES = {"llama": True, "qwen2": False}  # architecture -> q/k rows permuted
+# of every Llama-layout model (Mistral files are "llama" too); "qwen2" and "qwen3" rotate
+# (i, i + D/2) like Hugging Face and glassformer, and their rows are stored unpermuted.
+SUPPORTED_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}  # -> q/k permuted
 
 # llama.cpp's names for the token types of tokenizer.ggml.token_type
 _CONTROL, _USER_DEFINED = 3, 4
@@ -115,6 +115,7 @@ def config_from_gguf(file: GGUFFile) -> ModelConfig:
             bias=False,
             qkv_bias="blk.0.attn_q.bias" in names,
             attn_out_bias="blk.0.attn_output.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,  # Qwen3
             mlp_bias="blk.0.ffn_up.bias" in names,
             tie_embeddings="output.weight" not in names,
             bos_token_id=file.metadata.get("tokenizer.ggml.bos_token_id"),
@@ -176,6 +177,11 @@ def rules(cfg: ModelConfig, permuted: bool) -> list[WeightRule]:
         for kind in kinds:
             sources = [f"{blk}.attn_{p}.{kind}" for p in "qkv"]
             table.append(_qkv_rule(f"{gf}.attn.qkv_proj.{kind}", sources, cfg, permuted))
+        if cfg.qk_norm:
+            for part in "qk":
+                table.append(
+                    rename(f"{gf}.attn.{part}_norm.weight", f"{blk}.attn_{part}_norm.weight")
+                )
         table.append(rename(f"{gf}.attn.out_proj.weight", f"{blk}.attn_output.weight"))
         if cfg.has_bias("attn_out"):
             table.append(rename(f"{gf}.attn.out_proj.bias", f"{blk}.attn_output.bias"))

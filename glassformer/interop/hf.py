@@ -323,6 +323,8 @@ def default_model_type(cfg: ModelConfig) -> str:
         return "gpt2"
     if cfg.ffn == "moe":
         return "mixtral"
+    if cfg.qk_norm:
+        return "qwen3"
     # Qwen2: biases on q/k/v only (Llama's attention_bias also puts one on o_proj).
     qkv, out, mlp = (cfg.has_bias(part) for part in ("qkv", "attn_out", "mlp"))
     if qkv and not out and not mlp:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
-from glassformer.nn.norm import upcast
+from glassformer.nn.norm import RMSNorm, upcast
 from glassformer.nn.position import alibi_bias, apply_rope
 
 # --- masks ------------------------------------------------------------------------------------
@@ -207,6 +207,10 @@ class Attention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(cfg.d_model, q_size + 2 * kv_size, bias=qkv_bias)
         self.out_proj = nn.Linear(q_size, cfg.d_model, bias=cfg.has_bias("attn_out"))
+        # Qwen3: each head's query and key vectors are RMS-normalised (with a learned gain of
+        # D numbers shared by the heads) before RoPE, which keeps the scores' scale in check.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # Set by glassformer.inspect to record this layer's weights; None on the fast path.
         self.weights_sink: list[Tensor] | None = None
 
@@ -257,6 +261,8 @@ class Attention(nn.Module):
             cache = None  # nothing to append: the source does not grow
         else:
             q, k, v = self.project(x, context)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (cached keys: once)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -34,6 +34,7 @@ from glassformer.chat import end_of_turn_ids
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import NO_EOS, SamplingParams
+from glassformer.infer.thinking import no_think_suffix, thinking_markers
 from glassformer.server.lab import mount_static
 from glassformer.server.lab import router as lab_router
 from glassformer.server.metrics import Metrics
@@ -76,6 +77,7 @@ class ServerOptions:
     api_key: str | None = None
     max_seq_len: int | None = None  # positions per row slot (default: min(context, 2048))
     prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
+    thinking_budget: int | None = None  # a thinking model's budget when a request gives none
 
 
 def served_name(model_arg: str) -> str:
@@ -96,7 +98,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     scheduler = Scheduler(
         engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics
     )
-    api = API(served, scheduler, metrics, slot_len)
+    api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(_warm_up, engine)  # before the port opens: no one waits on it
@@ -207,7 +209,14 @@ class Gate:
 
 
 class API:
-    def __init__(self, served: Served, scheduler: Scheduler, metrics: Metrics, slot_len: int):
+    def __init__(
+        self,
+        served: Served,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        slot_len: int,
+        thinking_budget: int | None = None,
+    ):
         self.served, self.scheduler, self.metrics, self.slot_len = (
             served, scheduler, metrics, slot_len,
         )  # fmt: skip
@@ -220,6 +229,8 @@ class API:
         if cfg.eos_token_id is not None and 0 <= cfg.eos_token_id < cfg.vocab_size:
             stops.add(cfg.eos_token_id)
         self.stop_ids = tuple(sorted(i for i in stops if i is not None))
+        self.markers = thinking_markers(tokenizer)  # None: the model does not think
+        self.thinking_budget = thinking_budget  # serve --thinking-budget / --no-think (0)
         self.token_bytes = token_bytes_table(tokenizer)
         self.embed_lock = threading.Lock()
 
@@ -285,12 +296,35 @@ class API:
             {"role": "system" if m.role == "developer" else m.role, "content": m.content}
             for m in body.messages
         ]
-        prompt = self._encode(lambda: tokenizer.encode_chat(messages), "messages")
+        no_think = body.chat_template_kwargs is not None and not (
+            body.chat_template_kwargs.enable_thinking
+        )
+        budget = 0 if no_think else body.thinking_budget
+        if budget is not None and self.markers is None:
+            field = "chat_template_kwargs" if no_think else "thinking_budget"
+            raise APIError(
+                400,
+                f"{self.served.name} does not think: its tokenizer has no <think> and </think>"
+                f" tokens, so {field} cannot apply; leave it out",
+                field,
+            )
+        if budget is None:
+            budget = self.thinking_budget  # the server's default
+            no_think = budget == 0
+        template_kwargs = {"enable_thinking": False} if no_think else None
+
+        def encode() -> list[int]:
+            ids = tokenizer.encode_chat(messages, template_kwargs=template_kwargs)
+            suffix = no_think_suffix(self.markers) if no_think else []
+            return ids + suffix if suffix and suffix[-1] not in ids[-4:] else ids
+
+        prompt = self._encode(encode, "messages")
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         work = self._work(
-            request, body, prompt, body.token_limit, body.token_limit is None, param, n_top
-        )
+            request, body, prompt, body.token_limit, body.token_limit is None, param, n_top,
+            thinking_budget=budget,
+        )  # fmt: skip
         reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top)
         return await self._respond(request, body, work, reply)
 
@@ -330,6 +364,7 @@ class API:
         default_limit: bool,
         limit_param: str,
         n_top: int | None,
+        thinking_budget: int | None = None,
     ) -> Work:
         """The request's rows: one prompt, one SamplingParams per choice (seed + i)."""
         room = self.slot_len - len(prompt)
@@ -367,6 +402,8 @@ class API:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logprobs=n_top,
+                think_ids=self.markers.ids if self.markers else None,
+                thinking_budget=thinking_budget,
             )
             choices.append((prompt, params))
         work = Work(choices, asyncio.get_running_loop())

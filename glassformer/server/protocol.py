@@ -179,11 +179,21 @@ class ChatMessage(Strict):
         raise ValueError("give the message text as a string (or a list of text parts)")
 
 
+class ChatTemplateKwargs(Strict):
+    """vLLM's chat_template_kwargs; Qwen3's enable_thinking is the one read here."""
+
+    enable_thinking: bool = True
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # A thinking model (<think> ... </think>): at most this many thinking tokens; 0 answers at
+    # once, as chat_template_kwargs={"enable_thinking": false} does.
+    thinking_budget: int | None = Field(None, ge=0)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @property
     def token_limit(self) -> int | None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.sampling import TokenLogprob
+from glassformer.infer.thinking import Segments
 from glassformer.server.protocol import APIError, SamplingFields
 from glassformer.server.scheduler import Failed, Tokens
 from glassformer.tokenizers import byte_level_chars
@@ -55,8 +56,14 @@ class Reply:
         self.created = int(time.time())
         tokenizer = api.served.tokenizer
         self.decoders = [IncrementalDecoder(tokenizer) for _ in range(body.n)]
-        self.texts = [""] * body.n  # decoded so far
+        self.texts = [""] * body.n  # decoded so far: the answer
         self.sent = [0] * body.n  # characters of texts already streamed
+        # A thinking model's reply has two parts: reasoning_content (the thinking segment,
+        # without its markers) and content; each token goes to one (infer/thinking.py).
+        markers = api.markers if self.chat else None
+        self.segments = [Segments(markers.ids, prompt) if markers else None for _ in range(body.n)]
+        self.reasoning = [""] * body.n
+        self.reasoning_sent = [0] * body.n
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
         self.rows: list[Any] = [None] * body.n
         self.failed: APIError | None = None
@@ -76,7 +83,7 @@ class Reply:
             stop_ids = self.api.stop_ids
             for token_id in event.token_ids:
                 if token_id not in stop_ids:
-                    self.texts[i] += self.decoders[i].push(token_id)
+                    self._add(i, token_id, self.decoders[i].push(token_id))
             self.logprobs[i] += event.logprobs
             new_logprobs = event.logprobs
             end = max(self.sent[i], len(self.texts[i]) - self.holdback)
@@ -86,6 +93,21 @@ class Reply:
         self.texts[i] = _cut_at_stop(self.texts[i] + self.decoders[i].flush(), self.body.stop)
         text = self._take_text(i, len(self.texts[i]))
         return [self._chunk(i, text, [], self._finish_reason(i), include_usage)]
+
+    def _add(self, i: int, token_id: int, piece: str) -> None:
+        segments = self.segments[i]
+        kind = segments.push(token_id) if segments is not None else "answer"
+        if kind == "answer":
+            if not self.texts[i] and segments is not None:
+                piece = piece.lstrip()  # the blank line a model writes after </think>
+            self.texts[i] += piece
+        elif kind == "thinking":
+            self.reasoning[i] += piece if self.reasoning[i] else piece.lstrip()
+
+    def _take_reasoning(self, i: int) -> str:
+        piece = self.reasoning[i][self.reasoning_sent[i] :]
+        self.reasoning_sent[i] = len(self.reasoning[i])
+        return piece
 
     def _take_text(self, i: int, end: int) -> str:
         piece = self.texts[i][self.sent[i] : end]
@@ -128,6 +150,9 @@ class Reply:
         choice: dict[str, Any] = {"index": i}
         if self.chat:
             choice["delta"] = {"content": text} if text or not finish_reason else {}
+            reasoning = self._take_reasoning(i)
+            if reasoning:  # the thinking as it comes, beside the content (vLLM, DeepSeek)
+                choice["delta"] = {"reasoning_content": reasoning, **choice["delta"]}
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs) if logprobs else None
@@ -140,12 +165,16 @@ class Reply:
     def usage(self) -> dict:
         completion = sum(len(row.tokens) for row in self.rows)
         cached = self.rows[0].stats.cached_prompt_tokens
-        return {
+        usage = {
             "prompt_tokens": len(self.prompt),
             "completion_tokens": completion,
             "total_tokens": len(self.prompt) + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if any(segments is not None for segments in self.segments):
+            reasoning = sum(row.stats.thinking_tokens for row in self.rows)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def usage_chunk(self) -> dict:
         return {**self._header(True), "choices": [], "usage": self.usage()}
@@ -160,6 +189,8 @@ class Reply:
             choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": self.texts[i]}
+                if self.segments[i] is not None:
+                    choice["message"]["reasoning_content"] = self.reasoning[i].strip() or None
             else:
                 choice["text"] = self.texts[i]
             reason = self._finish_reason(i)

@@ -58,6 +58,10 @@ class DataConfig:
     # many characters per side, aligned speeches kept above this trigram-cosine similarity
     max_pair_chars: int = 200
     align_threshold: float = 0.5
+    # task "arith" (data/arith.py): additions of 1..arith_max_digits digits; this share of the
+    # examples shows its worked steps inside <think> ... </think>, the rest answers at once
+    arith_max_digits: int = 4
+    think_fraction: float = 0.67
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.")
@@ -70,6 +74,9 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         hints = {"stride": " (tokens between window starts; leave it out for no overlap)"}
         _at_least("data", self, ("bpe_vocab_size", "stride", "max_pair_chars"), 1, hints)
+        _at_least("data", self, ("arith_max_digits",), 1, {})
+        if not 0.0 <= self.think_fraction <= 1.0:
+            raise ConfigError(f"data.think_fraction={self.think_fraction} must be in [0, 1]")
         _in_unit_interval("data.align_threshold", self.align_threshold, high_open=False)
 
 

@@ -129,6 +129,7 @@ class LanguageModelingTask(Task):
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelingTask}
 # The BERT tasks (mlm, genre) subclass Task and add themselves to TASKS when imported; the
 # import sits here, below Task, so either module can be imported first.
+import glassformer.train.arith  # noqa: E402  (task "arith": thinking, data/arith.py)
 import glassformer.train.bert_tasks  # noqa: E402
 import glassformer.train.translation  # noqa: E402, F401  (task "translation", seq2seq)
 

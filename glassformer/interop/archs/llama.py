@@ -1,6 +1,6 @@
-"""Llama-family name tables: Llama, Qwen2 (q/k/v biases), Mistral (sliding window) and Mixtral
-(Mixture-of-Experts). One layout, a few switches; HF stores q/k/v and gate/up separately,
-glassformer fuses them."""
+"""Llama-family name tables: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm on q and k),
+Mistral (sliding window) and Mixtral (Mixture-of-Experts). One layout, a few switches; HF stores
+q/k/v and gate/up separately, glassformer fuses them."""
 
 from __future__ import annotations
 
@@ -131,12 +131,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bias=False,
         qkv_bias=attention_bias or model_type == "qwen2",
         attn_out_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
         mlp_bias=hf.get("mlp_bias", False),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=_first(hf.get("bos_token_id")),
         eos_token_id=_first(hf.get("eos_token_id")),
     )
-    window = _qwen2_window(hf) if model_type == "qwen2" else hf.get("sliding_window")
+    qwen = model_type in ("qwen2", "qwen3")
+    window = _qwen2_window(hf) if qwen else hf.get("sliding_window")
     if window is not None:
         fields["sliding_window"] = int(window)
     if model_type == "mixtral":
@@ -151,7 +153,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _qwen2_window(hf: dict[str, Any]) -> int | None:
-    """Qwen2 slides its window only in layers >= max_window_layers (or as `layer_types` says);
+    """Qwen2 and Qwen3 slide their window only in layers >= max_window_layers (or as
+    `layer_types` says);
     glassformer has one window for every layer, so a mix of the two cannot load."""
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
     if window is None:
@@ -166,7 +169,7 @@ def _qwen2_window(hf: dict[str, Any]) -> int | None:
         return None
     if not all(sliding):
         raise InteropError(
-            f"qwen2 with a sliding window in only some layers (layer_types={types}) is not "
+            f"qwen with a sliding window in only some layers (layer_types={types}) is not "
             "supported: glassformer applies sliding_window to every layer"
         )
     return int(window)
@@ -203,10 +206,12 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     if model_type == "llama":
         hf["attention_bias"] = cfg.has_bias("qkv")
         hf["mlp_bias"] = cfg.has_bias("mlp")
-    if model_type in ("mistral", "mixtral", "qwen2"):
+    if model_type == "qwen3":
+        hf["attention_bias"] = cfg.has_bias("qkv")
+    if model_type in ("mistral", "mixtral", "qwen2", "qwen3"):
         hf["sliding_window"] = cfg.sliding_window
-    if model_type == "qwen2":
-        # Qwen2 slides only from layer max_window_layers on: 0 means every layer.
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen slides only from layer max_window_layers on: 0 means every layer.
         sliding = cfg.sliding_window is not None
         hf["use_sliding_window"] = sliding
         hf["max_window_layers"] = 0 if sliding else cfg.n_layers
@@ -236,6 +241,7 @@ def export_config(cfg: ModelConfig, model_type: str) -> ModelConfig:
         "norm": ("rms", cfg.norm),
         "norm_position": ("pre", cfg.norm_position),
         "residual": (True, cfg.residual),
+        "qk_norm": (model_type == "qwen3", cfg.qk_norm),
     }
     if model_type == "mixtral":
         wants["ffn"] = ("moe", cfg.ffn)
@@ -245,6 +251,9 @@ def export_config(cfg: ModelConfig, model_type: str) -> ModelConfig:
     qkv, out, mlp = (cfg.has_bias(part) for part in ("qkv", "attn_out", "mlp"))
     if model_type == "llama":
         wants["sliding_window"] = (None, cfg.sliding_window)
+        qkv = out = qkv or out
+    elif model_type == "qwen3":  # one attention_bias for q/k/v and o; no MLP biases
+        wants["mlp_bias"] = (False, mlp)
         qkv = out = qkv or out
     elif model_type == "qwen2":
         wants["attn_out_bias"] = (False, out)
@@ -268,9 +277,8 @@ def _gated_or_value(ffn: str) -> str:
 
 
 def _class_prefix(model_type: str) -> str:
-    return {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "mixtral": "Mixtral"}[
-        model_type
-    ]
+    prefixes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    return {**prefixes, "mixtral": "Mixtral"}[model_type]
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -297,6 +305,10 @@ def rules(cfg: ModelConfig, names: set[str]) -> list[WeightRule]:
                     [q_size, kv_size, kv_size],
                 )
             )
+        if cfg.qk_norm:
+            for part in "qk":
+                name = f"self_attn.{part}_norm.weight"
+                table.append(rename(f"{gf}.attn.{part}_norm.weight", f"{hf}.{name}"))
         table.append(rename(f"{gf}.attn.out_proj.weight", f"{hf}.self_attn.o_proj.weight"))
         if cfg.has_bias("attn_out"):
             table.append(rename(f"{gf}.attn.out_proj.bias", f"{hf}.self_attn.o_proj.bias"))
@@ -338,7 +350,7 @@ def _ignorable(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
 
 
-for _model_type in ("llama", "qwen2", "mistral", "mixtral"):
+for _model_type in ("llama", "qwen2", "qwen3", "mistral", "mixtral"):
     register(
         Architecture(
             model_types=(_model_type,),
