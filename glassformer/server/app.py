@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
+from glassformer.server.gate import Gate, api_error, http_error, server_error
 from glassformer.server.lab import mount_static
 from glassformer.server.lab import router as lab_router
 from glassformer.server.metrics import Metrics
@@ -109,9 +109,9 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     app = FastAPI(title="glassformer", version=glassformer.__version__, lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.scheduler = served, metrics, scheduler
     app.add_middleware(Gate, api_key=options.api_key, metrics=metrics)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _server_error)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -128,81 +128,6 @@ def _warm_up(engine: Engine) -> None:
     kernels are built on first use): the browser lab's first chat turn waited 2.8 s for its
     first token without it, 0.41 s with it (tests/test_browser_lab.py's screenshot)."""
     engine.generate([0], max_new_tokens=2, temperature=0.0, eos_token_id=NO_EOS)
-
-
-# --- errors and the gate ------------------------------------------------------------------------
-
-
-async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    if request.url.path.startswith("/lab/"):  # the lab's page reads FastAPI's own {"detail"}
-        return JSONResponse({"detail": err.detail}, status_code=err.status_code)
-    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-    message = f"{request.method} {request.url.path}: {err.detail}"
-    return await _api_error(request, APIError(err.status_code, message, kind=kind))
-
-
-async def _server_error(request: Request, err: Exception) -> JSONResponse:
-    log.exception("unexpected error on %s", request.url.path)
-    message = f"the server failed on this request ({type(err).__name__}); it keeps running"
-    return await _api_error(request, APIError(500, message, kind="server_error"))
-
-
-PROTECTED = ("/v1/", "/metrics", "/lab/api/")  # the page itself (/, /lab/static) stays open
-ENDPOINTS = (
-    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
-    "/metrics",
-)  # fmt: skip
-
-
-class Gate:
-    """ASGI middleware: the API key (a 401 without `Authorization: Bearer KEY`, compared in
-    constant time) on /v1/*, /metrics and the lab's /lab/api/*, and a count of every response
-    by endpoint and status. Plain ASGI rather than BaseHTTPMiddleware, so streams and
-    disconnects pass straight through."""
-
-    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.api_key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        endpoint = path if path in ENDPOINTS else "other"
-        status = 500
-
-        async def counted_send(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if self.api_key and path.startswith(PROTECTED) and not self._authorized(scope):
-                response = JSONResponse(
-                    APIError(
-                        401,
-                        "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
-                        "with the key the server was started with (--api-key)",
-                        code="invalid_api_key",
-                    ).body(),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                return await response(scope, receive, counted_send)
-            await self.app(scope, receive, counted_send)
-        finally:
-            self.metrics.count_request(endpoint, status)
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        value = headers.get(b"authorization", b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
 
 # --- the routes ---------------------------------------------------------------------------------

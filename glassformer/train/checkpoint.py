@@ -20,7 +20,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.files import atomic_write_text, fsync_dir, fsync_tree
@@ -217,3 +217,22 @@ def read_train_state(step_dir: str | Path) -> tuple[dict[str, Any], dict[str, Te
     tensor_file = step_dir / TRAIN_TENSORS_FILE
     tensors = read_checkpoint_tensors(tensor_file) if tensor_file.exists() else {}
     return state, tensors
+
+
+def init_matching_weights(model: nn.Module, step_dir: Path) -> None:
+    """Copy the checkpoint's tensors that the model has (same name and shape): fine-tuning
+    keeps the pretrained encoder, new heads start fresh and unused heads are dropped."""
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(step_dir / "model.safetensors"))
+    state = model.state_dict()
+    shared = {k: v for k, v in on_disk.items() if k in state and v.shape == state[k].shape}
+    if not shared:
+        raise ValueError(f"train.init_from={str(step_dir)!r} shares no weights with this model")
+    model.load_state_dict(shared, strict=False)
+    fresh = sorted(k for k in state if k not in shared)
+    unused = sorted(k for k in on_disk if k not in shared)
+    print(
+        f"initialized {len(shared)} tensors from {step_dir}; new: {', '.join(fresh) or 'none'}; "
+        f"not used: {', '.join(unused) or 'none'}"
+    )

@@ -457,3 +457,13 @@ def _quiet_when_alone() -> Iterator[None]:
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
         yield
+
+
+def sharded_step(step_dir: Path) -> bool:
+    """A step written by an FSDP run: weights and moments in per-rank shards."""
+    return (step_dir / SHARDS_DIR).is_dir()
+
+
+def local_part(tensor: Tensor) -> Tensor:
+    """This rank's part of a sharded (DTensor) parameter; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -35,6 +34,14 @@ import torch
 
 from glassformer.config import ConfigError
 from glassformer.data import IGNORE_INDEX, batch_indices, lm_targets, pack
+from glassformer.data.folio_chat import (  # noqa: F401  (re-exported: the task's names)
+    FOLIO_INSTRUCTION,
+    FOLIO_TRAIN_EXAMPLES,
+    FOLIO_VAL_EXAMPLES,
+    folio_chat,
+    folio_chat_records,
+    write_folio_jsonl,
+)
 from glassformer.files import fsync_dir
 from glassformer.interop.checkpoint import CONFIG_FILE, MODEL_FILE, read_checkpoint_tensors
 from glassformer.interop.peft import save_adapter
@@ -43,7 +50,6 @@ from glassformer.nn.lora import apply_lora, trainable_fraction
 from glassformer.train.config import FOLIO_DATA, FinetuneConfig, FinetuneRunConfig
 from glassformer.train.tasks import Task
 from glassformer.train.trainer import ResumePoint, Trainer, TrainResult, evaluate
-from glassformer.train.translation import corpus_split
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # peft's names
 
@@ -281,53 +287,6 @@ class FinetuneTask(Task):
         picks = torch.linspace(0, n - 1, min(n, batch_size * n_batches)).round().long()
         for chunk in picks.split(batch_size):
             yield collate([self.val_examples[i] for i in chunk.tolist()], self.pad_id)
-
-
-# --- the built-in task: modernise a First Folio speech --------------------------------------------
-
-FOLIO_INSTRUCTION = (
-    "Modernise the spelling and punctuation of this speech from Shakespeare's First Folio"
-    " (1623). Reply with the modern text only."
-)
-
-
-def folio_chat(folio: str, modern: str | None = None) -> dict[str, Any]:
-    """One instruction: the user gives a Folio speech, the assistant (if given) its modern text."""
-    messages = [{"role": "user", "content": f"{FOLIO_INSTRUCTION}\n\n{folio}"}]
-    if modern is not None:
-        messages.append({"role": "assistant", "content": modern})
-    return {"messages": messages}
-
-
-def folio_chat_records(split: str, max_chars: int, limit: int | None = None, seed: int = 0):
-    """The chat records of one split of the Folio -> modern corpus, whole plays held out as in
-    configs/folio2modern.toml (train/translation.py: validation twelfth_night, test macbeth);
-    `limit` keeps that many, drawn at random with `seed` (the same ones every time)."""
-    pairs = corpus_split(split, max_chars=max_chars)
-    if limit is not None and limit < len(pairs):
-        pairs = random.Random(seed).sample(pairs, limit)
-    return [folio_chat(pair.folio, pair.modern) for pair in pairs]
-
-
-def write_folio_jsonl(out_dir: str | Path, max_chars: int) -> dict[str, Path]:
-    """train.jsonl, validation.jsonl and test.jsonl of the Folio task in out_dir (each line
-    also carries "play")."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {}
-    for split in ("train", "validation", "test"):
-        path = out_dir / f"{split}.jsonl"
-        lines = [
-            json.dumps({**folio_chat(p.folio, p.modern), "play": p.play}, ensure_ascii=False)
-            for p in corpus_split(split, max_chars=max_chars)
-        ]
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        written[split] = path
-    return written
-
-
-FOLIO_TRAIN_EXAMPLES = 2000  # random training pairs tokenized (a short run sees far fewer)
-FOLIO_VAL_EXAMPLES = 200
 
 
 def load_examples(

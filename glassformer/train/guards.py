@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,12 @@ def read_resume_state(step_dir: Path) -> tuple[dict[str, Any], dict[str, Tensor]
             f" {type(losses).__name__}: the file is damaged"
         )
     return state, tensors
+
+
+@dataclass
+class ResumePoint:
+    """Where a resume starts: a step folder and its checked trainer state."""
+
+    step_dir: Path
+    state: dict[str, Any]  # train_state.json
+    tensors: dict[str, Tensor]  # optimizer moments and RNG state

@@ -21,7 +21,6 @@ from typing import Any
 
 import safetensors
 import torch
-from torch import Tensor, nn
 
 from glassformer.config import ConfigError
 from glassformer.devices import autocast, grad_scaler, half_dtype, resolve_device
@@ -41,27 +40,31 @@ from glassformer.train.checkpoint import (
     TRAIN_STATE_FILE,
     begin_step_dir,
     commit_step_dir,
+    init_matching_weights,
     save_checkpoint,
     step_dir_name,
     write_step_files,
 )
 from glassformer.train.config import RunConfig, run_config_json
 from glassformer.train.distributed import (
-    SHARDS_DIR,
     Parallel,
     full_weights,
     load_full_optimizer,
     load_sharded,
+    local_part,
     restart_count,
     save_sharded,
+    sharded_step,
 )
 from glassformer.train.guards import (
+    ResumePoint,
     check_training_memory,
     config_changes,
     make_out_dir,
     read_resume_state,
     step_number,
 )
+from glassformer.train.optim import learning_rate, make_optimizer
 from glassformer.train.run_dir import (
     RunLock,
     checkpoint_nbytes,
@@ -70,7 +73,8 @@ from glassformer.train.run_dir import (
     remove_step_dirs,
     save_failed,
 )
-from glassformer.train.tasks import Task, make_task
+from glassformer.train.steps import evaluate, progress_bar, to_device
+from glassformer.train.tasks import make_task
 from glassformer.train.train_state import (
     load_optimizer_state,
     optimizer_state_dict,
@@ -98,78 +102,7 @@ class TrainResult:
 # --- optimization -------------------------------------------------------------------------------
 
 
-def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW (the fused kernel: fastest on CPU in benchmarks/train_throughput.py); weight decay
-    only on matrices, not on biases and norm gains."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    decay = [p for p in params.values() if p.dim() >= 2]
-    no_decay = [p for p in params.values() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
-
-
-def learning_rate(step: int, cfg) -> float:
-    """Linear warmup, then cosine decay from learning_rate to min_lr at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
-
-
-def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    task: Task,
-    batch_size: int,
-    n_batches: int,
-    half: torch.dtype | None = None,
-) -> float:
-    """Mean loss over the task's fixed validation batches, on the model's device."""
-    model.eval()
-    device = next(model.parameters()).device
-    losses = []
-    for batch in task.val_batches(batch_size, n_batches):
-        with autocast(device, half):
-            losses.append(model.loss(**to_device(batch, device)).ce_loss.item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def init_matching_weights(model: nn.Module, step_dir: Path) -> None:
-    """Copy the checkpoint's tensors that the model has (same name and shape): fine-tuning
-    keeps the pretrained encoder, new heads start fresh and unused heads are dropped."""
-    from safetensors.torch import load_file
-
-    on_disk = load_file(str(step_dir / "model.safetensors"))
-    state = model.state_dict()
-    shared = {k: v for k, v in on_disk.items() if k in state and v.shape == state[k].shape}
-    if not shared:
-        raise ValueError(f"train.init_from={str(step_dir)!r} shares no weights with this model")
-    model.load_state_dict(shared, strict=False)
-    fresh = sorted(k for k in state if k not in shared)
-    unused = sorted(k for k in on_disk if k not in shared)
-    print(
-        f"initialized {len(shared)} tensors from {step_dir}; new: {', '.join(fresh) or 'none'}; "
-        f"not used: {', '.join(unused) or 'none'}"
-    )
-
-
 # --- the loop -----------------------------------------------------------------------------------
-
-
-@dataclass
-class ResumePoint:
-    step_dir: Path
-    state: dict[str, Any]  # train_state.json
-    tensors: dict[str, Tensor]  # optimizer moments and RNG state
 
 
 class Trainer:
@@ -227,7 +160,7 @@ class Trainer:
         self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
         self.scaler = grad_scaler(self.device, self.half)
         self._build(start)
-        if start is not None and not _sharded(start.step_dir):
+        if start is not None and not sharded_step(start.step_dir):
             self._load_weights(start.step_dir)  # whole weights go in before any sharding
         self.parallel.wrap(self.model, self.half)  # DDP or FSDP; nothing for one process
         self.optimizer = make_optimizer(self.model, self.cfg)  # the parameters that train
@@ -335,7 +268,7 @@ class Trainer:
         optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
         meta = start.state["optimizer"]
         try:
-            if _sharded(start.step_dir):  # weights and moments from every rank's shard
+            if sharded_step(start.step_dir):  # weights and moments from every rank's shard
                 load_sharded(start.step_dir, self.model, self.optimizer, meta["param_groups"])
             elif self.parallel.sharded:
                 state_dict = optimizer_state_dict(self.optimizer, meta, optim_tensors)
@@ -457,7 +390,9 @@ class Trainer:
 
     def _check_weights_finite(self) -> None:
         # A finite loss can still come with overflowing gradients: never save such weights.
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(_local(p)).all()]
+        bad = [
+            n for n, p in self.model.named_parameters() if not torch.isfinite(local_part(p)).all()
+        ]
         if self.parallel.any_rank(bool(bad)):  # every rank stops, not only the one that saw it
             bad = bad or ["on another rank"]
             raise self._diverged(f"the weights became NaN/inf ({bad[0]}, ...)", self.step)
@@ -518,7 +453,7 @@ class Trainer:
             f" {self.tokenizer.vocab_size} | task {self.task.name}: {self.task.n_train} training"
             " examples"
         )
-        bar = _progress_bar(self.step, stop, enabled=self.progress)
+        bar = progress_bar(self.step, stop, enabled=self.progress)
         self.model.train()
         val_loss = None
         t_start = time.perf_counter()
@@ -551,30 +486,6 @@ class Trainer:
             baseline_loss=self.task.baseline_loss,
             tokens_per_s=tokens_per_s,
         )
-
-
-def _sharded(step_dir: Path) -> bool:
-    """A step written by an FSDP run: weights and moments in per-rank shards."""
-    return (step_dir / SHARDS_DIR).is_dir()
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """This rank's part of a sharded (DTensor) parameter; a plain tensor as it is."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _progress_bar(initial: int, total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        initial=initial,
-        total=total,
-        desc="train",
-        unit="step",
-        disable=not enabled,
-        dynamic_ncols=True,
-        mininterval=0.5,
-    )
 
 
 def train(

@@ -1,0 +1,89 @@
+"""What stands between a request and the routes: the API key, the response counts, and the
+error handlers that turn every failure into OpenAI's error body (a 4xx for bad input, a 500 that
+keeps the server running)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from glassformer.server.metrics import Metrics
+from glassformer.server.protocol import APIError
+
+log = logging.getLogger("glassformer.server")
+
+
+async def api_error(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    if request.url.path.startswith("/lab/"):  # the lab's page reads FastAPI's own {"detail"}
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code)
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return await api_error(request, APIError(err.status_code, message, kind=kind))
+
+
+async def server_error(request: Request, err: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    message = f"the server failed on this request ({type(err).__name__}); it keeps running"
+    return await api_error(request, APIError(500, message, kind="server_error"))
+
+
+PROTECTED = ("/v1/", "/metrics", "/lab/api/")  # the page itself (/, /lab/static) stays open
+ENDPOINTS = (
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
+    "/metrics",
+)  # fmt: skip
+
+
+class Gate:
+    """ASGI middleware: the API key (a 401 without `Authorization: Bearer KEY`, compared in
+    constant time) on /v1/*, /metrics and the lab's /lab/api/*, and a count of every response
+    by endpoint and status. Plain ASGI rather than BaseHTTPMiddleware, so streams and
+    disconnects pass straight through."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        status = 500
+
+        async def counted_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path.startswith(PROTECTED) and not self._authorized(scope):
+                response = JSONResponse(
+                    APIError(
+                        401,
+                        "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                        "with the key the server was started with (--api-key)",
+                        code="invalid_api_key",
+                    ).body(),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await response(scope, receive, counted_send)
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.count_request(endpoint, status)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        value = headers.get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
