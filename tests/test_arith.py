@@ -4,6 +4,7 @@ only and repeat for a (seed, step), and a trained-for-a-moment model asked with 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,22 +43,40 @@ def test_worked_steps_add_up_column_by_column():
     assert completion(Problem(47, 85, 2), think=False) == "<think></think>132<|endoftext|>"
 
 
-def test_batches_learn_the_completion_only_and_repeat(tmp_path):
+def test_batches_pack_whole_examples_and_learn_the_completion_only(tmp_path):
     task = ArithTask(_run(tmp_path))
     tokenizer = task.tokenizer
     batch = task.train_batch(step=3, batch_size=8, seed=1)
     again = task.train_batch(step=3, batch_size=8, seed=1)
     assert torch.equal(batch["input_ids"], again["input_ids"])
-    start_id = tokenizer.token_to_id("<think>")
-    for ids, targets in zip(batch["input_ids"], batch["targets"], strict=True):
-        learned = targets[targets != -100].tolist()
-        text = tokenizer.decode(learned)
-        assert text.startswith("<think>") and text.endswith("<|endoftext|>")
-        first = (targets != -100).nonzero()[0].item()
-        assert ids[first + 1].item() == start_id  # the first learned token is <think>
-        question = tokenizer.decode(ids[: first + 1].tolist())
-        a, b = question.rstrip("=").split("+")
-        assert text.removesuffix("<|endoftext|>").endswith(str(int(a) + int(b)))
+    inputs, targets = batch["input_ids"], batch["targets"]
+    learned = targets[:, :-1] != -100
+    assert torch.equal(targets[:, :-1][learned], inputs[:, 1:][learned])  # the next token
+    modes, packed = set(), 0
+    plus = tokenizer.token_to_id("+")
+    for ids, row_targets in zip(inputs, targets, strict=True):
+        # The row's text is whole examples back to back; each one's learned tokens are read
+        # off the targets (a "+" where nothing is learned) and checked against the problem
+        # rebuilt from its question.
+        text = tokenizer.decode(torch.cat([ids, row_targets[-1:].clamp(min=0)]).tolist())
+        examples = [e for e in text.split("<|endoftext|>") if "=" in e]
+        packed = max(packed, len(examples))
+        shown = [t if t != -100 else plus for t in row_targets.tolist()]
+        pieces = tokenizer.decode(shown).split("<|endoftext|>")
+        for example, piece in zip(examples, pieces, strict=False):
+            question, rest = example.split("=", 1)
+            a, b = map(int, question.split("+"))
+            if rest.startswith("<think></think>"):
+                modes.add("direct")  # the closing </think> of the empty segment is not learned
+                assert rest == f"<think></think>{a + b}"
+                assert piece.endswith(f"+<think>+{a + b}")
+            else:
+                modes.add("think")
+                steps = worked_steps(Problem(a, b, len(str(max(a, b)))))
+                assert rest == f"<think>{steps}</think>{a + b}"
+                assert piece.endswith(f"<think>{steps}</think>{a + b}")
+    assert modes == {"think", "direct"}
+    assert packed >= 2  # short examples share a row
 
 
 def test_too_short_context_is_a_clear_error(tmp_path):
@@ -79,3 +98,16 @@ def test_trained_model_answers_with_a_budget(tmp_path):
             # the segment opened by the prompt: `budget` tokens, then the emitted </think>
             assert answer.thinking_tokens == budget + 1
     assert arith_tokenizer().vocab_size == 259
+
+
+def test_the_lab_trains_what_the_config_file_trains():
+    # The lab's thinking-budget experiment restates configs/arith-think.toml's recipe (an
+    # installed package has no configs/ folder); the two must not drift apart.
+    from glassformer.lab import exp_thinking_budget as exp
+    from glassformer.train.config import load_run_config
+
+    run = load_run_config(Path(__file__).parent.parent / "configs" / "arith-think.toml")
+    assert run.model == exp.MODEL
+    assert {k: getattr(run.data, k) for k in exp.DATA} == exp.DATA
+    assert {k: getattr(run.train, k) for k in exp.TRAIN} == exp.TRAIN
+    assert run.train.max_steps == exp.FULL_STEPS

@@ -38,7 +38,7 @@ EXPECTED = {
     "rmsnorm-cost", "prefill-decode", "seq2seq-bottleneck", "attention-dilution",
     "in-context-learning", "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge",
     "embedding-distances", "polysemy", "exercise-match-key", "exercise-temperature",
-    "lora-works",
+    "lora-works", "thinking-budget",
 }  # fmt: skip
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
@@ -47,7 +47,7 @@ FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-
         "head-split-cost", "position-geometry", "rmsnorm-cost", "prefill-decode",
         "seq2seq-bottleneck", "attention-dilution", "in-context-learning",
         "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge", "exercise-match-key",
-        "exercise-temperature"]  # fmt: skip
+        "exercise-temperature", "thinking-budget"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
         "lost-in-the-middle", "context-lengths", "embedding-distances", "polysemy",
         "lora-works"]  # fmt: skip

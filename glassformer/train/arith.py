@@ -2,9 +2,14 @@
 worked steps inside <think> ... </think> or answering at once (data/arith.py), and is then
 asked with a thinking budget.
 
-Batches are a pure function of (seed, step): each row draws its number of digits (1 to
-data.arith_max_digits) and whether it shows its steps (data.think_fraction). The loss is on the
-completion only (the thinking segment, the answer and the end of text), not on the question.
+Batches are a pure function of (seed, step): each example draws its number of digits (1 to
+data.arith_max_digits) and whether it shows its steps (data.think_fraction), and examples are
+packed end to end into rows of max_seq_len + 1 tokens, as a GPT's pretraining packs documents
+(an example never straddles two rows). The loss is on the completion only, with one
+exception: in a direct example the </think> that closes the empty segment is not learned. As
+in Qwen3's chat template, where enable_thinking=False writes the empty segment into the prompt,
+the model never learns to close a segment it has just opened: left alone it thinks, and a
+budget of 0 (the engine closes the segment) puts it in the direct mode it learned.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from glassformer.train.config import RunConfig
 from glassformer.train.tasks import TASKS, Task, unigram_entropy
 
 VAL_SEED = 20_261_201  # validation problems: the same at every evaluation
+Example = tuple[list[int], list[bool]]  # token ids, and whether each one is learned
 
 
 def arith_tokenizer() -> BPETokenizer:
@@ -45,16 +51,17 @@ class ArithTask(Task):
         self.max_digits = run.data.arith_max_digits
         self.think_fraction = run.data.think_fraction
         self.max_len = run.model_config(self.tokenizer.vocab_size).max_seq_len
-        longest = self._encode(Problem(10**self.max_digits - 1, 10**self.max_digits - 1,
-                                       self.max_digits), think=True)[0]  # fmt: skip
+        largest = 10**self.max_digits - 1
+        longest = self.encode(Problem(largest, largest, self.max_digits), think=True)[0]
         if len(longest) - 1 > self.max_len:
             raise ValueError(
                 f"a {self.max_digits}-digit problem with its steps is {len(longest)} tokens, "
                 f"more than model.max_seq_len={self.max_len} + 1: raise max_seq_len to "
                 f"{len(longest)} or lower data.arith_max_digits"
             )
-        sample = self._rows(random.Random(0), 512)
-        self.baseline_loss = unigram_entropy([ids[start:] for ids, start in sample])
+        sample = [self._example(random.Random(i)) for i in range(512)]
+        learned = [[t for t, keep in zip(*ex, strict=True) if keep] for ex in sample]
+        self.baseline_loss = unigram_entropy(learned)
 
     def model_config(self, run: RunConfig) -> ModelConfig:
         return run.model_config(self.tokenizer.vocab_size)
@@ -63,35 +70,44 @@ class ArithTask(Task):
     def n_train(self) -> int:
         return 10 ** (2 * self.max_digits)  # distinct problems of the largest size
 
-    def _encode(self, problem: Problem, think: bool) -> tuple[list[int], int]:
+    def encode(self, problem: Problem, think: bool) -> Example:
+        """The question and its completion, and which tokens are learned: the completion's,
+        less the </think> of a direct example's empty segment."""
         question = self.tokenizer.encode(problem.question)
-        return question + self.tokenizer.encode(completion(problem, think)), len(question)
+        rest = self.tokenizer.encode(completion(problem, think))
+        learned = [False] * len(question) + [True] * len(rest)
+        if not think:
+            learned[len(question) + 1] = False  # <think></think>: given, as a template would
+        return question + rest, learned
 
-    def _rows(self, rng: random.Random, n: int) -> list[tuple[list[int], int]]:
-        rows = []
-        for _ in range(n):
-            problem = make_problem(rng, rng.randint(1, self.max_digits))
-            rows.append(self._encode(problem, think=rng.random() < self.think_fraction))
-        return rows
+    def _example(self, rng: random.Random) -> Example:
+        problem = make_problem(rng, rng.randint(1, self.max_digits))
+        return self.encode(problem, think=rng.random() < self.think_fraction)
 
-    def _batch(self, rows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    def _batch(self, rng: random.Random, batch_size: int) -> dict[str, torch.Tensor]:
+        """batch_size rows, each packed with whole examples until the next one would not fit."""
         pad = self.tokenizer.eos_token_id
-        inputs = torch.full((len(rows), self.max_len), pad, dtype=torch.long)
-        targets = torch.full((len(rows), self.max_len), IGNORE_INDEX, dtype=torch.long)
-        for i, (ids, start) in enumerate(rows):
+        inputs = torch.full((batch_size, self.max_len), pad, dtype=torch.long)
+        targets = torch.full((batch_size, self.max_len), IGNORE_INDEX, dtype=torch.long)
+        pending = self._example(rng)
+        for i in range(batch_size):
+            ids, learned = [], []
+            while len(ids) + len(pending[0]) <= self.max_len + 1:
+                ids, learned = ids + pending[0], learned + pending[1]
+                pending = self._example(rng)
             n = len(ids) - 1
             inputs[i, :n] = torch.tensor(ids[:-1])
-            targets[i, start - 1 : n] = torch.tensor(ids[start:])  # the completion only
+            wanted = [t if keep else IGNORE_INDEX for t, keep in zip(ids, learned, strict=True)]
+            targets[i, :n] = torch.tensor(wanted[1:])
         return {"input_ids": inputs, "targets": targets}
 
     def train_batch(self, step: int, batch_size: int, seed: int) -> dict[str, torch.Tensor]:
-        rng = random.Random(seed * 1_000_003 + step)
-        return self._batch(self._rows(rng, batch_size))
+        return self._batch(random.Random(seed * 1_000_003 + step), batch_size)
 
     def val_batches(self, batch_size: int, n_batches: int) -> Iterator[dict[str, torch.Tensor]]:
         rng = random.Random(VAL_SEED)
         for _ in range(n_batches):
-            yield self._batch(self._rows(rng, batch_size))
+            yield self._batch(rng, batch_size)
 
 
 TASKS[ArithTask.name] = ArithTask
@@ -107,8 +123,13 @@ class Answer:
     correct: bool
     thinking_tokens: int
     answer_tokens: int
-    seconds: float
+    seconds: float  # wall time of the whole answer
+    thinking_seconds: float  # until the end of thinking: how long the answer's start waits
     text: str
+
+    @property
+    def output_tokens(self) -> int:
+        return self.thinking_tokens + self.answer_tokens
 
 
 def ask(
@@ -119,7 +140,8 @@ def ask(
     max_new_tokens: int = 80,
 ) -> list[Answer]:
     """Greedy answers with the thinking segment opened by the prompt and `budget` tokens in it
-    (0: answer at once; None: no limit), one engine row per problem, in batches."""
+    (0: answer at once; None: no limit), one problem at a time, so `seconds` is the wall time
+    of one answer."""
     markers = require_markers(tokenizer, "this model", "ask(budget=...)")
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
                             think_ids=markers.ids, thinking_budget=budget,
@@ -135,6 +157,6 @@ def ask(
         text = row.text.replace("<|endoftext|>", "").strip()
         stats, correct = row.stats, text == problem.answer
         answer = Answer(problem, budget, correct, stats.thinking_tokens, stats.answer_tokens,
-                        seconds, text)  # fmt: skip
+                        seconds, stats.thinking_time_s, text)  # fmt: skip
         answers.append(answer)
     return answers

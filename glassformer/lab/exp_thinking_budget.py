@@ -1,0 +1,222 @@
+"""Seed 000 §2.5.2: a thinking model writes a chain of thought before its answer, spends "数倍到
+数十倍" more output tokens and time on it, thinks longer on harder problems, and a "思考预算"
+trades quality for cost: "简单问题少想、复杂问题多想".
+
+Measured on a model trained here (train/arith.py, the run of configs/arith-think.toml): a small
+GPT that learned multi-digit addition both ways, with its column-by-column steps inside
+<think> ... </think> and answering at once after an empty segment. Each seed trains one model;
+each is then asked the same held-out problems of 1 to 4 digits, greedily, with thinking budgets
+from 0 (the engine closes the segment at once: the direct answer) through a few token counts
+(the engine closes it when they are spent) to no limit. Per difficulty and budget: accuracy,
+output tokens and wall time per answer, and the time until the answer starts.
+
+What this model is not: its thinking was shown to it (supervised worked steps), not found by
+reinforcement learning, so "thinks longer on harder problems" here means it learned to, from
+demonstrations whose length grows with the digits; the notes say so beside the numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from glassformer.lab import base as lab
+
+# configs/arith-think.toml's model and data (tests/test_arith.py keeps the two the same); the
+# steps and seeds are the lab's, by mode.
+MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64, "position": "rope",
+         "norm": "rms", "ffn": "swiglu", "dropout": 0.0}  # fmt: skip
+DATA = {"task": "arith", "arith_max_digits": 4, "think_fraction": 0.67}
+TRAIN = {"batch_size": 64, "learning_rate": 3e-3, "min_lr": 3e-4, "warmup_steps": 50}
+FULL_STEPS = 1800  # the config's; quick mode trains half as long
+TINY_MODEL = {**MODEL, "d_model": 32, "n_layers": 1, "n_heads": 2}
+BUDGETS = (0, 4, 8, 16, 24, None)  # None: no limit
+PROBLEM_SEED = 7  # the held-out problems: the same for every seed and budget
+
+# Thresholds, stated once. Thinking helps: on every multi-step problem (2 digits and up) the
+# unlimited budget's accuracy beats the direct answer's by more than the seeds' spread plus
+# MIN_GAIN. "数倍": output tokens and wall time per answer at least MIN_COST_RATIO times the
+# direct answer's at every difficulty (the low end of the claim's range). Longer on harder
+# problems: each extra digit adds at least MIN_EXTRA_THOUGHT thinking tokens beyond the spread.
+# "少想/多想, 在质量和成本之间取舍": the smallest budget that reaches SUFFICIENT of the unlimited
+# accuracy is larger (by a token or more) for the hardest problems than for the easiest, and
+# accuracy over all difficulties does not fall (beyond the spread) as the budget grows.
+MIN_GAIN = 0.10
+MIN_COST_RATIO = 2.0
+MIN_EXTRA_THOUGHT = 1.0
+SUFFICIENT = 0.9
+
+
+def _train(ctx: lab.RunContext, seed: int, steps: int, out: Path):
+    from glassformer.train.config import RunConfig
+    from glassformer.train.trainer import Trainer
+
+    model = ctx.pick(MODEL, MODEL, TINY_MODEL)
+    train = {**TRAIN, "out_dir": str(out), "max_steps": steps, "seed": seed,
+             "warmup_steps": min(TRAIN["warmup_steps"], steps), "eval_interval": steps,
+             "eval_batches": 4, "checkpoint_interval": steps, "threads": ctx.threads}  # fmt: skip
+    run = RunConfig.from_dict({"model": model, "data": DATA, "train": train})
+    trainer = Trainer(run, progress=False, overwrite=True)
+    result = trainer.fit()
+    return trainer.model.eval(), trainer.tokenizer, result
+
+
+def _problems(n: int) -> dict[int, list]:
+    from glassformer.data.arith import make_problem
+
+    rng = random.Random(PROBLEM_SEED)
+    return {
+        d: [make_problem(rng, d) for _ in range(n)] for d in range(1, DATA["arith_max_digits"] + 1)
+    }
+
+
+def _measure(model, tokenizer, problems: dict[int, list]) -> dict:
+    """For each (digits, budget): accuracy, mean thinking and output tokens, and the median
+    seconds per answer and until the answer starts (medians: one slow step, a page fault or a
+    timer tick, should not move a cell)."""
+    from glassformer.train.arith import ask
+
+    out = {}
+    for digits, batch in problems.items():
+        for budget in BUDGETS:
+            answers = ask(model, tokenizer, batch, budget)
+            out[(digits, budget)] = {
+                "accuracy": statistics.fmean(a.correct for a in answers),
+                "thinking": statistics.fmean(a.thinking_tokens for a in answers),
+                "output": statistics.fmean(a.output_tokens for a in answers),
+                "seconds": statistics.median(a.seconds for a in answers),
+                "first_answer": statistics.median(a.thinking_seconds for a in answers),
+            }
+    return out
+
+
+def _sufficient_budget(run: dict, digits: int) -> float:
+    """The smallest budget whose accuracy reaches SUFFICIENT of the unlimited one (unlimited
+    counts as one step past the largest budget; 0 when the direct answer already does)."""
+    finite = [b for b in BUDGETS if b is not None]
+    goal = SUFFICIENT * run[(digits, None)]["accuracy"]
+    for budget in finite:
+        if run[(digits, budget)]["accuracy"] >= goal:
+            return float(budget)
+    return float(finite[-1] + (finite[-1] - finite[-2]))
+
+
+def _label(budget: int | None) -> str:
+    return "no limit" if budget is None else str(budget)
+
+
+@lab.register("thinking-budget")  # its claim: lab/claims.toml
+def run(ctx: lab.RunContext) -> lab.Result:
+    steps = ctx.pick(FULL_STEPS, FULL_STEPS // 2, 6)
+    seeds = ctx.seeds(quick=1)
+    problems = _problems(ctx.pick(100, 40, 2))
+    runs, losses = [], []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory(prefix="lab-think-") as tmp:
+            model, tokenizer, result = _train(ctx, seed, steps, Path(tmp))
+        losses.append((result.val_loss, result.baseline_loss))
+        runs.append(_measure(model, tokenizer, problems))
+    cells = Cells(runs)
+    digits = sorted(problems)
+    checks = [
+        lab.precondition(lab.at_most("val loss / unigram entropy, worst seed",
+                                     max(v / b for v, b in losses), 0.5)),
+        *_checks(cells, digits),
+    ]  # fmt: skip
+    partial = [(d, b) for d in digits for b in BUDGETS[1:-1]
+               if cells.mean("accuracy", d, b) < cells.mean("accuracy", d, 0)]  # fmt: skip
+    notes = [
+        f"model: {ctx.pick(MODEL, MODEL, TINY_MODEL)}, {steps} steps of {TRAIN['batch_size']}"
+        f" packed rows, {len(seeds)} seed(s); {len(problems[1])} held-out problems per"
+        " difficulty, greedy, one at a time",
+        "its thinking is imitated from worked steps (supervised), not found by reinforcement"
+        " learning: the steps it was shown grow with the digits, so thinking longer on harder"
+        " problems is learned behaviour, not discovered",
+        "budgets that did worse than answering directly (thinking cut off mid-step): "
+        + (", ".join(f"{d} digit(s) at budget {b}" for d, b in partial) or "none"),
+    ]
+    data = {"runs": [{f"{d}:{_label(b)}": v for (d, b), v in r.items()} for r in runs],
+            "losses": losses, "steps": steps, "seeds": seeds, "budgets": list(BUDGETS)}  # fmt: skip
+    return lab.Result.from_checks(_rows(cells, digits), checks, figure=_plot(cells, digits),
+                                  data=data, notes=notes)  # fmt: skip
+
+
+class Cells:
+    """The measurements of every seed, by (what, digits, budget)."""
+
+    def __init__(self, runs: list[dict]) -> None:
+        self.runs = runs
+
+    def over_seeds(self, what: str, digits: int, budget: int | None) -> lab.Spread:
+        return lab.over_seeds([r[(digits, budget)][what] for r in self.runs])
+
+    def mean(self, what: str, digits: int, budget: int | None) -> float:
+        return self.over_seeds(what, digits, budget).mean
+
+
+def _rows(cells: Cells, digits: list[int]) -> list[dict]:
+    return [{"digits": d, "budget": _label(b),
+             "accuracy": str(cells.over_seeds("accuracy", d, b)),
+             "thinking tokens": f"{cells.mean('thinking', d, b):.1f}",
+             "output tokens": f"{cells.mean('output', d, b):.1f}",
+             "ms per answer (median)": f"{1000 * cells.mean('seconds', d, b):.1f}",
+             "ms to answer start (median)": f"{1000 * cells.mean('first_answer', d, b):.1f}"}
+            for d in digits for b in BUDGETS]  # fmt: skip
+
+
+def _checks(cells: Cells, digits: list[int]) -> list[lab.Check]:
+    checks = []
+    group = "thinking buys accuracy on multi-step problems"
+    for d in (d for d in digits if d >= 2):
+        unlimited, direct = (cells.over_seeds("accuracy", d, b) for b in (None, 0))
+        what = f"{d} digits: accuracy with no limit - direct"
+        checks.append(lab.exceeds_spread(what, unlimited, direct, MIN_GAIN, group=group))
+    group = "数倍 the output tokens and time"
+    for what, label in (("output", "output tokens per answer"), ("seconds", "time per answer"),
+                        ("first_answer", "time until the answer starts")):  # fmt: skip
+        ratio = min(cells.mean(what, d, None) / cells.mean(what, d, 0) for d in digits)
+        checks.append(lab.at_least(f"{label}, no limit / direct, the least over digits", ratio,
+                                   MIN_COST_RATIO, group=group))  # fmt: skip
+    group = "harder problems, longer thinking (no budget)"
+    for d in digits[1:]:
+        longer, shorter = (cells.over_seeds("thinking", n, None) for n in (d, d - 1))
+        what = f"thinking tokens: {d} digits - {d - 1}"
+        checks.append(lab.exceeds_spread(what, longer, shorter, MIN_EXTRA_THOUGHT, group=group))
+    group = "a budget trades quality for cost: easy problems need less"
+    needed = {d: lab.over_seeds([_sufficient_budget(r, d) for r in cells.runs]) for d in digits}
+    checks.append(lab.exceeds_spread(
+        f"budget reaching {SUFFICIENT:.0%} of the unlimited accuracy: {digits[-1]} digits - 1",
+        needed[digits[-1]], needed[digits[0]], margin=1, group=group))  # fmt: skip
+    overall = {b: lab.over_seeds([statistics.fmean(r[(d, b)]["accuracy"] for d in digits)
+                                  for r in cells.runs]) for b in BUDGETS}  # fmt: skip
+    falls = [overall[a].mean - overall[b].mean - math.hypot(overall[a].spread, overall[b].spread)
+             for a, b in itertools.pairwise(BUDGETS)]  # fmt: skip
+    checks.append(lab.at_most("accuracy over all digits: the largest fall (beyond the spread) "
+                              "as the budget grows", max(falls), 0.0, group=group))  # fmt: skip
+    return checks
+
+
+def _plot(cells: Cells, digits: list[int]):
+    fig, (left, right) = lab.new_figure(9.0, 3.6, ncols=2)
+    x = list(range(len(BUDGETS)))
+    for d in digits:
+        accuracy = [cells.mean("accuracy", d, b) for b in BUDGETS]
+        left.plot(x, accuracy, marker="o", label=f"{d} digit{'s' if d > 1 else ''}")
+    left.set_xticks(x, [_label(b) for b in BUDGETS])
+    left.set(xlabel="thinking budget (tokens)", ylabel="accuracy",
+             title="accuracy vs thinking budget (思考预算)", ylim=(-0.05, 1.05))  # fmt: skip
+    left.legend(fontsize=8)
+    for budget, style in ((0, "s--"), (None, "o-")):
+        output = [cells.mean("output", d, budget) for d in digits]
+        right.plot(digits, output, style, label=f"output tokens, budget {_label(budget)}")
+    thinking = [cells.mean("thinking", d, None) for d in digits]
+    right.plot(digits, thinking, "^:", label="of which thinking (no limit)")
+    right.set_xticks(digits)
+    right.set(xlabel="digits per number (difficulty)", ylabel="tokens per answer",
+              title="cost: output tokens per answer")  # fmt: skip
+    right.legend(fontsize=8)
+    return fig
