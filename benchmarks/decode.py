@@ -5,8 +5,12 @@ rows decoded together, at most B * bandwidth / weight_bytes tokens/s. This scrip
 bandwidth itself (the best of a few 1 GiB reads, torch's sum with the same threads) and prints,
 for every configuration, each engine's time to first token (prefill + the first sampled token)
 and decode tokens/s (every row's tokens after the first, per second), its ratio to transformers
-in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed,
-llama.cpp joins the SmolLM2 batch-1 runs on the shipped Q4_1 GGUF file (same token ids, greedy).
+in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed
+(`pip install -e .[bench]`), llama.cpp joins the SmolLM2 batch-1 runs in the same precision:
+the shipped Q4_1 GGUF file requantized by llama.cpp's own llama_model_quantize into F32, BF16
+and Q8_0 (in the run, into a temporary folder), and the Q4_1 file itself beside int8; same token
+ids, greedy. --json writes every row with the machine, date and command, for
+benchmarks/render.py to turn into the README's tables.
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
 random weights (preset gpt2-124m). transformers gets the same weights through
@@ -19,13 +23,20 @@ other processes hits both alike; each figure is the median of --runs.
 
     python benchmarks/decode.py                                   # everything (~30 min here)
     python benchmarks/decode.py --models smollm2 --batch 1 --prompt 128 --precision fp32
-    python benchmarks/decode.py --with-plain   # also glassformer without the decode kernels
+    python benchmarks/decode.py --models smollm2 --batch 1 --json benchmarks/results/decode.json
+    python benchmarks/decode.py --with-plain   # also glassformer unfused, and without kernels
+
+"glassformer" is what `Engine(model)` runs by default: batch-1 steps through the fused C step
+(infer/fused.py), batches through the torch modules with the decode kernels. With --with-plain,
+"glassformer unfused" is the same model with Engine(model, fast=False) (the modules and the
+matrix-vector kernels, one torch op at a time), and "glassformer plain" the model as built.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
 import statistics
 import tempfile
@@ -165,9 +176,8 @@ def _prefill_seconds(model, ids, mask) -> float:
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python (when installed) on the shipped SmolLM2 GGUF file (Q4_1:
-    the same weight values glassformer dequantizes, stored in 4.5 bits), fed the same token ids,
-    greedy, batch 1."""
+    """llama.cpp through llama-cpp-python on one GGUF file, fed the same token ids, greedy,
+    batch 1."""
 
     def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
         from llama_cpp import Llama
@@ -192,15 +202,50 @@ class LlamaCpp:
         return first - start, (new_tokens - 1) / (end - first), [tokens]
 
 
-def llama_cpp_runner(name: str, threads: int, n_ctx: int) -> LlamaCpp | None:
-    """A llama.cpp contestant for SmolLM2 when llama-cpp-python is installed, else None."""
+# llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
+LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}
+_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
+           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # fmt: skip
+
+
+def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
+    """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama.cpp's requantization of
+    it}, when llama-cpp-python is installed and the model is SmolLM2; else {}."""
     import importlib.util
 
     if name != "smollm2" or importlib.util.find_spec("llama_cpp") is None:
-        return None
+        return {}
+    import llama_cpp
+
     from glassformer.interop.pretrained import resolve
 
-    return LlamaCpp(resolve("smollm2"), threads, n_ctx)
+    _quiet_llama_cpp(llama_cpp)
+    source = resolve("smollm2")
+    files = {"Q4_1": source}
+    for precision in precisions:
+        kind = LLAMA_CPP_TYPES[precision]
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = (
+            getattr(llama_cpp, _FTYPES[kind]), True, threads)  # fmt: skip
+        target = tmp / f"smollm2-{kind}.gguf"
+        status = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(target).encode(), ctypes.byref(params)
+        )
+        if status != 0:
+            raise RuntimeError(f"llama_model_quantize to {kind} failed with status {status}")
+        files[kind] = target
+    return files
+
+
+def _quiet_llama_cpp(llama_cpp) -> None:
+    """Silence llama.cpp's own log (the quantizer prints a line per tensor)."""
+
+    @llama_cpp.llama_log_callback
+    def ignore(level, text, user_data):
+        pass
+
+    _quiet_llama_cpp.callback = ignore  # kept alive: C holds only the pointer
+    llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
 
 
 # --- models and prompts -------------------------------------------------------------------------
@@ -271,7 +316,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--with-plain", action="store_true", help="also glassformer unoptimized")
+    parser.add_argument("--with-plain", action="store_true", help="also glassformer unfused/plain")
+    parser.add_argument("--json", type=Path, help="write every row here, with the machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -279,39 +325,49 @@ def main() -> None:
     print(f"threads {args.threads} | measured read bandwidth {bandwidth:.1f} GB/s | "
           f"{args.new_tokens} new tokens | median of {args.runs} interleaved runs\n")  # fmt: skip
     header = (
-        f"{'model':<20}{'prec':<6}{'batch':>5}{'prompt':>7}  {'engine':<18}{'TTFT ms':>9}"
+        f"{'model':<20}{'prec':<6}{'batch':>5}{'prompt':>7}  {'engine':<20}{'TTFT ms':>9}"
         f"{'decode tok/s':>14}{'vs HF':>8}{'% of BW limit':>15}{'same tokens':>13}"
     )
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             base, hf_fp32, tokenizer, label = load_models(name, Path(tmp))
             n_ctx = max(args.prompt) + args.new_tokens + 8
-            llama_cpp = llama_cpp_runner(name, args.threads, n_ctx)
+            gguf = llama_cpp_files(name, args.precision, Path(tmp), args.threads)
             hf_models = {"fp32": hf_fp32, "bf16": copy.deepcopy(hf_fp32).to(torch.bfloat16)}
             print(header)
             for precision in args.precision:
                 contestants = {"glassformer": glassformer_variant(base, precision, plain=False)}
+                if args.with_plain:
+                    contestants["glassformer unfused"] = contestants["glassformer"]
                 if args.with_plain and precision != "int8":
                     contestants["glassformer plain"] = glassformer_variant(base, precision, True)
+                peers = [LLAMA_CPP_TYPES[precision]] + (["Q4_1"] if precision == "int8" else [])
+                llama = {f"llama.cpp {kind}": LlamaCpp(gguf[kind], args.threads, n_ctx)
+                         for kind in peers if kind in gguf}  # fmt: skip
                 hf_peer = "fp32" if precision == "fp32" else "bf16"
                 for batch in args.batch:
                     for length in args.prompt:
                         length = min(length, base.cfg.max_seq_len - args.new_tokens)
                         prompts = prompt_tokens(base.cfg.vocab_size, length, batch, tokenizer)
-                        extra = {}
-                        if llama_cpp is not None and batch == 1:
-                            extra["llama.cpp Q4_1"] = llama_cpp
+                        extra = llama if batch == 1 else {}
                         timings = measure(contestants, hf_models[hf_peer], prompts, args, extra)
-                        report(label, precision, batch, length, timings, hf_peer,
-                               {**contestants, "llama.cpp": llama_cpp}, bandwidth)  # fmt: skip
+                        where = {"model": label, "precision": precision, "batch": batch,
+                                 "prompt": length}  # fmt: skip
+                        rows += report(where, timings, hf_peer, {**contestants, **extra},
+                                       bandwidth)  # fmt: skip
+                del llama
             print()
+    if args.json:
+        write_json(args.json, rows, bandwidth, args)
 
 
 def measure(contestants, hf_model, prompts, args, extra=None) -> dict[str, Timing]:
     """Interleaved runs of every glassformer variant, transformers and the `extra` runners
     (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens))."""
     extra = extra or {}
-    engines = {name: Engine(model) for name, model in contestants.items()}
+    engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")))
+               for name, model in contestants.items()}  # fmt: skip
     timings = {name: Timing() for name in [*engines, "transformers", *extra]}
     # one untimed warm-up each: allocation, kernel selection, the kernels' first build
     for engine in engines.values():
@@ -328,35 +384,62 @@ def measure(contestants, hf_model, prompts, args, extra=None) -> dict[str, Timin
     return timings
 
 
-def report(label, precision, batch, length, timings, hf_peer, contestants, bandwidth) -> None:
-    reference = timings["transformers"]
+def report(where: dict, timings, hf_peer, contestants, bandwidth) -> list[dict]:
+    """Print one line per engine; return them as dicts (for --json)."""
+    reference, batch, rows = timings["transformers"], where["batch"], []
     for name, timing in timings.items():
-        model = contestants.get(name)
-        if name == "llama.cpp Q4_1":
-            limit = batch * bandwidth * 1e9 / contestants["llama.cpp"].bytes_per_token
-            same = "yes" if timing.tokens == reference.tokens else "no"
-            ratio = timing.tok_s / reference.tok_s
-            print(
-                f"{label:<20}{precision:<6}{batch:>5}{length:>7}  {name:<18}"
-                f"{timing.ttft_ms:>9.0f}{timing.tok_s:>14.1f}{ratio:>7.2f}x"
-                f"{100 * timing.tok_s / limit:>14.0f}%{same:>13}"
-            )
-            continue
-        if model is None:
+        contestant = contestants.get(name)
+        if isinstance(contestant, LlamaCpp):
+            engine, weight_bytes = name, contestant.bytes_per_token
+        elif contestant is None:  # transformers: its weights are glassformer's, in hf_peer
             engine = f"transformers {hf_peer}"
-            limit_model = contestants["glassformer"] if precision != "int8" else None
+            same_precision = where["precision"] == hf_peer
+            weight_bytes = (
+                weight_bytes_per_step(contestants["glassformer"]) if same_precision else None
+            )
         else:
-            engine, limit_model = name, model
-        ratio = timing.tok_s / reference.tok_s
-        percent = ""
-        if limit_model is not None and (model is not None or precision == hf_peer):
-            limit = batch * bandwidth * 1e9 / weight_bytes_per_step(limit_model)
-            percent = f"{100 * timing.tok_s / limit:.0f}%"
-        same = "" if model is None else ("yes" if timing.tokens == reference.tokens else "no")
+            engine, weight_bytes = name, weight_bytes_per_step(contestant)
+        limit = batch * bandwidth * 1e9 / weight_bytes if weight_bytes else None
+        row = {**where, "engine": engine, "ttft_ms": timing.ttft_ms, "decode_tok_s": timing.tok_s,
+               "vs_transformers": timing.tok_s / reference.tok_s,
+               "percent_of_bandwidth_limit": 100 * timing.tok_s / limit if limit else None,
+               "same_tokens_as_transformers": None if contestant is None
+               else timing.tokens == reference.tokens}  # fmt: skip
+        rows.append(row)
+        percent = "" if limit is None else f"{row['percent_of_bandwidth_limit']:.0f}%"
+        same = {None: "", True: "yes", False: "no"}[row["same_tokens_as_transformers"]]
         print(
-            f"{label:<20}{precision:<6}{batch:>5}{length:>7}  {engine:<18}{timing.ttft_ms:>9.0f}"
-            f"{timing.tok_s:>14.1f}{ratio:>7.2f}x{percent:>15}{same:>13}"
+            f"{where['model']:<20}{where['precision']:<6}{batch:>5}{where['prompt']:>7}  "
+            f"{engine:<20}{timing.ttft_ms:>9.0f}{timing.tok_s:>14.1f}"
+            f"{row['vs_transformers']:>7.2f}x{percent:>15}{same:>13}"
         )
+    return rows
+
+
+def write_json(path: Path, rows: list[dict], bandwidth: float, args) -> None:
+    import datetime
+    import json
+    import platform
+    import sys
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
+    try:
+        from importlib.metadata import version
+
+        llama_cpp_version = version("llama-cpp-python")
+    except Exception:
+        llama_cpp_version = None
+    machine = {"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads,
+               "read_bandwidth_gb_s": round(bandwidth, 2), "torch": torch.__version__,
+               "llama_cpp_python": llama_cpp_version}  # fmt: skip
+    result = {"command": "python " + " ".join(["benchmarks/decode.py", *sys.argv[1:]]),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": machine, "new_tokens": args.new_tokens, "runs": args.runs,
+              "rows": rows}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

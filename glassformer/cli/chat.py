@@ -37,8 +37,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")
+    engine = Engine(model, tokenizer=tokenizer, fast=not options.plain)
     session = ChatSession(
-        Engine(model, tokenizer=tokenizer), tokenizer, system=args.system, sampling=sampling,
+        engine, tokenizer, system=args.system, sampling=sampling,
         parse_special=args.parse_special, no_think_suffix=tuple(suffix),
     )  # fmt: skip
     run_chat(session)

@@ -232,7 +232,7 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plain",
         action="store_true",
-        help="run the model as built, without the decode kernels (for comparison)",
+        help="run the model as built: no decode kernels, no fused decode step (for comparison)",
     )
     add_adapter_flag(p)
 

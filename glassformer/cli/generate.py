@@ -37,14 +37,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.show_top and (len(args.prompt) > 1 or args.compile):
         raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
     args.thinking, args.prompt_suffix = thinking_options(args, tokenizer, args.model)
+    engine = Engine(model, tokenizer=tokenizer, fast=not options.plain)
     if args.show_top:
-        _generate_show_top(args, Engine(model, tokenizer=tokenizer), tokenizer)
+        _generate_show_top(args, engine, tokenizer)
     elif len(args.prompt) > 1:
-        _generate_batch(args, Engine(model, tokenizer=tokenizer), tokenizer)
+        _generate_batch(args, engine, tokenizer)
     elif args.compile:
         _generate_compiled(args, model, tokenizer)
     else:
-        _generate_stream(args, Engine(model, tokenizer=tokenizer), tokenizer)
+        _generate_stream(args, engine, tokenizer)
 
 
 def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:

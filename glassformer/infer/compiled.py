@@ -71,7 +71,7 @@ class CompiledDecoder(Engine):
 
     def __init__(self, model: nn.Module, *, compile: bool = True, tokenizer=None) -> None:
         check_supported(model)
-        super().__init__(model, tokenizer=tokenizer)
+        super().__init__(model, tokenizer=tokenizer, fast=False)
         self.cfg = model.cfg
         self._caches: dict[int, StaticKVCache] = {}
         self.compiled_forward = self.forward

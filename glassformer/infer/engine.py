@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from glassformer.infer.fused import FusedStep
 from glassformer.infer.rows import (
     GenerationResult,
     GenerationStats,
@@ -59,6 +60,10 @@ class Engine:
     max_rows: the row slots; None lets generate/generate_batch size the cache to each call.
     max_seq_len: positions per slot (default: the model's context window).
     tokenizer: lets rows stop at stop strings and follow their text (row.text).
+    fast: decode one row's steps with the fused C step (infer/fused.py) where the model allows
+        it (a GPT-family model on the CPU); False runs every step through the torch modules,
+        the reference the fused step is tested against. Build the Engine after changing the
+        model (quantizing, casting, swapping modules): the fused step reads the weights it saw.
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class Engine:
         max_rows: int | None = None,
         max_seq_len: int | None = None,
         tokenizer=None,
+        fast: bool = True,
     ) -> None:
         self.model = model.eval()
+        self.fused = FusedStep.for_model(model) if fast else None
         self.max_seq_len: int = model.cfg.max_seq_len
         for name, value in (("max_rows", max_rows), ("max_seq_len", max_seq_len)):
             whole = isinstance(value, int) and not isinstance(value, bool)
@@ -354,7 +361,11 @@ class Engine:
         return live
 
     def _decode(self, live: list[Row]) -> Tensor:
-        """One batched forward: each live row's last token at its own position."""
+        """One batched forward: each live row's last token at its own position (one row: the
+        fused step, when there is one for this model and cache)."""
+        if len(live) == 1 and self.fused is not None and self.fused.supports(self.cache):
+            (row,) = live
+            return self.fused(row.context[-1], row.length, self.cache, row.slot)
         device = self.model.device
         ids = torch.tensor([[row.context[-1]] for row in live], device=device)  # (n, 1)
         lengths = [row.length for row in live]

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("matvec.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
+HEADERS = (HERE / "simd.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
 # Most activation rows the kernel takes per storage; more go to torch's matmul. The loop
@@ -62,7 +64,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """Compile matvec.c once per (source, flags, compiler, CPU model); return the .so path."""
+    """Compile the C files once per (sources, flags, compiler, CPU model); return the .so path."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -71,21 +73,22 @@ def _build() -> Path:
                 if line.startswith("model name")), "")  # fmt: skip
     flags = build_flags()
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(flags), version, cpu]).encode()
+        "\n".join(
+            [*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version, cpu]
+        ).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"matvec-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: a concurrent build or an interrupted one never
     # leaves a half-written library under the final name.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / "matvec.so"
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True
-        )
+        built = Path(tmp) / "kernels.so"
+        command = [compiler, *flags, *map(str, SOURCES), "-lm", "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()}")
+            raise RuntimeError(f"{compiler} failed on the kernels: {result.stderr.strip()}")
         os.replace(built, target)
     return target
 
@@ -107,6 +110,14 @@ def _library() -> ctypes.CDLL | None:
         function.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
         function.restype = None
     return library
+
+
+def library() -> ctypes.CDLL:
+    """The compiled library (matvec_* and decode_token); an error when it cannot be had."""
+    found = _library()
+    if found is None:
+        raise RuntimeError("the C kernels are not available here: check kernels.available()")
+    return found
 
 
 def available() -> bool:

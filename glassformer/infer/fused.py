@@ -1,0 +1,245 @@
+"""The whole decode step in one C call (seed 000 §2.5.1: decode is memory-bound).
+
+Decoding one token through the torch modules costs about forty small ops per layer, each with
+its dispatch, its allocation and its OpenMP fork/join; on SmolLM2's 30 layers that overhead is
+larger than the time to read the weights. `FusedStep` hands the model's own weights (and the
+Engine's KV cache) to glassformer/kernels/decode.c, which runs the token's every layer inside
+one parallel region and writes the logits. The Engine uses it for batch-1 decode steps of the
+models it supports (`FusedStep.for_model` says which and why not); prefill, batches and every
+other model run the torch modules, which stay the reference the tests hold this path to.
+
+    step = FusedStep.for_model(model)              # None when this model needs the torch path
+    logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
+
+Shapes: C channels, H query heads, Hkv key/value heads, D head dim, V vocab, Tmax cache length.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from glassformer import kernels
+from glassformer.nn.kv_cache import KVCache
+
+_STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_ACTIVATION = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
+               "swiglu": 3, "geglu": 1, "geglu_tanh": 2}  # fmt: skip
+_GATED = ("swiglu", "geglu", "geglu_tanh")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _P), ("scale", _P), ("bias", _P),
+                ("in_", _I), ("out", _I), ("group", _I), ("storage", _I)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm_weight", _P), ("attn_norm_bias", _P), ("q_norm_weight", _P),
+                ("k_norm_weight", _P), ("ffn_norm_weight", _P), ("ffn_norm_bias", _P),
+                ("qkv", _Linear), ("out", _Linear), ("up", _Linear), ("down", _Linear),
+                ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, _I) for name in ("n_layers", "d_model", "n_heads", "n_kv_heads",
+                                        "head_dim", "d_ff", "vocab_size", "cache_head_stride",
+                                        "cache_pos_stride", "rms_norm", "gated", "activation",
+                                        "cache_bf16", "emb_storage")] + [
+        ("norm_eps", _F), ("attn_scale", _F), ("rope_factor", _F),
+        ("inv_freq", _P), ("tok_emb", _P), ("pos_emb", _P),
+        ("final_norm_weight", _P), ("final_norm_bias", _P), ("head", _Linear),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("x", _P), ("h", _P), ("qkv", _P), ("att", _P), ("scores", _P), ("ff", _P),
+        ("max_positions", _I),
+    ]  # fmt: skip
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why this model's decode step cannot be the fused one (None: it can)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or cfg.family != "gpt" or not hasattr(model, "blocks"):
+        return f"{type(model).__name__} is not a decoder-only GPT-family model"
+    if not kernels.available():
+        return "the C kernels are not available on this machine (AVX2/FMA CPU, a C compiler)"
+    if model.device.type != "cpu":
+        return f"the model is on {model.device}, and the fused step runs on the CPU"
+    reasons = {
+        "post-norm layers": cfg.norm_position != "pre",
+        "no residual connections": not cfg.residual,
+        "an MoE FFN": cfg.ffn == "moe",
+        "ALiBi": cfg.position == "alibi",
+        "a sliding window": cfg.sliding_window is not None,
+        "dynamic-NTK RoPE": (cfg.rope_scaling or {}).get("type") == "dynamic",
+        f"head_dim={cfg.head_dim} (odd)": cfg.head_dim % 2 == 1,
+    }
+    for reason, applies in reasons.items():
+        if applies:
+            return f"the model has {reason}"
+    for block in model.blocks:
+        for name in ("qkv_proj", "out_proj"):
+            problem = _linear_problem(getattr(block.attn, name))
+            if problem:
+                return f"attn.{name}: {problem}"
+        ffn = block.ffn
+        for layer in (ffn.gate_up, ffn.down) if cfg.ffn in _GATED else (ffn.fc_in, ffn.fc_out):
+            problem = _linear_problem(layer)
+            if problem:
+                return f"ffn: {problem}"
+        if block.attn.weights_sink is not None:
+            return "a layer is being inspected (its attention weights are recorded)"
+    # Hooks (inspection, counting) on any module: the fused step would run past them.
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "the model is being inspected (a module has forward hooks)"
+    return _linear_problem(model.lm_head)
+
+
+def _linear_problem(module: nn.Module) -> str | None:
+    """Why the C step cannot read this projection (None: it can)."""
+    if type(module).__name__ not in ("Linear", "DecodeLinear", "Int8Linear"):
+        return f"{type(module).__name__} is not a plain, decode or int8 Linear (merge adapters)"
+    weight = module.weight
+    if weight.dtype not in _STORAGE or weight.dim() != 2 or not weight.is_contiguous():
+        return f"a {weight.dtype} weight of shape {tuple(weight.shape)} is not supported"
+    group = (
+        weight.shape[1] // module.scales.shape[1] if hasattr(module, "scales") else weight.shape[1]
+    )
+    if weight.shape[1] % 32 or group % 32:
+        return f"width {weight.shape[1]} (group {group}) is not a multiple of 32"
+    return None
+
+
+class FusedStep:
+    """One decode step of `model` (batch 1) through decode.c; see the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported(model)
+        if reason:
+            raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        self.model, self.cfg = model, model.cfg
+        self._keep: list[Tensor] = []  # every tensor the C structs point to stays alive here
+        self._function = _library_function()
+        self._struct = self._build()
+        self._cache_key: tuple | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> FusedStep | None:
+        """The fused step, or None when the model needs the torch path (unsupported())."""
+        return None if unsupported(model) else cls(model)
+
+    # --- the structs --------------------------------------------------------------------------
+
+    def _f32(self, tensor: Tensor | None) -> int | None:
+        """A pointer to tensor's values as contiguous float32 (a copy when they are not)."""
+        if tensor is None:
+            return None
+        tensor = tensor.detach().to(torch.float32).contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _linear(self, module: nn.Module) -> _Linear:
+        weight = module.weight.detach()
+        self._keep.append(weight)
+        scales = getattr(module, "scales", None)
+        out, width = weight.shape
+        group = width // scales.shape[1] if scales is not None else width
+        return _Linear(weight.data_ptr(), self._f32(scales), self._f32(module.bias),
+                       width, out, group, _STORAGE[weight.dtype])  # fmt: skip
+
+    def _norm(self, norm: nn.Module) -> tuple[int | None, int | None]:
+        return self._f32(norm.weight), self._f32(getattr(norm, "bias", None))
+
+    def _build(self) -> _Model:
+        model, cfg = self.model, self.cfg
+        gated = cfg.ffn in _GATED
+        layers = (_Layer * cfg.n_layers)()
+        for layer, block in zip(layers, model.blocks, strict=True):
+            attn, ffn = block.attn, block.ffn
+            layer.attn_norm_weight, layer.attn_norm_bias = self._norm(block.attn_norm)
+            layer.ffn_norm_weight, layer.ffn_norm_bias = self._norm(block.ffn_norm)
+            if attn.q_norm is not None:
+                layer.q_norm_weight = self._f32(attn.q_norm.weight)
+                layer.k_norm_weight = self._f32(attn.k_norm.weight)
+            layer.qkv, layer.out = self._linear(attn.qkv_proj), self._linear(attn.out_proj)
+            up, down = (ffn.gate_up, ffn.down) if gated else (ffn.fc_in, ffn.fc_out)
+            layer.up, layer.down = self._linear(up), self._linear(down)
+        self._layers = layers
+        tok_emb = model.tok_emb.weight.detach()
+        if tok_emb.dtype not in (torch.float32, torch.bfloat16):
+            tok_emb = tok_emb.float()
+        self._keep.append(tok_emb)
+        final_weight, final_bias = self._norm(model.final_norm)
+        C, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        scale = cfg.attention_scale if cfg.attention_scale is not None else D**-0.5
+        rope = model.rope
+        struct = _Model(
+            n_layers=cfg.n_layers, d_model=C, n_heads=H, n_kv_heads=Hkv, head_dim=D,
+            d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, rms_norm=int(cfg.norm == "rms"),
+            gated=int(gated), activation=_ACTIVATION[cfg.ffn], emb_storage=_STORAGE[tok_emb.dtype],
+            norm_eps=cfg.norm_eps, attn_scale=scale,
+            rope_factor=rope.attention_factor if rope is not None else 1.0,
+            inv_freq=self._f32(rope.inv_freq) if rope is not None else None,
+            tok_emb=tok_emb.data_ptr(),
+            pos_emb=self._f32(model.pos_emb.weight) if model.pos_emb is not None else None,
+            final_norm_weight=final_weight, final_norm_bias=final_bias,
+            head=self._linear(model.lm_head), layers=layers,
+        )  # fmt: skip
+        scratch = {"x": C, "h": C, "qkv": (H + 2 * Hkv) * D, "att": H * D,
+                   "ff": (2 if gated else 1) * cfg.d_ff}  # fmt: skip
+        for name, size in scratch.items():
+            buffer = torch.zeros(size)
+            self._keep.append(buffer)
+            setattr(struct, name, buffer.data_ptr())
+        return struct
+
+    def _point_at(self, cache: KVCache, slot: int) -> None:
+        """Point every layer at the cache row `slot` (once per cache and slot)."""
+        key = (id(cache.k), cache.k.data_ptr(), slot)
+        if key == self._cache_key:
+            return
+        k, v = cache.k[:, slot], cache.v[:, slot]  # (L, Hkv, Tmax, D)
+        for l, layer in enumerate(self._layers):
+            layer.k_cache, layer.v_cache = k[l].data_ptr(), v[l].data_ptr()
+        s = self._struct
+        s.cache_head_stride, s.cache_pos_stride = k.stride(1), k.stride(2)
+        s.cache_bf16 = int(cache.k.dtype == torch.bfloat16)
+        scores = torch.zeros(self.cfg.n_heads, cache.max_seq_len)
+        self._scores = scores  # replaced with the cache, so it always fits its length
+        s.scores, s.max_positions = scores.data_ptr(), cache.max_seq_len
+        self._cache_key = key
+
+    def supports(self, cache: Any) -> bool:
+        """Whether this cache is one the C step reads: a full KVCache of f32 or bf16 whose
+        head dim is contiguous."""
+        return (
+            type(cache) is KVCache
+            and cache.k.dtype in (torch.float32, torch.bfloat16)
+            and cache.k.stride(-1) == 1
+        )
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def __call__(self, token: int, position: int, cache: KVCache, slot: int = 0) -> Tensor:
+        """The next-token logits (1, V) for `token` at `position` of cache row `slot`, whose
+        positions 0..position-1 are filled; writes the token's keys/values at `position`."""
+        if not 0 <= position < cache.max_seq_len:
+            raise ValueError(f"position {position} is outside the cache's {cache.max_seq_len}")
+        if not 0 <= token < self.cfg.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary ({self.cfg.vocab_size})")
+        self._point_at(cache, slot)
+        logits = torch.empty(1, self.cfg.vocab_size)
+        self._function(ctypes.byref(self._struct), token, position, logits.data_ptr(),
+                       torch.get_num_threads())  # fmt: skip
+        cache.length = position + 1  # as cache.begin() does for the torch path
+        return logits  # float32 whatever the weights: the C step computes in float32
+
+
+def _library_function():
+    function = kernels.library().decode_token
+    function.argtypes = [ctypes.POINTER(_Model), _I, _I, _P, ctypes.c_int]
+    function.restype = None
+    return function

@@ -1,0 +1,256 @@
+/* One decode step of a pre-norm GPT-family model in one call (seed 000 §2.5.1: decode is
+ * memory-bound, so a token should cost the time to stream the weights, nothing more).
+ *
+ * The torch path runs a token through ~40 small ops per layer, each with its own dispatch,
+ * allocation and OpenMP fork/join. Here the whole token is one OpenMP parallel region: the
+ * threads split every matrix-vector product by output rows and the attention by heads, and
+ * meet at a barrier between steps; the small steps (norms, RoPE, the cache write) run on one
+ * thread. Nothing is allocated: the caller hands in scratch buffers and the KV cache.
+ *
+ * Per layer, for the token x at position pos (the reference is glassformer/nn, step by step):
+ *
+ *   h = norm(x)                                   attn_norm (RMSNorm or LayerNorm)
+ *   q, k, v = split(W_qkv h + b)                  one fused projection
+ *   q, k = rms(q) * g_q, rms(k) * g_k per head    Qwen3's qk_norm, when present
+ *   q, k = rope(q, pos), rope(k, pos)             pairs (i, i + D/2), when the model has RoPE
+ *   cache[pos] = k, v                             this layer's (Hkv, Tmax, D) block
+ *   a_h = softmax(q_h . K_j * scale) . V_j        each query head over keys 0..pos (GQA)
+ *   x = x + W_out a + b
+ *   h = norm(x)                                   ffn_norm
+ *   u = W_up h + b                                gate and up in one matrix when gated
+ *   x = x + W_down act(u) + b                     act(gate) * up when gated
+ *
+ * then logits = W_head norm(x). Weights are f32, bf16 or int8 with group scales (simd.h);
+ * activations are f32; the cache is f32 or bf16.
+ */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "simd.h"
+
+enum storage { F32 = 0, BF16 = 1, INT8 = 2 };
+enum activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
+
+typedef struct {
+    const void *weight; /* (out, in) */
+    const float *scale; /* int8: (out, in / group); else NULL */
+    const float *bias;  /* (out,) or NULL */
+    int64_t in, out, group;
+    int64_t storage;
+} Linear;
+
+typedef struct {
+    const float *attn_norm_weight, *attn_norm_bias; /* bias: LayerNorm with a shift only */
+    const float *q_norm_weight, *k_norm_weight;     /* Qwen3's per-head gains, or NULL */
+    const float *ffn_norm_weight, *ffn_norm_bias;
+    Linear qkv, out, up, down;
+    void *k_cache, *v_cache; /* this layer's block of the cache row: (Hkv, Tmax, D) */
+} Layer;
+
+typedef struct {
+    int64_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size;
+    int64_t cache_head_stride, cache_pos_stride; /* in elements */
+    int64_t rms_norm, gated, activation, cache_bf16, emb_storage;
+    float norm_eps, attn_scale, rope_factor;
+    const float *inv_freq; /* (D/2,) RoPE frequencies, or NULL: no RoPE */
+    const void *tok_emb;   /* (V, C) f32 or bf16 */
+    const float *pos_emb;  /* (Tmax, C) learned or sinusoidal table, or NULL */
+    const float *final_norm_weight, *final_norm_bias;
+    Linear head;
+    const Layer *layers;
+    /* scratch: x, h (C); qkv ((H + 2 Hkv) D); att (H D); scores (H, Tmax); ff (2 d_ff) */
+    float *x, *h, *qkv, *att, *scores, *ff;
+    int64_t max_positions;
+} Model;
+
+/* --- pieces ---------------------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 64); /* NaN */
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* y[o] (+)= W[o] . x + b[o] for this thread's share of the rows; accumulate adds into y (the
+ * residual stream). An orphaned `omp for`: called inside the token's parallel region, it ends
+ * with the barrier that makes y whole for every thread. */
+static void linear(const Linear *L, const float *x, float *y, int accumulate) {
+    const int64_t n_groups = L->in / L->group;
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < L->out; ++o) {
+        const float *scale = L->scale ? L->scale + o * n_groups : 0;
+        float dot;
+        if (L->storage == F32)
+            dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
+        else if (L->storage == BF16)
+            dot = dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, L->group);
+        else
+            dot = dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, L->group);
+        if (L->bias) dot += L->bias[o];
+        y[o] = accumulate ? y[o] + dot : dot;
+    }
+}
+
+/* out = norm(x) * weight (+ bias): RMSNorm, or LayerNorm (centred, biased variance). */
+static void norm(const float *x, float *out, int64_t n, const float *weight, const float *bias,
+                 int rms, float eps) {
+    double mean = 0.0, square = 0.0;
+    if (!rms) {
+        for (int64_t i = 0; i < n; ++i) mean += x[i];
+        mean /= n;
+    }
+    for (int64_t i = 0; i < n; ++i) square += (x[i] - mean) * (x[i] - mean);
+    const float inv = 1.0f / sqrtf((float)(square / n) + eps);
+    for (int64_t i = 0; i < n; ++i) {
+        float v = (float)(x[i] - mean) * inv * weight[i];
+        out[i] = bias ? v + bias[i] : v;
+    }
+}
+
+/* Rotate the pairs (i, i + D/2) of one head by pos * inv_freq[i]. */
+static void rope(float *v, int64_t head_dim, const float *inv_freq, int64_t pos, float factor) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float angle = (float)pos * inv_freq[i];
+        const float c = cosf(angle) * factor, s = sinf(angle) * factor;
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+static inline float activate(float v, int64_t kind) {
+    switch (kind) {
+    case RELU: return v > 0.0f ? v : 0.0f;
+    case GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case GELU_TANH:
+        return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    default: return v / (1.0f + expf(-v)); /* SILU */
+    }
+}
+
+static inline float cache_get(const void *cache, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+static inline void cache_set(void *cache, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)cache)[i] = f32_to_bf16(v);
+    else
+        ((float *)cache)[i] = v;
+}
+
+/* q . k for one cached key row of D floats (f32 or bf16), in SIMD when D is a multiple of
+ * LANES; and out += p * v for one cached value row. */
+static inline float key_dot(const float *q, const void *cache, int64_t at, int64_t D, int bf16) {
+    if (D % LANES == 0) {
+        vec acc = vec_zero();
+        for (int64_t d = 0; d < D; d += LANES) {
+            vec k = bf16 ? load_bf16((const uint16_t *)cache + at + d)
+                         : load_f32((const float *)cache + at + d);
+            acc = vec_fma(vec_load(q + d), k, acc);
+        }
+        return vec_sum(acc);
+    }
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * cache_get(cache, at + d, bf16);
+    return dot;
+}
+
+static inline void add_value(float *out, float p, const void *cache, int64_t at, int64_t D,
+                             int bf16) {
+    if (D % LANES == 0) {
+        const vec weight = vec_set1(p);
+        for (int64_t d = 0; d < D; d += LANES) {
+            vec v = bf16 ? load_bf16((const uint16_t *)cache + at + d)
+                         : load_f32((const float *)cache + at + d);
+            vec_store(out + d, vec_fma(weight, v, vec_load(out + d)));
+        }
+        return;
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, bf16);
+}
+
+/* One query head over the keys 0..pos of its key/value head: softmax(q . K * scale) . V. */
+static void attend(const Model *m, const Layer *layer, int64_t head, int64_t pos) {
+    const int64_t D = m->head_dim, kv_head = head / (m->n_heads / m->n_kv_heads);
+    const int bf16 = (int)m->cache_bf16;
+    const float *q = m->qkv + head * D;
+    float *scores = m->scores + head * m->max_positions, *out = m->att + head * D;
+    const int64_t base = kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
+    float best = -INFINITY;
+    for (int64_t t = 0; t <= pos; ++t) {
+        scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, bf16) * m->attn_scale;
+        if (scores[t] > best) best = scores[t];
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t <= pos; ++t) {
+        scores[t] = expf(scores[t] - best);
+        total += scores[t];
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    for (int64_t t = 0; t <= pos; ++t)
+        add_value(out, scores[t] / total, layer->v_cache, base + t * stride, D, bf16);
+}
+
+/* --- the step -------------------------------------------------------------------------------- */
+
+void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int n_threads) {
+    const int64_t C = m->d_model, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
+    const int rms = (int)m->rms_norm;
+    float *x = m->x, *h = m->h, *qkv = m->qkv, *ff = m->ff;
+    for (int64_t i = 0; i < C; ++i) {
+        float e = m->emb_storage == BF16 ? bf16_to_f32(((const uint16_t *)m->tok_emb)[token * C + i])
+                                         : ((const float *)m->tok_emb)[token * C + i];
+        x[i] = m->pos_emb ? e + m->pos_emb[pos * C + i] : e;
+    }
+#pragma omp parallel num_threads(n_threads)
+    for (int64_t l = 0; l < m->n_layers; ++l) {
+        const Layer *layer = &m->layers[l];
+#pragma omp single
+        norm(x, h, C, layer->attn_norm_weight, layer->attn_norm_bias, rms, m->norm_eps);
+        linear(&layer->qkv, h, qkv, 0);
+#pragma omp single
+        {
+            float *k = qkv + H * D, *v = k + Hkv * D;
+            for (int64_t head = 0; head < H + Hkv; ++head) {
+                float *vec = qkv + head * D; /* the query heads, then the key heads */
+                const float *gain = head < H ? layer->q_norm_weight : layer->k_norm_weight;
+                if (gain) norm(vec, vec, D, gain, 0, 1, m->norm_eps);
+                if (m->inv_freq) rope(vec, D, m->inv_freq, pos, m->rope_factor);
+            }
+            for (int64_t head = 0; head < Hkv; ++head) {
+                const int64_t at = head * m->cache_head_stride + pos * m->cache_pos_stride;
+                for (int64_t d = 0; d < D; ++d) {
+                    cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_bf16);
+                    cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_bf16);
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t head = 0; head < H; ++head) attend(m, layer, head, pos);
+        linear(&layer->out, m->att, x, 1);
+#pragma omp single
+        norm(x, h, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms, m->norm_eps);
+        linear(&layer->up, h, ff, 0);
+        const int64_t F = m->d_ff;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < F; ++i)
+            ff[i] = m->gated ? activate(ff[i], m->activation) * ff[F + i]
+                             : activate(ff[i], m->activation);
+        linear(&layer->down, ff, x, 1);
+    }
+    norm(x, h, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
+#pragma omp parallel num_threads(n_threads)
+    linear(&m->head, h, logits, 0);
+}

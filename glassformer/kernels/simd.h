@@ -1,0 +1,82 @@
+/* SIMD helpers the kernels share (matvec.c, decode.c): a vector of LANES floats (16 with
+ * AVX-512, else 8 with AVX2), and loads that turn LANES weights of each storage into floats.
+ * f32: 4 bytes; bf16: the top half of an fp32 (shift left 16); int8: times a scale later.
+ */
+#ifndef GLASSFORMER_SIMD_H
+#define GLASSFORMER_SIMD_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#ifdef __AVX512F__
+#define LANES 16
+typedef __m512 vec;
+static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
+/* LANES weights as floats, for each storage */
+static inline vec load_f32(const float *w) { return _mm512_loadu_ps(w); }
+static inline vec load_bf16(const uint16_t *w) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline vec load_int8(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+#else
+#define LANES 8
+typedef __m256 vec;
+static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec vec_set1(float v) { return _mm256_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vec_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vec_sum(vec v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(h);
+}
+static inline vec load_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline vec load_bf16(const uint16_t *w) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec load_int8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+#endif
+
+#define STEP 32                  /* columns per inner iteration */
+#define N_ACC (STEP / LANES)     /* independent accumulators: 2 (AVX-512) or 4 (AVX2) */
+
+/* The dot product of one weight row (one scale per `group` columns, or none) with x: several
+ * accumulators keep several FMAs in flight (with one, each FMA waits for the previous one's
+ * result and the loop is compute-bound, not memory-bound); each group's partial sum is scaled
+ * once. `in` and `group` are multiples of STEP. */
+#define DEFINE_DOT(NAME, WTYPE, LOAD)                                                         \
+    static inline float NAME(const WTYPE *w_row, const float *x_row, const float *scale_row,  \
+                             int64_t in, int64_t group) {                                     \
+        vec total = vec_zero();                                                               \
+        for (int64_t g = 0; g < in / group; ++g) {                                            \
+            vec acc[N_ACC];                                                                   \
+            for (int k = 0; k < N_ACC; ++k) acc[k] = vec_zero();                              \
+            for (int64_t i = g * group; i < (g + 1) * group; i += STEP)                       \
+                for (int k = 0; k < N_ACC; ++k)                                               \
+                    acc[k] = vec_fma(LOAD(w_row + i + LANES * k), vec_load(x_row + i + LANES * k), \
+                                     acc[k]);                                                 \
+            for (int k = 1; k < N_ACC; ++k) acc[0] = vec_add(acc[0], acc[k]);                 \
+            total = vec_fma(acc[0], vec_set1(scale_row ? scale_row[g] : 1.0f), total);        \
+        }                                                                                     \
+        return vec_sum(total);                                                                \
+    }
+
+DEFINE_DOT(dot_f32, float, load_f32)
+DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
+DEFINE_DOT(dot_int8, int8_t, load_int8)
+
+#endif

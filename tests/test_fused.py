@@ -1,0 +1,150 @@
+"""The fused decode step (infer/fused.py, kernels/decode.c) against the torch modules: the same
+logits for every architecture it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
+LayerNorm and learned positions, plain MLPs), in fp32, bf16 and int8 weights; the Engine's
+greedy tokens with and without it; and the models it refuses, with the reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from glassformer.config import ModelConfig
+from glassformer.infer.engine import Engine
+from glassformer.infer.fused import FusedStep, unsupported
+from glassformer.infer.optimize import optimize_for_decode
+from glassformer.kernels import available
+from glassformer.models import build_model
+from glassformer.nn.quant import quantize_int8
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs the C kernels (AVX2/FMA, cc)")
+
+LLAMA = dict(position="rope", norm="rms", ffn="swiglu", bias=False, n_kv_heads=2)
+ARCHS = {
+    "llama-gqa": LLAMA,
+    "qwen2-qkv-bias": {**LLAMA, "qkv_bias": True},
+    "qwen3-qk-norm": {**LLAMA, "qk_norm": True, "rope_theta": 1e6},
+    "gpt2": dict(position="learned", norm="layer", ffn="gelu_tanh", bias=True),
+    "relu-sinusoidal-mha": dict(position="sinusoidal", norm="layer", ffn="relu", bias=False),
+    "geglu-scaled": {**LLAMA, "ffn": "geglu", "attention_scale": 0.3, "n_kv_heads": 1},
+    "head-dim-24": {**LLAMA, "d_model": 96},  # attention's scalar loop where SIMD lanes are 16
+}
+
+
+def _model(arch: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=48)
+    cfg = ModelConfig(**{**sizes, **ARCHS[arch]})
+    model = build_model(cfg).eval()
+    with torch.no_grad():  # norm gains and biases away from 1 and 0, so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.copy_(
+                    1 + 0.3 * torch.randn_like(p) if "norm.weight" in name else torch.randn_like(p)
+                )
+    return model
+
+
+def _torch_step(model, token: int, position: int, cache) -> torch.Tensor:
+    ids, positions = torch.tensor([[token]]), torch.tensor([position])
+    return model(ids, positions, cache=cache, last_token_only=True)[:, -1].float()
+
+
+def _compare(model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 6):
+    """Prefill 5 tokens through torch into a cache and a copy of it (in cache_dtype), then decode
+    n_steps tokens, the cache through `model`'s modules, the copy through the fused step of
+    fused_model (default: model): the largest logit difference."""
+    step = FusedStep(fused_model or model)
+    reference = model.new_cache(1, 48)
+    worst, token = 0.0, 7
+    with torch.inference_mode():
+        model(torch.tensor([[3, 141, 59, 26, 5]]), cache=reference)
+        fused = model.new_cache(1, 48, dtype=cache_dtype)
+        fused.k.copy_(reference.k), fused.v.copy_(reference.v)
+        for position in range(5, 5 + n_steps):
+            want = _torch_step(model, token, position, reference)
+            got = step(token, position, fused)
+            worst = max(worst, (got - want).abs().max().item())
+            token = int(want.argmax())
+    return worst
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fp32_step_matches_the_modules(arch):
+    assert _compare(_model(arch)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_bf16_weights_match_their_float32_copy(arch):
+    # The C step reads bf16 weights and computes in float32: the exact reference is a float32
+    # model holding the same (bf16-rounded) weights, with a float32 cache.
+    half = optimize_for_decode(_model(arch), "bf16")
+    rounded = copy.deepcopy(half).float()
+    assert _compare(rounded, fused_model=half) < 1e-4
+
+
+def test_bf16_cache_rounds_keys_and_values_only():
+    # A bf16 cache (what the Engine allocates for a bf16 model) changes the logits by the
+    # rounding of the cached keys and values: small against the logits' own spread.
+    model = _model("llama-gqa")
+    exact = _compare(model)
+    rounded = _compare(model, cache_dtype=torch.bfloat16)
+    assert exact < 1e-4 and rounded < 0.02
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_int8_weights_match_the_int8_modules(arch):
+    model = quantize_int8(_model(arch), group_size=32)
+    assert _compare(model) < 1e-4
+
+
+def test_engine_decodes_the_same_tokens_with_and_without_it():
+    model = _model("qwen3-qk-norm")
+    fast, plain = Engine(model), Engine(model, fast=False)
+    assert fast.fused is not None and plain.fused is None
+    for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3}):
+        a = fast.generate([5, 9, 200], max_new_tokens=20, **params).token_ids
+        b = plain.generate([5, 9, 200], max_new_tokens=20, **params).token_ids
+        assert a == b
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"position": "alibi", "norm": "layer", "ffn": "gelu"}, "ALiBi"),
+        ({**LLAMA, "sliding_window": 8}, "sliding window"),
+        ({**LLAMA, "norm_position": "post"}, "post-norm"),
+        ({**LLAMA, "ffn": "moe", "n_experts": 2, "n_experts_per_token": 1}, "MoE"),
+        ({**LLAMA, "d_ff": 80}, "not a multiple of 32"),
+    ],
+)
+def test_models_it_cannot_run_say_why_and_the_engine_uses_torch(change, reason):
+    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=1, n_heads=4, max_seq_len=32,
+                      **{"d_ff": 96, **change})  # fmt: skip
+    model = build_model(cfg).eval()
+    assert reason in unsupported(model)
+    assert Engine(model).fused is None
+    with pytest.raises(ValueError, match=reason):
+        FusedStep(model)
+
+
+def test_inspected_and_adapted_models_use_torch():
+    from glassformer.nn.lora import apply_lora
+
+    model = _model("llama-gqa")
+    handle = model.blocks[0].register_forward_hook(lambda *args: None)
+    assert "inspected" in unsupported(model)  # a hook anywhere
+    handle.remove()
+    assert unsupported(model) is None
+    apply_lora(model, "q,v", rank=4)
+    assert "merge adapters" in unsupported(model)
+
+
+def test_bad_positions_and_tokens_are_clear_errors():
+    model = _model("llama-gqa")
+    step, cache = FusedStep(model), model.new_cache(1, 48)
+    with pytest.raises(ValueError, match="position 48 is outside"):
+        step(1, 48, cache)
+    with pytest.raises(ValueError, match="token id 300 is outside"):
+        step(300, 0, cache)
