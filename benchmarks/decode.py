@@ -8,15 +8,16 @@ and decode tokens/s (every row's tokens after the first, per second), its ratio 
 in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed
 (`pip install -e .[bench]`), llama.cpp joins the SmolLM2 batch-1 runs in the same precision:
 the shipped Q4_1 GGUF file requantized by llama.cpp's own llama_model_quantize into F32, BF16
-and Q8_0 (in the run, into a temporary folder), and the Q4_1 file itself beside int8; same token
+and Q8_0 (in the run, into a temporary folder), and the Q4_1 file itself beside int4; same token
 ids, greedy. --json writes every row with the machine, date and command, for
 benchmarks/render.py to turn into the README's tables.
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
 random weights (preset gpt2-124m). transformers gets the same weights through
 glassformer.interop.save_hf_model. Precisions: fp32, bf16 (the whole model in bf16 for both),
-int8 (glassformer's weight-only int8 with per-channel scales; transformers has no CPU int8 path
-without extra packages, so that row's ratio is to transformers bf16, its fastest). Prompts are
+int8 (glassformer's weight-only int8, a scale per 64 weights) and int4 (a scale and a min per
+32, Q4_1's form); transformers has no CPU int8 or int4 path without extra packages, so those
+rows' ratio is to transformers bf16, its fastest. Prompts are
 Hamlet's text; generation is greedy with EOS ignored, so every run makes --new-tokens
 tokens per row. Runs are interleaved (glassformer, transformers, glassformer, ...) so load from
 other processes hits both alike; each figure is the median of --runs.
@@ -58,7 +59,7 @@ from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 # --- the machine's limit ------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class LlamaCpp:
 
 
 # llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
-LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}
+LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
 _FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
            "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # fmt: skip
 
@@ -224,6 +225,8 @@ def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str,
     files = {"Q4_1": source}
     for precision in precisions:
         kind = LLAMA_CPP_TYPES[precision]
+        if kind in files:
+            continue  # the shipped file itself
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.allow_requantize, params.nthread = (
             getattr(llama_cpp, _FTYPES[kind]), True, threads)  # fmt: skip
@@ -301,6 +304,10 @@ def glassformer_variant(base: nn.Module, precision: str, plain: bool) -> nn.Modu
         from glassformer.nn.quant import quantize_int8
 
         return quantize_int8(model)
+    if precision == "int4":
+        from glassformer.nn.quant import quantize_int4
+
+        return quantize_int4(model)
     return optimize_for_decode(model, precision)
 
 
@@ -340,9 +347,9 @@ def main() -> None:
                 contestants = {"glassformer": glassformer_variant(base, precision, plain=False)}
                 if args.with_plain:
                     contestants["glassformer unfused"] = contestants["glassformer"]
-                if args.with_plain and precision != "int8":
+                if args.with_plain and precision not in ("int8", "int4"):
                     contestants["glassformer plain"] = glassformer_variant(base, precision, True)
-                peers = [LLAMA_CPP_TYPES[precision]] + (["Q4_1"] if precision == "int8" else [])
+                peers = [LLAMA_CPP_TYPES[precision]]
                 llama = {f"llama.cpp {kind}": LlamaCpp(gguf[kind], args.threads, n_ctx)
                          for kind in peers if kind in gguf}  # fmt: skip
                 hf_peer = "fp32" if precision == "fp32" else "bf16"

@@ -1,8 +1,12 @@
-"""int8 weight-only quantization on SmolLM2-135M (issue 5): what it costs in perplexity and
-what it buys in bytes and decode speed, against fp32 and bf16, measured in one run.
+"""int8 and int4 weight-only quantization on SmolLM2-135M (issues 5, 19): what it costs in
+perplexity and what it buys in bytes and decode speed, against fp32 and bf16, measured in one
+run.
 
-Contestants: the fp32 and bf16 models prepared by optimize_for_decode, and int8 with one scale
-per output row ("channel") or per row and group of 64 or 32 columns (--groups).
+Contestants: the fp32 and bf16 models prepared by optimize_for_decode, int8 with one scale
+per output row ("channel") or per row and group of 64 or 32 columns (--groups), and int4 with a
+scale and a min per 32 weights (llama.cpp's Q4_1 form). SmolLM2's only shipped weights are a
+Q4_1 GGUF file, so "fp32" holds those values dequantized: int4 gives them back (to float
+rounding), and its perplexity is fp32's; int8 rounds them again.
 
 Perplexity: the first --tokens tokens of one play (held-out text: SmolLM2 was not tuned on this
 file), cut into non-overlapping --window-token windows; each window is scored on its own, every
@@ -32,7 +36,7 @@ from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.interop.pretrained import from_pretrained
-from glassformer.nn.quant import quantize_int8, weight_bytes
+from glassformer.nn.quant import quantize_int4, quantize_int8, weight_bytes
 
 
 def held_out_ids(tokenizer, play: str, n_tokens: int) -> list[int]:
@@ -76,6 +80,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="decode runs per contestant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference")
+    parser.add_argument("--no-int4", action="store_true", help="skip int4")
     parser.add_argument(
         "--groups",
         nargs="+",
@@ -92,6 +97,8 @@ def main() -> None:
     for group in args.groups:
         group_size = None if group == "channel" else int(group)
         models[f"int8 {group}"] = quantize_int8(copy.deepcopy(fp32), group_size)
+    if not args.no_int4:
+        models["int4 32"] = quantize_int4(copy.deepcopy(fp32))
 
     ids = held_out_ids(tokenizer, args.play, args.tokens)
     prompt = ids[: args.prompt_tokens]

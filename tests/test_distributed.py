@@ -372,7 +372,13 @@ def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
                 time.sleep(0.05)
             assert job.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
             time.sleep(rng.uniform(0.0, 0.3))
-            workers = [c for c in _children(job.pid) if Path(f"/proc/{c}").exists()]
+            # Between a restart's exits and spawns torchrun may have no workers for a moment:
+            # wait for them rather than pick from an empty list.
+            workers, wait_until = [], time.monotonic() + 30
+            while not workers and time.monotonic() < wait_until and job.poll() is None:
+                workers = [c for c in _children(job.pid) if Path(f"/proc/{c}").exists()]
+                time.sleep(0 if workers else 0.05)
+            assert workers, (tmp_path / "log.txt").read_text()[-3000:]
             os.kill(rng.choice(workers), signal.SIGKILL)
             seen = latest.read_text().strip()
             _sharded_step_is_whole(tmp_path / "run" / seen, config)

@@ -16,7 +16,7 @@ from glassformer.infer.fused import FusedStep, unsupported
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.kernels import available
 from glassformer.models import build_model
-from glassformer.nn.quant import quantize_int8
+from glassformer.nn.quant import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs the C kernels (AVX2/FMA, cc)")
 
@@ -94,8 +94,9 @@ def test_bf16_cache_rounds_keys_and_values_only():
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
-def test_int8_weights_match_the_int8_modules(arch):
-    model = quantize_int8(_model(arch), group_size=32)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weights_match_the_quantized_modules(arch, bits):
+    model = quantize_int8(_model(arch), group_size=32) if bits == 8 else quantize_int4(_model(arch))
     assert _compare(model) < 1e-4
 
 

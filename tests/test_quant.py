@@ -189,7 +189,7 @@ def test_refuses_other_families_and_saving(tmp_path):
     bert = gf.build_model(gf.ModelConfig(family="bert", vocab_size=50, d_model=32, n_heads=2))
     with pytest.raises(ValueError, match=r"GPT-family.*'bert'"):
         quantize_int8(bert)
-    with pytest.raises(ValueError, match=r"int8-quantized.*quantize after loading"):
+    with pytest.raises(ValueError, match=r"a quantized model.*quantize after loading"):
         save_model_weights(quantize_int8(tiny_gpt()), tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
 
@@ -226,11 +226,11 @@ def test_cli_quantize_flag_generates_what_the_quantized_model_does(
 
 
 def test_unknown_quantize_value_is_one_clear_line(char_checkpoint, capsys):
-    with pytest.raises(ValueError, match="quantize='int4' is not known"):
-        from_pretrained(char_checkpoint, quantize="int4")
+    with pytest.raises(ValueError, match="quantize='int2' is not known: pick None, 'int8' or"):
+        from_pretrained(char_checkpoint, quantize="int2")
     with pytest.raises(SystemExit):  # argparse: usage and one error line, exit status 2
-        main(["generate", "--model", str(char_checkpoint), "hi", "--quantize", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["generate", "--model", str(char_checkpoint), "hi", "--quantize", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
 
 
 def write_q8_0_gguf(path: Path, model: nn.Module) -> Path:

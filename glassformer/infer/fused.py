@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from glassformer import kernels
 from glassformer.nn.kv_cache import KVCache
 
-_STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
 _ACTIVATION = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
                "swiglu": 3, "geglu": 1, "geglu_tanh": 2}  # fmt: skip
 _GATED = ("swiglu", "geglu", "geglu_tanh")
@@ -34,7 +34,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _P), ("scale", _P), ("bias", _P),
+    _fields_ = [("weight", _P), ("scale", _P), ("mins", _P), ("bias", _P),
                 ("in_", _I), ("out", _I), ("group", _I), ("storage", _I)]  # fmt: skip
 
 
@@ -54,7 +54,7 @@ class _Model(ctypes.Structure):
         ("inv_freq", _P), ("tok_emb", _P), ("pos_emb", _P),
         ("final_norm_weight", _P), ("final_norm_bias", _P), ("head", _Linear),
         ("layers", ctypes.POINTER(_Layer)),
-        ("x", _P), ("h", _P), ("qkv", _P), ("att", _P), ("scores", _P), ("ff", _P),
+        ("x", _P), ("h", _P), ("qkv", _P), ("att", _P), ("scores", _P), ("ff", _P), ("x_sums", _P),
         ("max_positions", _I),
     ]  # fmt: skip
 
@@ -100,16 +100,16 @@ def unsupported(model: nn.Module) -> str | None:
 
 def _linear_problem(module: nn.Module) -> str | None:
     """Why the C step cannot read this projection (None: it can)."""
-    if type(module).__name__ not in ("Linear", "DecodeLinear", "Int8Linear"):
-        return f"{type(module).__name__} is not a plain, decode or int8 Linear (merge adapters)"
+    if type(module).__name__ not in ("Linear", "DecodeLinear", "Int8Linear", "Int4Linear"):
+        name = type(module).__name__
+        return f"{name} is not a plain, decode or quantized Linear (merge adapters)"
     weight = module.weight
     if weight.dtype not in _STORAGE or weight.dim() != 2 or not weight.is_contiguous():
         return f"a {weight.dtype} weight of shape {tuple(weight.shape)} is not supported"
-    group = (
-        weight.shape[1] // module.scales.shape[1] if hasattr(module, "scales") else weight.shape[1]
-    )
-    if weight.shape[1] % 32 or group % 32:
-        return f"width {weight.shape[1]} (group {group}) is not a multiple of 32"
+    width = kernels.in_features(weight)
+    group = width // module.scales.shape[1] if hasattr(module, "scales") else width
+    if width % 32 or group % 32:
+        return f"width {width} (group {group}) is not a multiple of 32"
     return None
 
 
@@ -144,11 +144,12 @@ class FusedStep:
     def _linear(self, module: nn.Module) -> _Linear:
         weight = module.weight.detach()
         self._keep.append(weight)
-        scales = getattr(module, "scales", None)
-        out, width = weight.shape
+        scales, mins = getattr(module, "scales", None), getattr(module, "mins", None)
+        out, width = weight.shape[0], kernels.in_features(weight)
         group = width // scales.shape[1] if scales is not None else width
-        return _Linear(weight.data_ptr(), self._f32(scales), self._f32(module.bias),
-                       width, out, group, _STORAGE[weight.dtype])  # fmt: skip
+        return _Linear(weight.data_ptr(), self._f32(scales), self._f32(mins),
+                       self._f32(module.bias), width, out, group,
+                       _STORAGE[weight.dtype])  # fmt: skip
 
     def _norm(self, norm: nn.Module) -> tuple[int | None, int | None]:
         return self._f32(norm.weight), self._f32(getattr(norm, "bias", None))
@@ -189,7 +190,8 @@ class FusedStep:
             head=self._linear(model.lm_head), layers=layers,
         )  # fmt: skip
         scratch = {"x": C, "h": C, "qkv": (H + 2 * Hkv) * D, "att": H * D,
-                   "ff": (2 if gated else 1) * cfg.d_ff}  # fmt: skip
+                   "ff": (2 if gated else 1) * cfg.d_ff,
+                   "x_sums": max(C, H * D, cfg.d_ff) // kernels.Q4_GROUP + 1}  # fmt: skip
         for name, size in scratch.items():
             buffer = torch.zeros(size)
             self._keep.append(buffer)

@@ -67,7 +67,7 @@ def _refuse_pickles(path: Path) -> None:
             safetensors_files(path)  # raises the conversion hint, naming the files
 
 
-QUANTIZE_CHOICES = (None, "int8")
+QUANTIZE_CHOICES = (None, "int8", "int4")
 
 
 def from_pretrained(
@@ -81,16 +81,24 @@ def from_pretrained(
     are all Q8_0 (blocks of 32 int8 values and one scale) is regrouped by 32, which gives back
     exactly the file's numbers.
 
+    quantize="int4": every Linear whose width is a multiple of 32 becomes int4 with a scale and
+    a min per 32 weights (llama.cpp's Q4_1 form). A Q4_0, Q4_1 or Q4_K GGUF file's weights are
+    already on such a grid, so requantizing them gives their numbers back (to float rounding).
+
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
     if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r} is not known: pick None or 'int8'")
+        raise ValueError(f"quantize={quantize!r} is not known: pick None, 'int8' or 'int4'")
     model, tokenizer = _load_float(name_or_path, dtype)
     if quantize == "int8":
         from glassformer.nn.quant import DEFAULT_GROUP_SIZE, quantize_int8
 
         group_size = 32 if _all_matrices_q8_0(resolve(name_or_path)) else DEFAULT_GROUP_SIZE
         model = quantize_int8(model, group_size)
+    elif quantize == "int4":
+        from glassformer.nn.quant import quantize_int4
+
+        model = quantize_int4(model)
     return model, tokenizer
 
 

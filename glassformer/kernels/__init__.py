@@ -1,7 +1,8 @@
 """Hand-written matrix-vector kernels for batch-1 decoding (seed 000 §2.5.1: memory-bound).
 
-`matvec(x, weight, scale)` computes x @ weight.T (times a per-row scale for int8) with the C
-loops in matvec.c when the input has few rows and the CPU has AVX2/FMA; anything else (prefill,
+`matvec(x, weight, scale, mins)` computes x @ weight.T (int8: times group scales; int4: packed
+nibbles times group scales plus group mins) with the C loops in matvec.c when the input has few
+rows and the CPU has AVX2/FMA; anything else (prefill,
 other CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized weight, which is
 also the reference the tests hold the kernel to.
 
@@ -36,7 +37,8 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has t
 # Most activation rows the kernel takes per storage; more go to torch's matmul. The loop
 # converts each weight once per row, so with bf16 weights several rows are faster on oneDNN's
 # bf16 matmul (measured: batch 8 at 0.93x transformers through the kernel).
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.int8: 8}
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.int8: 8, torch.uint8: 8}
+Q4_GROUP = 32  # int4 (uint8 storage, two weights a byte): weights per scale and min
 _STORAGES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 
@@ -109,6 +111,9 @@ def _library() -> ctypes.CDLL | None:
         # x, w, scale, y, rows, in, out, group, n_threads
         function.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
         function.restype = None
+    # x, w, scale, mins, y, x_sums, rows, in, out, n_threads
+    library.matvec_q4.argtypes = [pointer] * 6 + [size] * 3 + [ctypes.c_int]
+    library.matvec_q4.restype = None
     return library
 
 
@@ -125,6 +130,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def in_features(weight: Tensor) -> int:
+    """Columns of the matrix a stored weight stands for (int4 packs two a byte)."""
+    return weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+
+
 def can_use(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
     """Whether matvec(x, weight, scale) will take the kernel rather than F.linear."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
@@ -132,7 +142,7 @@ def can_use(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
         0 < rows <= MAX_ROWS.get(weight.dtype, 0)
         and x.device.type == "cpu"
         and weight.dim() == 2
-        and x.shape[-1] == weight.shape[1]
+        and x.shape[-1] == in_features(weight)
         and weight.is_contiguous()
         and _group_size(weight, scale) % 32 == 0  # the C loop steps 32 columns at a time
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -142,14 +152,25 @@ def can_use(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
 
 def _group_size(weight: Tensor, scale: Tensor | None) -> int:
     """Columns per scale: all of a row (per-channel, or no scale) or in_features / groups."""
+    if weight.dtype == torch.uint8:
+        return Q4_GROUP
     if scale is None or scale.dim() == 1:
         return weight.shape[1]
     return weight.shape[1] // scale.shape[1]
 
 
-def dequantize(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The weight as `dtype` floats: int8 times its scales (out,) or (out, groups); other
+def dequantize(
+    weight: Tensor, scale: Tensor | None, dtype: torch.dtype, mins: Tensor | None = None
+) -> Tensor:
+    """The weight as `dtype` floats: int8 times its scales (out,) or (out, groups); int4 (uint8,
+    two nibbles a byte in GGUF's order) times its group scales plus its group mins; other
     storages cast."""
+    if weight.dtype == torch.uint8:
+        out_features = weight.shape[0]
+        blocks = weight.view(out_features, -1, Q4_GROUP // 2)  # (out, G, 16)
+        q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # (out, G, 32)
+        w = q * scale.view(out_features, -1, 1) + mins.view(out_features, -1, 1)
+        return w.view(out_features, -1).to(dtype)
     if scale is None:
         return weight.to(dtype)
     out_features, in_features = weight.shape
@@ -158,36 +179,40 @@ def dequantize(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tens
     return w.view(out_features, in_features).to(dtype)
 
 
-def matvec(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
-    """x (..., in) @ weight (out, in).T, the weight dequantized by `scale` when given.
+def matvec(
+    x: Tensor, weight: Tensor, scale: Tensor | None = None, mins: Tensor | None = None
+) -> Tensor:
+    """x (..., in) @ weight (out, in).T, the weight dequantized by `scale` (and `mins`) when
+    given.
 
-    weight is fp32, bf16 or int8; int8 needs scale: (out,) per output row, or (out, G) per row
-    and group of in/G columns. The result has x's dtype."""
-    if weight.dtype == torch.int8 and scale is None:
-        raise ValueError("an int8 weight needs its scales: matvec(x, weight, scale)")
+    weight is fp32, bf16, int8 or int4 (uint8 (out, in / 2)); int8 needs scale: (out,) per
+    output row, or (out, G) per row and group of in/G columns; int4 needs scale and mins, both
+    (out, in / 32). The result has x's dtype."""
+    if weight.dtype in (torch.int8, torch.uint8) and scale is None:
+        raise ValueError("a quantized weight needs its scales: matvec(x, weight, scale)")
+    if weight.dtype == torch.uint8 and mins is None:
+        raise ValueError("an int4 weight needs its group mins: matvec(x, weight, scale, mins)")
     if torch.compiler.is_compiling():
         # torch.compile cannot trace a ctypes call: it sees one opaque op instead (below).
-        return matvec_op(x, weight, scale)
+        return matvec_op(x, weight, scale, mins)
     if not can_use(x, weight, scale):
-        return F.linear(x, dequantize(weight, scale, x.dtype))
+        return F.linear(x, dequantize(weight, scale, x.dtype, mins))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
         x2d = x2d.to(torch.float32).contiguous()
-    if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
-        scale = scale.to(torch.float32).contiguous()
-    rows, n_out = x2d.shape[0], weight.shape[0]
+    scale, mins = (None if t is None else t.to(torch.float32).contiguous() for t in (scale, mins))
+    rows, n_in, n_out = x2d.shape[0], x2d.shape[1], weight.shape[0]
     y = torch.empty(rows, n_out, dtype=torch.float32)
-    _functions()[weight.dtype](
-        x2d.data_ptr(),
-        weight.data_ptr(),
-        None if scale is None else scale.data_ptr(),
-        y.data_ptr(),
-        rows,
-        weight.shape[1],
-        n_out,
-        _group_size(weight, scale),
-        torch.get_num_threads(),
-    )
+    if weight.dtype == torch.uint8:
+        sums = torch.empty(rows, n_in // Q4_GROUP)
+        library().matvec_q4(x2d.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                            mins.data_ptr(), y.data_ptr(), sums.data_ptr(), rows, n_in, n_out,
+                            torch.get_num_threads())  # fmt: skip
+    else:
+        _functions()[weight.dtype](x2d.data_ptr(), weight.data_ptr(),
+                                   None if scale is None else scale.data_ptr(),
+                                   y.data_ptr(), rows, n_in, n_out, _group_size(weight, scale),
+                                   torch.get_num_threads())  # fmt: skip
     y = y.view(*x.shape[:-1], n_out)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -200,12 +225,16 @@ def _functions() -> dict[torch.dtype, ctypes._CFuncPtr]:
 
 
 @torch.library.custom_op("glassformer::matvec", mutates_args=())
-def matvec_op(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+def matvec_op(
+    x: Tensor, weight: Tensor, scale: Tensor | None, mins: Tensor | None = None
+) -> Tensor:
     """matvec as a torch operator, so a compiled graph (glassformer/infer/compiled.py) calls
     the C kernel as one node instead of breaking at ctypes. Runs eagerly: plain matvec."""
-    return matvec(x, weight, scale)
+    return matvec(x, weight, scale, mins)
 
 
 @matvec_op.register_fake
-def _matvec_shape(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+def _matvec_shape(
+    x: Tensor, weight: Tensor, scale: Tensor | None, mins: Tensor | None = None
+) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -20,7 +20,8 @@
  *   u = W_up h + b                                gate and up in one matrix when gated
  *   x = x + W_down act(u) + b                     act(gate) * up when gated
  *
- * then logits = W_head norm(x). Weights are f32, bf16 or int8 with group scales (simd.h);
+ * then logits = W_head norm(x). Weights are f32, bf16, int8 with group scales or int4 with
+ * group scales and mins (simd.h);
  * activations are f32; the cache is f32 or bf16.
  */
 #include <math.h>
@@ -29,12 +30,13 @@
 
 #include "simd.h"
 
-enum storage { F32 = 0, BF16 = 1, INT8 = 2 };
+enum storage { F32 = 0, BF16 = 1, INT8 = 2, Q4 = 3 };
 enum activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
 
 typedef struct {
-    const void *weight; /* (out, in) */
-    const float *scale; /* int8: (out, in / group); else NULL */
+    const void *weight; /* (out, in); int4: (out, in / 2) bytes */
+    const float *scale; /* int8, int4: (out, in / group); else NULL */
+    const float *mins;  /* int4: (out, in / 32); else NULL */
     const float *bias;  /* (out,) or NULL */
     int64_t in, out, group;
     int64_t storage;
@@ -59,8 +61,9 @@ typedef struct {
     const float *final_norm_weight, *final_norm_bias;
     Linear head;
     const Layer *layers;
-    /* scratch: x, h (C); qkv ((H + 2 Hkv) D); att (H D); scores (H, Tmax); ff (2 d_ff) */
-    float *x, *h, *qkv, *att, *scores, *ff;
+    /* scratch: x, h (C); qkv ((H + 2 Hkv) D); att (H D); scores (H, Tmax); ff (2 d_ff);
+     * x_sums (the widest input / 32: int4's group sums) */
+    float *x, *h, *qkv, *att, *scores, *ff, *x_sums;
     int64_t max_positions;
 } Model;
 
@@ -84,13 +87,20 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* y[o] (+)= W[o] . x + b[o] for this thread's share of the rows; accumulate adds into y (the
  * residual stream). An orphaned `omp for`: called inside the token's parallel region, it ends
  * with the barrier that makes y whole for every thread. */
-static void linear(const Linear *L, const float *x, float *y, int accumulate) {
+static void linear(const Linear *L, const float *x, float *y, int accumulate, float *x_sums) {
     const int64_t n_groups = L->in / L->group;
+    if (L->storage == Q4) {
+#pragma omp single
+        group_sums(x, L->in, x_sums);
+    }
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < L->out; ++o) {
         const float *scale = L->scale ? L->scale + o * n_groups : 0;
         float dot;
-        if (L->storage == F32)
+        if (L->storage == Q4)
+            dot = dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
+                         L->mins + o * n_groups, x_sums, L->in);
+        else if (L->storage == F32)
             dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
         else if (L->storage == BF16)
             dot = dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, L->group);
@@ -219,7 +229,7 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
         const Layer *layer = &m->layers[l];
 #pragma omp single
         norm(x, h, C, layer->attn_norm_weight, layer->attn_norm_bias, rms, m->norm_eps);
-        linear(&layer->qkv, h, qkv, 0);
+        linear(&layer->qkv, h, qkv, 0, m->x_sums);
 #pragma omp single
         {
             float *k = qkv + H * D, *v = k + Hkv * D;
@@ -239,18 +249,18 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
         }
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < H; ++head) attend(m, layer, head, pos);
-        linear(&layer->out, m->att, x, 1);
+        linear(&layer->out, m->att, x, 1, m->x_sums);
 #pragma omp single
         norm(x, h, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms, m->norm_eps);
-        linear(&layer->up, h, ff, 0);
+        linear(&layer->up, h, ff, 0, m->x_sums);
         const int64_t F = m->d_ff;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < F; ++i)
             ff[i] = m->gated ? activate(ff[i], m->activation) * ff[F + i]
                              : activate(ff[i], m->activation);
-        linear(&layer->down, ff, x, 1);
+        linear(&layer->down, ff, x, 1, m->x_sums);
     }
     norm(x, h, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
 #pragma omp parallel num_threads(n_threads)
-    linear(&m->head, h, logits, 0);
+    linear(&m->head, h, logits, 0, m->x_sums);
 }

@@ -26,6 +26,11 @@ static inline vec load_bf16(const uint16_t *w) {
 static inline vec load_int8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
+/* int4 (a group of 32 weights in 16 bytes): x . q over the group, q = the nibbles as floats */
+static inline vec q4_group(__m128i low, __m128i high, const float *x) {
+    vec acc = vec_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), vec_load(x), vec_zero());
+    return vec_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), vec_load(x + 16), acc);
+}
 #else
 #define LANES 8
 typedef __m256 vec;
@@ -48,6 +53,14 @@ static inline vec load_bf16(const uint16_t *w) {
 }
 static inline vec load_int8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+static inline vec q4_half(__m128i nibbles, const float *x) { /* 16 nibbles, 8 at a time */
+    vec a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
+    vec b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8)));
+    return vec_fma(b, vec_load(x + 8), vec_fma(a, vec_load(x), vec_zero()));
+}
+static inline vec q4_group(__m128i low, __m128i high, const float *x) {
+    return vec_add(q4_half(low, x), q4_half(high, x + 16));
 }
 #endif
 
@@ -78,5 +91,33 @@ static inline vec load_int8(const int8_t *w) {
 DEFINE_DOT(dot_f32, float, load_f32)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
 DEFINE_DOT(dot_int8, int8_t, load_int8)
+
+/* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
+ * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
+ * one (GGUF's order), each weight scale * q + min with q in 0..15 and one scale and one min per
+ * group. So a row's dot product with x is, group by group, scale * (q . x) + min * sum(x): the
+ * caller passes x's group sums, computed once for all rows. */
+static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
+                           const float *min_row, const float *x_sums, int64_t in) {
+    vec total = vec_zero();
+    float shift = 0.0f;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < in / 32; ++g) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(w_row + 16 * g));
+        __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        total = vec_fma(q4_group(low, high, x_row + 32 * g), vec_set1(scale_row[g]), total);
+        shift += min_row[g] * x_sums[g];
+    }
+    return vec_sum(total) + shift;
+}
+
+/* x's sums over each group of 32 (in / 32 of them), for dot_q4. */
+static inline void group_sums(const float *x, int64_t in, float *sums) {
+    for (int64_t g = 0; g < in / 32; ++g) {
+        vec acc = vec_zero();
+        for (int64_t i = 32 * g; i < 32 * (g + 1); i += LANES) acc = vec_add(acc, vec_load(x + i));
+        sums[g] = vec_sum(acc);
+    }
+}
 
 #endif

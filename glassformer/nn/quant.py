@@ -1,5 +1,5 @@
-"""int8 weight-only quantization (seed 002: a model is its numbers; seed 000 §2.5.1: decode is
-memory-bound, so fewer bytes per weight is more tokens per second).
+"""int8 and int4 weight-only quantization (seed 002: a model is its numbers; seed 000 §2.5.1:
+decode is memory-bound, so fewer bytes per weight is more tokens per second).
 
 Each Linear weight is stored as int8 with float scales: w ~= q * scale, symmetric, scale =
 max|w| / 127 over a group of weights. With one group per output row (per-channel scaling) an
@@ -7,6 +7,13 @@ outlier input column costs its whole row precision; groups of `group_size` colum
 default; 32 is llama.cpp's Q8_0) bound that damage to one group for 4 more bytes per group.
 Activations stay float: the int8 rows are turned back into floats inside the matrix-vector kernel
 (glassformer/kernels), or dequantized for a plain matmul when many rows come at once (prefill).
+
+int4 (Int4Linear) is asymmetric, llama.cpp's Q4_1: each group of 32 weights keeps a float scale
+and a float min, w ~= scale * q + min with q in 0..15 (scale = (max - min) / 15, min = the
+group's least weight), two q a byte in GGUF's order. The same form holds GGUF's Q4_0 (min =
+-8 scale), Q4_1 and Q4_K (scale = d * sc, min = -dmin * m per 32-weight sub-block) exactly, and
+requantizing a Q4_1 file's weights gives them back. About 6 bits a weight with float32 scales
+and mins (5 in llama.cpp's Q4_1, whose scales are fp16).
 
 Shapes: O output features, K input features, G = K / group_size groups per row.
 """
@@ -150,6 +157,102 @@ def quantize_int8(model: nn.Module, group_size: int | None = DEFAULT_GROUP_SIZE)
     return model
 
 
+# --- int4 ------------------------------------------------------------------------------------
+
+
+def quantize_q4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric int4 in groups of 32: (O, K) float -> packed uint8 (O, K/2), scales and mins
+    float32 (O, K/32). |w - (scale q + min)| <= scale / 2; a constant group gets scale 1, q 0."""
+    w = weight.detach().float()
+    O, K = w.shape
+    if K % kernels.Q4_GROUP:
+        raise ValueError(
+            f"int4 packs groups of {kernels.Q4_GROUP} weights: in_features={K} is not a multiple "
+            f"of {kernels.Q4_GROUP}; quantize this model to int8 instead"
+        )
+    groups = w.view(O, K // kernels.Q4_GROUP, kernels.Q4_GROUP)  # (O, G, 32)
+    mins, maxs = groups.amin(dim=-1), groups.amax(dim=-1)  # (O, G)
+    scales = (maxs - mins) / 15
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: weight j (low), weight j + 16 (high)
+    return packed.reshape(O, K // 2), scales, mins
+
+
+class Int4Linear(nn.Module):
+    """A Linear with int4 weights (uint8 (O, K/2), two a byte), float32 scales and mins (O,
+    K/32): y = x (scale q + min)^T + b. Inference only; the output has the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        n_groups = in_features // kernels.Q4_GROUP
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer("scales", torch.ones(out_features, n_groups, device=device))
+        self.register_buffer("mins", torch.zeros(out_features, n_groups, device=device))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        """Quantize an nn.Linear (its weight is copied, never shared)."""
+        weight = linear.weight
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                     device=weight.device)  # fmt: skip
+        packed, scales, mins = quantize_q4(weight)
+        module.weight.copy_(packed)
+        module.scales.copy_(scales)
+        module.mins.copy_(mins)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        return module
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight (O, K) this module computes with: scale q + min."""
+        return kernels.dequantize(self.weight, self.scales, torch.float32, self.mins)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = kernels.matvec(x, self.weight, self.scales, self.mins)  # (..., O)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, group_size={kernels.Q4_GROUP}"
+        )
+
+
+def quantize_int4(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear in a GPT's blocks by an Int4Linear, and the lm_head by an
+    Int8Linear with groups of 32 (in place; returns the model, in eval mode).
+
+    The head stays at 8 bits as llama.cpp keeps its output matrix above the blocks' precision:
+    every logit passes through it (SmolLM2's Q4_1 file stores it as Q8_0, which int8 with
+    groups of 32 gives back exactly). As quantize_int8: the embedding table stays float, MoE
+    routers stay float, and a layer whose width is not a multiple of 32 stays float too."""
+    cfg = getattr(model, "cfg", None)
+    family = getattr(cfg, "family", type(model).__name__)
+    if family != "gpt" or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"quantize_int4 supports GPT-family models (GPT-2, Llama, SmolLM2), not {family!r}: "
+            "load a decoder-only checkpoint, or run this model in float"
+        )
+    model.eval()
+    with torch.no_grad():
+        for parent in list(model.blocks.modules()):
+            for name, child in list(parent.named_children()):
+                fits = isinstance(child, nn.Linear) and child.in_features % kernels.Q4_GROUP == 0
+                if fits and name != "router":
+                    setattr(parent, name, Int4Linear.from_linear(child))
+        head = model.lm_head
+        if isinstance(head, nn.Linear):
+            model.lm_head = Int8Linear.from_linear(head, fitting_group_size(32, head.in_features))
+    return model
+
+
 def parameter_count(model: nn.Module) -> int:
     """Parameters, with an Int8Linear's weight counted as the parameters it stands for (it is a
     buffer) and shared (tied) parameters once: a tied lm_head's int8 copy of the embedding
@@ -158,7 +261,9 @@ def parameter_count(model: nn.Module) -> int:
     tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     head = getattr(model, "lm_head", None) if tied else None
     return total + sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, Int8Linear) and m is not head
+        m.in_features * m.out_features
+        for m in model.modules()
+        if isinstance(m, Int8Linear | Int4Linear) and m is not head
     )
 
 
@@ -176,8 +281,8 @@ def weight_bytes(model: nn.Module) -> int:
 
 def refuse_quantized(model: nn.Module, action: str) -> None:
     """A clear error for saving a quantized model into a float checkpoint format."""
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if any(isinstance(m, Int8Linear | Int4Linear) for m in model.modules()):
         raise ValueError(
-            f"cannot {action} an int8-quantized model: save the float model and quantize after "
-            "loading (from_pretrained(..., quantize='int8') or --quantize int8)"
+            f"cannot {action} a quantized model: save the float model and quantize after "
+            "loading (from_pretrained(..., quantize='int8' or 'int4'), --quantize)"
         )

@@ -1,0 +1,101 @@
+"""int4 weights (nn/quant.py's Int4Linear, the kernels' q4 loop): the packing against its
+closed form, the kernel against F.linear on the dequantized matrix, a quantized model against a
+float model holding the same dequantized weights, and SmolLM2's Q4_1 file given back exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glassformer import kernels
+from glassformer.config import ModelConfig
+from glassformer.models import build_model
+from glassformer.nn.quant import Int4Linear, Int8Linear, quantize_int4, quantize_q4
+
+
+def test_packing_keeps_every_weight_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(12, 96) * torch.rand(12, 1)
+    packed, scales, mins = quantize_q4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (12, 48) and scales.shape == (12, 3)
+    back = kernels.dequantize(packed, scales, torch.float32, mins)
+    step = scales.repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    # GGUF's order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
+    q = torch.round((w[0, :32] - mins[0, 0]) / scales[0, 0]).to(torch.uint8)
+    assert packed[0, 3].item() == q[3].item() | (q[19].item() << 4)
+
+
+def test_weights_on_a_q4_grid_come_back_exactly():
+    # What a Q4_1 (or Q4_0, Q4_K) file holds: scale * q + min with q over the whole 0..15.
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (8, 64)).float()
+    q[:, ::32], q[:, 1::32] = 0, 15  # every group reaches both ends, as Q4_1's min/max do
+    scale, low = torch.rand(8, 2, 1) * 0.1, torch.randn(8, 2, 1)
+    w = (q.view(8, 2, 32) * scale + low).view(8, 64)
+    packed, scales, mins = quantize_q4(w)
+    back = kernels.dequantize(packed, scales, torch.float32, mins)
+    torch.testing.assert_close(back, w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernel_matches_the_dequantized_matmul(rows):
+    torch.manual_seed(2)
+    packed, scales, mins = quantize_q4(torch.randn(40, 128))
+    x = torch.randn(rows, 128)
+    assert kernels.can_use(x, packed, scales)
+    want = F.linear(x, kernels.dequantize(packed, scales, torch.float32, mins))
+    torch.testing.assert_close(kernels.matvec(x, packed, scales, mins), want, atol=1e-4, rtol=1e-5)
+
+
+def test_a_quantized_model_computes_with_its_dequantized_weights():
+    torch.manual_seed(3)
+    cfg = ModelConfig(vocab_size=200, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                      max_seq_len=32, position="rope", norm="rms", ffn="swiglu")  # fmt: skip
+    model = build_model(cfg).eval()
+    quantized = quantize_int4(copy.deepcopy(model))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # the float model, holding exactly what the int4 model computes with
+        for (_, float_module), (_, int4_module) in zip(
+            reference.named_modules(), quantized.named_modules(), strict=True
+        ):
+            if isinstance(int4_module, Int4Linear | Int8Linear):  # the head is int8
+                float_module.weight = torch.nn.Parameter(int4_module.dequantize())
+    ids = torch.tensor([[5, 17, 120, 3, 9, 44, 61]])
+    with torch.inference_mode():
+        torch.testing.assert_close(quantized(ids), reference(ids), atol=1e-4, rtol=1e-4)  # prefill
+        cache_q, cache_r = quantized.new_cache(1, 32), reference.new_cache(1, 32)
+        quantized(ids, cache=cache_q), reference(ids, cache=cache_r)
+        step = torch.tensor([[7]])
+        torch.testing.assert_close(quantized(step, cache=cache_q), reference(step, cache=cache_r),
+                                   atol=1e-4, rtol=1e-4)  # decode: the kernel  # fmt: skip
+
+
+def test_narrow_layers_stay_float_and_other_families_are_refused():
+    cfg = ModelConfig(vocab_size=50, d_model=48, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16)
+    model = quantize_int4(build_model(cfg))
+    assert isinstance(model.blocks[0].ffn.fc_out, Int4Linear)  # 64 columns
+    assert type(model.blocks[0].attn.qkv_proj) is torch.nn.Linear  # 48 columns
+    with pytest.raises(ValueError, match="quantize_int4 supports GPT-family"):
+        quantize_int4(build_model(ModelConfig(family="bert", vocab_size=50, d_model=32,
+                                              n_layers=1, n_heads=2, max_seq_len=16)))  # fmt: skip
+
+
+def test_smollm2_q4_1_file_is_given_back_by_int4():
+    from glassformer.interop.pretrained import from_pretrained
+
+    exact, _ = from_pretrained("smollm2")
+    int4, _ = from_pretrained("smollm2", quantize="int4")
+    for name in ("blocks.0.attn.qkv_proj", "blocks.7.ffn.down", "blocks.29.ffn.gate_up"):
+        want = exact.get_submodule(name).weight
+        got = int4.get_submodule(name).dequantize()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The head (the tied Q8_0 embedding table) stays at 8 bits, in Q8_0's groups of 32.
+    torch.testing.assert_close(int4.lm_head.dequantize(), exact.lm_head.weight, atol=1e-6, rtol=0)
+    ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
+    with torch.inference_mode():
+        torch.testing.assert_close(int4(ids), exact(ids), atol=2e-3, rtol=1e-4)
