@@ -135,13 +135,24 @@ def quantize_int8(model: nn.Module, group_size: int | None = DEFAULT_GROUP_SIZE)
     per token). MoE routers stay float: top-k routing turns tiny logit differences into
     different experts, and a router is a small matrix. A layer whose width group_size does not
     divide gets the next fitting grouping (fitting_group_size)."""
-    cfg = getattr(model, "cfg", None)
-    family = getattr(cfg, "family", type(model).__name__)
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size={group_size!r} must be a positive integer or None")
+
+    def int8(linear: nn.Linear) -> Int8Linear:
+        return Int8Linear.from_linear(linear, fitting_group_size(group_size, linear.in_features))
+
+    return replace_linears(model, int8, int8, "quantize_int8")
+
+
+def replace_linears(model: nn.Module, block_linear, head_linear, who: str) -> nn.Module:
+    """Swap each nn.Linear of a GPT's blocks for block_linear(it) (None keeps it float) and the
+    lm_head for head_linear(it), in place, MoE routers excepted; returns the model in eval
+    mode. `who` names the caller in the error for other families."""
+    cfg = getattr(model, "cfg", None)
+    family = getattr(cfg, "family", type(model).__name__)
     if family != "gpt" or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
         raise ValueError(
-            f"quantize_int8 supports GPT-family models (GPT-2, Llama, SmolLM2), not {family!r}: "
+            f"{who} supports GPT-family models (GPT-2, Llama, SmolLM2), not {family!r}: "
             "load a decoder-only checkpoint, or run this model in float"
         )
     model.eval()
@@ -149,11 +160,11 @@ def quantize_int8(model: nn.Module, group_size: int | None = DEFAULT_GROUP_SIZE)
         for parent in list(model.blocks.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and name != "router":
-                    group = fitting_group_size(group_size, child.in_features)
-                    setattr(parent, name, Int8Linear.from_linear(child, group))
+                    replacement = block_linear(child)
+                    if replacement is not None:
+                        setattr(parent, name, replacement)
         if isinstance(model.lm_head, nn.Linear):
-            group = fitting_group_size(group_size, model.lm_head.in_features)
-            model.lm_head = Int8Linear.from_linear(model.lm_head, group)
+            model.lm_head = head_linear(model.lm_head)
     return model
 
 
@@ -233,24 +244,15 @@ def quantize_int4(model: nn.Module) -> nn.Module:
     every logit passes through it (SmolLM2's Q4_1 file stores it as Q8_0, which int8 with
     groups of 32 gives back exactly). As quantize_int8: the embedding table stays float, MoE
     routers stay float, and a layer whose width is not a multiple of 32 stays float too."""
-    cfg = getattr(model, "cfg", None)
-    family = getattr(cfg, "family", type(model).__name__)
-    if family != "gpt" or not hasattr(model, "blocks") or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"quantize_int4 supports GPT-family models (GPT-2, Llama, SmolLM2), not {family!r}: "
-            "load a decoder-only checkpoint, or run this model in float"
-        )
-    model.eval()
-    with torch.no_grad():
-        for parent in list(model.blocks.modules()):
-            for name, child in list(parent.named_children()):
-                fits = isinstance(child, nn.Linear) and child.in_features % kernels.Q4_GROUP == 0
-                if fits and name != "router":
-                    setattr(parent, name, Int4Linear.from_linear(child))
-        head = model.lm_head
-        if isinstance(head, nn.Linear):
-            model.lm_head = Int8Linear.from_linear(head, fitting_group_size(32, head.in_features))
-    return model
+
+    def int4(linear: nn.Linear) -> Int4Linear | None:
+        fits = linear.in_features % kernels.Q4_GROUP == 0
+        return Int4Linear.from_linear(linear) if fits else None
+
+    def head(linear: nn.Linear) -> Int8Linear:
+        return Int8Linear.from_linear(linear, fitting_group_size(32, linear.in_features))
+
+    return replace_linears(model, int4, head, "quantize_int4")
 
 
 def parameter_count(model: nn.Module) -> int:
