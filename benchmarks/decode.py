@@ -2,7 +2,11 @@
 
 Decoding one token reads every weight once, so its speed limit is memory bandwidth: with B
 rows decoded together, at most B * bandwidth / weight_bytes tokens/s. This script measures the
-bandwidth itself (the best of a few 1 GiB reads, torch's sum with the same threads) and prints,
+bandwidth itself, a 1 GiB read (torch's sum with the same threads, from 2 MB pages as the
+engines' weights are where the system has them; the best of 3) timed in each round of
+the interleaved runs, and takes the median beside the engines' medians: on a shared machine the
+bandwidth moves from run to run (24 to 39 GB/s here within a minute), so a limit measured
+once, apart from the runs, says more about that moment than about the engines. It prints,
 for every configuration, each engine's time to first token (prefill + the first sampled token)
 and decode tokens/s (every row's tokens after the first, per second), its ratio to transformers
 in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed
@@ -48,13 +52,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.data import shakespeare_plays
+from glassformer.infer import huge_pages
 from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import optimize_for_decode
-from glassformer.infer.sampling import NO_EOS
+from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
@@ -65,9 +70,19 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 # --- the machine's limit ------------------------------------------------------------------------
 
 
+def read_buffer(gib: float = 1.0) -> Tensor:
+    """`gib` GiB of fp32 ones to read for the bandwidth limit, in 2 MB pages where the system
+    has them: the weights the engines read are there too (infer/huge_pages.py), and a read
+    from 4 KB pages is slower (benchmarks/huge_pages.py), so it would be no limit."""
+    n = int(gib * 2**30 / 4)
+    if not huge_pages.supported():
+        return torch.ones(n)
+    return huge_pages.huge_page_empty(4 * n).view(torch.float32).fill_(1.0)
+
+
 def memory_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
     """Best read bandwidth of summing a `gib` GiB fp32 tensor (GB/s, 1e9 bytes)."""
-    data = torch.ones(int(gib * 2**30 / 4))
+    data = read_buffer(gib)
     data.sum()
     best = min(_timed(data.sum) for _ in range(repeats))
     return data.nbytes / best / 1e9
@@ -122,9 +137,21 @@ def run_glassformer(engine: Engine, prompts: list[list[int]], new_tokens: int):
         result = engine.generate(prompts[0], new_tokens, temperature=0, eos_token_id=NO_EOS)
         stats = result.stats
         return stats.time_to_first_token_s, stats.decode_tokens_per_s, [result.token_ids]
-    results = engine.generate_batch(prompts, new_tokens, temperature=0, eos_token_id=NO_EOS)
-    stats = results[0].stats  # the batch's shared times; tokens/s counts every row
-    return stats.time_to_first_token_s, stats.decode_tokens_per_s, [r.token_ids for r in results]
+    # A batch: every row prefilled (each as it joins, one after another), then decoded
+    # together; timed like transformers' batch, from the start until every row has its first
+    # token, then every row's later tokens over the time after that. (Each row's own stats
+    # count only its own tokens, and its decode clock runs through the later rows' prefills.)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, eos_token_id=NO_EOS)
+    if engine.max_rows is None and not engine.rows:
+        engine.reserve(len(prompts), min(engine.slot_len, max(map(len, prompts)) + new_tokens))
+    start = time.perf_counter()
+    rows = [engine.add(prompt, params) for prompt in prompts]
+    first = time.perf_counter()
+    while any(not row.finished for row in rows):
+        engine.step()
+    end = time.perf_counter()
+    later_tokens = sum(len(row.tokens) - 1 for row in rows)
+    return first - start, later_tokens / (end - first), [row.result().token_ids for row in rows]
 
 
 class _Clock:
@@ -206,15 +233,25 @@ class LlamaCpp:
 # llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
 LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
 _FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
-           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}  # fmt: skip
+           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+           "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # fmt: skip
 
 
 def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
     """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama.cpp's requantization of
     it}, when llama-cpp-python is installed and the model is SmolLM2; else {}."""
+    if name != "smollm2":
+        return {}
+    return requantized_smollm2([LLAMA_CPP_TYPES[p] for p in precisions], tmp, threads)
+
+
+def requantized_smollm2(kinds, tmp: Path, threads: int) -> dict[str, Path]:
+    """{kind: a GGUF file} for each kind of _FTYPES or "Q4_1" (the shipped SmolLM2 file),
+    requantized by llama.cpp's own llama_model_quantize into `tmp`; {} without llama-cpp-python.
+    """
     import importlib.util
 
-    if name != "smollm2" or importlib.util.find_spec("llama_cpp") is None:
+    if importlib.util.find_spec("llama_cpp") is None:
         return {}
     import llama_cpp
 
@@ -223,8 +260,7 @@ def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str,
     _quiet_llama_cpp(llama_cpp)
     source = resolve("smollm2")
     files = {"Q4_1": source}
-    for precision in precisions:
-        kind = LLAMA_CPP_TYPES[precision]
+    for kind in kinds:
         if kind in files:
             continue  # the shipped file itself
         params = llama_cpp.llama_model_quantize_default_params()
@@ -237,7 +273,7 @@ def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str,
         if status != 0:
             raise RuntimeError(f"llama_model_quantize to {kind} failed with status {status}")
         files[kind] = target
-    return files
+    return {kind: path for kind, path in files.items() if kind in kinds}
 
 
 def _quiet_llama_cpp(llama_cpp) -> None:
@@ -329,8 +365,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     bandwidth = memory_bandwidth_gb_s()
-    print(f"threads {args.threads} | measured read bandwidth {bandwidth:.1f} GB/s | "
-          f"{args.new_tokens} new tokens | median of {args.runs} interleaved runs\n")  # fmt: skip
+    print(f"threads {args.threads} | read bandwidth {bandwidth:.1f} GB/s at the start (best of "
+          f"5; each row's limit is the median read during its own runs) | {args.new_tokens} new "
+          f"tokens | median of {args.runs} interleaved runs\n")  # fmt: skip
     header = (
         f"{'model':<20}{'prec':<6}{'batch':>5}{'prompt':>7}  {'engine':<20}{'TTFT ms':>9}"
         f"{'decode tok/s':>14}{'vs HF':>8}{'% of BW limit':>15}{'same tokens':>13}"
@@ -358,20 +395,21 @@ def main() -> None:
                         length = min(length, base.cfg.max_seq_len - args.new_tokens)
                         prompts = prompt_tokens(base.cfg.vocab_size, length, batch, tokenizer)
                         extra = llama if batch == 1 else {}
-                        timings = measure(contestants, hf_models[hf_peer], prompts, args, extra)
+                        timings, read = measure(contestants, hf_models[hf_peer], prompts, args,
+                                                extra)  # fmt: skip
                         where = {"model": label, "precision": precision, "batch": batch,
                                  "prompt": length}  # fmt: skip
-                        rows += report(where, timings, hf_peer, {**contestants, **extra},
-                                       bandwidth)  # fmt: skip
+                        rows += report(where, timings, hf_peer, {**contestants, **extra}, read)
                 del llama
             print()
     if args.json:
         write_json(args.json, rows, bandwidth, args)
 
 
-def measure(contestants, hf_model, prompts, args, extra=None) -> dict[str, Timing]:
+def measure(contestants, hf_model, prompts, args, extra=None) -> tuple[dict[str, Timing], float]:
     """Interleaved runs of every glassformer variant, transformers and the `extra` runners
-    (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens))."""
+    (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens)); with the median read
+    bandwidth (GB/s) over the rounds."""
     extra = extra or {}
     engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")))
                for name, model in contestants.items()}  # fmt: skip
@@ -382,17 +420,24 @@ def measure(contestants, hf_model, prompts, args, extra=None) -> dict[str, Timin
     run_transformers(hf_model, prompts, 4, pad_id=0)
     for runner in extra.values():
         runner(prompts, 4)
+    data, reads = read_buffer(), []  # 1 GiB, read each round: the bandwidth limit
+    data.sum()
     for _ in range(args.runs):
+        # After a pause: llama.cpp's threads spin for a while after their last token, and a
+        # read beside them would see half the machine. The best of 3, as the runs are medians.
+        time.sleep(0.2)
+        reads.append(data.nbytes / min(_timed(data.sum) for _ in range(3)) / 1e9)
         for name, engine in engines.items():
             timings[name].add(*run_glassformer(engine, prompts, args.new_tokens))
         timings["transformers"].add(*run_transformers(hf_model, prompts, args.new_tokens, 0))
         for name, runner in extra.items():
             timings[name].add(*runner(prompts, args.new_tokens))
-    return timings
+    return timings, statistics.median(reads)
 
 
-def report(where: dict, timings, hf_peer, contestants, bandwidth) -> list[dict]:
-    """Print one line per engine; return them as dicts (for --json)."""
+def report(where: dict, timings, hf_peer, contestants, bandwidth: float) -> list[dict]:
+    """Print one line per engine; return them as dicts (for --json). `bandwidth`: GB/s read
+    during these runs (measure)."""
     reference, batch, rows = timings["transformers"], where["batch"], []
     for name, timing in timings.items():
         contestant = contestants.get(name)
@@ -409,6 +454,7 @@ def report(where: dict, timings, hf_peer, contestants, bandwidth) -> list[dict]:
         limit = batch * bandwidth * 1e9 / weight_bytes if weight_bytes else None
         row = {**where, "engine": engine, "ttft_ms": timing.ttft_ms, "decode_tok_s": timing.tok_s,
                "vs_transformers": timing.tok_s / reference.tok_s,
+               "read_bandwidth_gb_s": round(bandwidth, 2),
                "percent_of_bandwidth_limit": 100 * timing.tok_s / limit if limit else None,
                "same_tokens_as_transformers": None if contestant is None
                else timing.tokens == reference.tokens}  # fmt: skip

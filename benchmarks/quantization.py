@@ -8,6 +8,12 @@ scale and a min per 32 weights (llama.cpp's Q4_1 form). SmolLM2's only shipped w
 Q4_1 GGUF file, so "fp32" holds those values dequantized: int4 gives them back (to float
 rounding), and its perplexity is fp32's; int8 rounds them again.
 
+With llama-cpp-python installed (the bench extra), --gguf adds GGUF files: the shipped Q4_1
+and llama.cpp's own requantizations of it (Q4_0, Q4_K_M by default), each loaded with
+quantize="int4" (its 4-bit blocks kept bit for bit, its Q6_K matrices at int8), and for each
+file the perplexity llama.cpp itself computes on the same windows ("llama.cpp ppl"): the same
+file read by two programs, so the two columns should agree to the arithmetic's rounding.
+
 Perplexity: the first --tokens tokens of one play (held-out text: SmolLM2 was not tuned on this
 file), cut into non-overlapping --window-token windows; each window is scored on its own, every
 position predicting the next (teacher forcing), ppl = exp(mean NLL). Target: int8 within 1% of
@@ -26,11 +32,15 @@ import copy
 import math
 import os
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from decode import requantized_smollm2  # benchmarks/decode.py: llama.cpp requantizes SmolLM2
 
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
@@ -82,6 +92,10 @@ def main() -> None:
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference")
     parser.add_argument("--no-int4", action="store_true", help="skip int4")
     parser.add_argument(
+        "--gguf", nargs="*", default=["Q4_1", "Q4_0", "Q4_K_M"],
+        help="GGUF files to load with quantize='int4' (needs llama-cpp-python; none: skip)",
+    )  # fmt: skip
+    parser.add_argument(
         "--groups",
         nargs="+",
         default=["channel", "64", "32"],
@@ -99,8 +113,16 @@ def main() -> None:
         models[f"int8 {group}"] = quantize_int8(copy.deepcopy(fp32), group_size)
     if not args.no_int4:
         models["int4 32"] = quantize_int4(copy.deepcopy(fp32))
-
     ids = held_out_ids(tokenizer, args.play, args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = requantized_smollm2(args.gguf, Path(tmp), args.threads)
+        llama_ppl = {f"gguf {kind}": llama_cpp_perplexity(path, ids, args.window, args.threads)
+                     for kind, path in files.items()}  # fmt: skip
+        for kind, path in files.items():
+            models[f"gguf {kind}"] = from_pretrained(path, quantize="int4")[0]
+    if args.gguf and not files:
+        print("llama-cpp-python is not installed: no GGUF rows (pip install -e '.[bench]')\n")
+
     prompt = ids[: args.prompt_tokens]
     engines = {name: Engine(model) for name, model in models.items()}
     for engine in engines.values():  # warm-up: first calls allocate caches and pick kernels
@@ -116,15 +138,37 @@ def main() -> None:
         f"{args.play} in {args.window}-token windows | decode: {args.prompt_tokens}-token "
         f"prompt, {args.new_tokens} greedy tokens, median of {args.runs}"
     )
-    print(f"{'weights':<13} {'MB':>8} {'ppl':>9} {'vs fp32':>9} {'decode tok/s':>13} {'x fp32':>7}")
+    print(f"{'weights':<13} {'MB':>8} {'ppl':>9} {'vs fp32':>9} {'decode tok/s':>13} "
+          f"{'x fp32':>7} {'llama.cpp ppl':>14}")  # fmt: skip
     base_speed = statistics.median(speeds["fp32"])
     for name, model in models.items():
         speed = statistics.median(speeds[name])
+        peer = f"{llama_ppl[name]:>14.3f}" if name in llama_ppl else ""
         print(
             f"{name:<13} {weight_bytes(model) / 1e6:>8.1f} {ppl[name]:>9.3f} "
             f"{100 * (ppl[name] / ppl['fp32'] - 1):>+8.2f}% {speed:>13.1f} "
-            f"{speed / base_speed:>6.2f}x"
+            f"{speed / base_speed:>6.2f}x {peer}"
         )
+
+
+def llama_cpp_perplexity(path, ids: list[int], window: int, threads: int) -> float:
+    """perplexity() of llama.cpp on the GGUF file at `path`: the same windows, its logits."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=window, n_batch=window, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip
+    total_nll, total_targets = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        llm.reset()
+        llm.eval(chunk)
+        logits = torch.from_numpy(llm.scores[: len(chunk)].copy()).float()  # (T, V)
+        total_nll += float(F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum"))
+        total_targets += len(chunk) - 1
+    llm.close()
+    return math.exp(total_nll / total_targets)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ def stamp(result: dict) -> str:
     peer = f", llama-cpp-python {m['llama_cpp_python']}" if m.get("llama_cpp_python") else ""
     return (
         f"`{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} threads, "
-        f"read bandwidth {m['read_bandwidth_gb_s']} GB/s; torch {m['torch']}{peer}; "
+        f"read bandwidth {m['read_bandwidth_gb_s']} GB/s at the start, each row's limit from "
+        f"reads between its runs; torch {m['torch']}{peer}; "
         f"{result['new_tokens']} new tokens, median of {result['runs']} runs)"
     )
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gguf import tiny_hf_model, vocab, write_gguf  # noqa: F401  (vocab: a fixture)
 
 from glassformer import kernels
 from glassformer.config import ModelConfig
@@ -92,10 +93,42 @@ def test_smollm2_q4_1_file_is_given_back_by_int4():
     int4, _ = from_pretrained("smollm2", quantize="int4")
     for name in ("blocks.0.attn.qkv_proj", "blocks.7.ffn.down", "blocks.29.ffn.gate_up"):
         want = exact.get_submodule(name).weight
-        got = int4.get_submodule(name).dequantize()
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(int4.get_submodule(name).dequantize(), want)  # the file's blocks
     # The head (the tied Q8_0 embedding table) stays at 8 bits, in Q8_0's groups of 32.
     torch.testing.assert_close(int4.lm_head.dequantize(), exact.lm_head.weight, atol=1e-6, rtol=0)
     ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
     with torch.inference_mode():
         torch.testing.assert_close(int4(ids), exact(ids), atol=2e-3, rtol=1e-4)
+
+
+def test_gguf_4bit_blocks_are_kept_bit_for_bit_and_wider_matrices_become_int8(tmp_path, vocab):  # noqa: F811
+    """A file whose matrices cycle through Q4_0, Q4_1, Q4_K and Q6_K (a Q4_K_M file's mix):
+    the gguf package's own dequantization of each matrix is the reference."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+
+    from glassformer.interop.gguf import load_gguf
+    from glassformer.interop.pretrained import from_pretrained
+
+    hf = tiny_hf_model(hidden_size=256, intermediate_size=256, num_key_value_heads=2)
+    path = write_gguf(tmp_path / "q4.gguf", hf, vocab, qtypes=[Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K])
+    stored = {t.name: t.tensor_type for t in GGUFReader(str(path)).tensors}
+    exact, _ = load_gguf(path)  # float32 through gguf.quants.dequantize
+    int4, _ = from_pretrained(path, quantize="int4")
+    sources = {"attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "attn.out_proj": ("attn_output",),
+               "ffn.gate_up": ("ffn_gate", "ffn_up"), "ffn.down": ("ffn_down",)}  # fmt: skip
+    kept = set()
+    for i in range(2):
+        for name, parts in sources.items():
+            got = int4.get_submodule(f"blocks.{i}.{name}")
+            want = exact.get_submodule(f"blocks.{i}.{name}").weight
+            types = {stored[f"blk.{i}.{part}.weight"] for part in parts}
+            if types <= {Q.Q4_0, Q.Q4_1, Q.Q4_K}:
+                assert isinstance(got, Int4Linear)
+                assert torch.equal(got.dequantize(), want), (name, types)  # bit for bit
+                kept |= types
+            else:
+                assert isinstance(got, Int8Linear) and got.group_size == 32, (name, types)
+                step = got.scales.repeat_interleave(32, dim=1)
+                assert ((got.dequantize() - want).abs() <= step * 0.5001).all()  # + float rounding
+    assert kept == {Q.Q4_0, Q.Q4_1, Q.Q4_K}  # each 4-bit type was read, qkv's rows unpermuted

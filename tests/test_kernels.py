@@ -4,6 +4,7 @@ torch's F.linear and the plain model."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -105,6 +106,31 @@ def test_int8_without_kernel_dequantizes_exactly():
     with torch.no_grad():
         y = kernels.matvec(x, weight, scale)
     torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
+@pytest.mark.parametrize("kind", ["int8 per row", "int8 groups of 32", "int4"])
+def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(kind, monkeypatch):
+    """Prefill: more rows than the matvec loop takes. A slice of 5 weight rows at a time (the
+    last one partial: 23 rows) must give the matmul on the whole dequantized matrix."""
+    from glassformer.nn.quant import quantize_groupwise, quantize_q4
+
+    monkeypatch.setattr(kernels, "SLICE_WEIGHTS", 5 * 64)
+    monkeypatch.setattr(kernels, "_scratch", threading.local())
+    torch.manual_seed(3)
+    w = torch.randn(23, 64)
+    if kind == "int4":
+        weight, scale, mins = quantize_q4(w)
+    else:
+        weight, scale = quantize_groupwise(w, None if kind == "int8 per row" else 32)
+        mins = None
+    x = torch.randn(2, 9, 64)  # (batch, time, in): leading dims kept
+    with torch.no_grad():
+        assert not kernels.can_use(x, weight, scale) and kernels._can_slice(x, weight, scale)
+        got = kernels.matvec(x, weight, scale, mins)
+    want = F.linear(x.double(), kernels.dequantize(weight, scale, torch.float64, mins))
+    assert got.shape == (2, 9, 23) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 # --- the optimized model ------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Engine's KV cache) to glassformer/kernels/decode.c, which runs the token's every
 one parallel region and writes the logits. The Engine uses it for batch-1 decode steps of the
 models it supports (`FusedStep.for_model` says which and why not); prefill, batches and every
 other model run the torch modules, which stay the reference the tests hold this path to.
+Building the step moves the model's large weights into 2 MB pages (infer/huge_pages.py): the
+same numbers, streamed faster (fp32 steps 1.05-1.18x in benchmarks/huge_pages.py).
 
     step = FusedStep.for_model(model)              # None when this model needs the torch path
     logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer import kernels
+from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.nn.kv_cache import KVCache
 
 _STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
@@ -121,6 +124,7 @@ class FusedStep:
         if reason:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.model, self.cfg = model, model.cfg
+        to_huge_pages(model)  # before the structs take the weights' addresses
         self._keep: list[Tensor] = []  # every tensor the C structs point to stays alive here
         self._function = _library_function()
         self._struct = self._build()

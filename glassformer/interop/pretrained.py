@@ -82,8 +82,9 @@ def from_pretrained(
     exactly the file's numbers.
 
     quantize="int4": every Linear whose width is a multiple of 32 becomes int4 with a scale and
-    a min per 32 weights (llama.cpp's Q4_1 form). A Q4_0, Q4_1 or Q4_K GGUF file's weights are
-    already on such a grid, so requantizing them gives their numbers back (to float rounding).
+    a min per 32 weights (llama.cpp's Q4_1 form). A GGUF file's Q4_0, Q4_1 and Q4_K matrices
+    are taken as they are, bit for bit, and its matrices stored above 4 bits (Q6_K in a
+    Q4_K_M file) become int8 in groups of 32 (glassformer.interop.gguf_blocks).
 
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
@@ -99,6 +100,11 @@ def from_pretrained(
         from glassformer.nn.quant import quantize_int4
 
         model = quantize_int4(model)
+        path = resolve(name_or_path)
+        if path.is_file() and path.suffix == ".gguf":
+            from glassformer.interop.gguf_blocks import keep_file_blocks
+
+            model = keep_file_blocks(model, path)
     return model, tokenizer
 
 

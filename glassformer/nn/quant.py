@@ -10,10 +10,10 @@ Activations stay float: the int8 rows are turned back into floats inside the mat
 
 int4 (Int4Linear) is asymmetric, llama.cpp's Q4_1: each group of 32 weights keeps a float scale
 and a float min, w ~= scale * q + min with q in 0..15 (scale = (max - min) / 15, min = the
-group's least weight), two q a byte in GGUF's order. The same form holds GGUF's Q4_0 (min =
--8 scale), Q4_1 and Q4_K (scale = d * sc, min = -dmin * m per 32-weight sub-block) exactly, and
-requantizing a Q4_1 file's weights gives them back. About 6 bits a weight with float32 scales
-and mins (5 in llama.cpp's Q4_1, whose scales are fp16).
+group's least weight), two q a byte in GGUF's order. The same form holds GGUF's Q4_0, Q4_1
+and Q4_K blocks exactly (interop/gguf_blocks.py reads them into it without going through
+float). About 6 bits a weight with float32 scales and mins (5 in llama.cpp's Q4_1, whose scales
+are fp16).
 
 Shapes: O output features, K input features, G = K / group_size groups per row.
 """

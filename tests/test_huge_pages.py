@@ -1,0 +1,78 @@
+"""Weights moved into 2 MB pages (infer/huge_pages.py): the kernel's own account of the mapping
+(/proc/self/smaps: the huge-page flag on the advised range), the same numbers and the same
+model output afterwards, tied weights still one tensor, and the fused step on moved weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from glassformer.config import ModelConfig
+from glassformer.infer.engine import Engine
+from glassformer.infer.huge_pages import HUGE_PAGE, huge_page_empty, supported, to_huge_pages
+from glassformer.kernels import available
+from glassformer.models import build_model
+
+pytestmark = pytest.mark.skipif(not supported(), reason="needs Linux transparent huge pages")
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping in /proc/self/smaps that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_whole_huge_pages_are_advised_and_the_tail_is_not():
+    tensor = huge_page_empty(3 * HUGE_PAGE + 12345)
+    assert tensor.data_ptr() % HUGE_PAGE == 0 and tensor.numel() == 3 * HUGE_PAGE + 12345
+    assert tensor.untyped_storage().nbytes() == tensor.numel()  # no slack counted as weights
+    # madvise splits the mapping: "hg" (MADV_HUGEPAGE) on the 3 whole pages only.
+    assert "hg" in _mapping_flags(tensor.data_ptr())
+    assert "hg" in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE - 1)
+    assert "hg" not in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=128,
+                      max_seq_len=48, position="rope", norm="rms", ffn="swiglu",
+                      tie_embeddings=True)  # fmt: skip
+    return build_model(cfg).eval()
+
+
+def test_moved_weights_keep_their_values_ties_and_output():
+    model = _model()
+    ids = torch.tensor([[5, 17, 200, 3]])
+    with torch.inference_mode():
+        before = model(ids)
+    values = {name: t.clone() for name, t in model.state_dict().items()}
+    small = model.final_norm.weight
+    moved = to_huge_pages(model, min_bytes=4096)  # every matrix of this small model
+    assert moved == sum(t.nbytes for t in model.parameters() if t.nbytes >= 4096)
+    assert model.lm_head.weight is model.tok_emb.weight  # still one tensor
+    assert model.tok_emb.weight.data_ptr() % HUGE_PAGE == 0
+    assert model.final_norm.weight is small and small.data_ptr() % HUGE_PAGE != 0  # 256 bytes
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, values[name]), name
+    with torch.inference_mode():
+        assert torch.equal(model(ids), before)
+    assert to_huge_pages(model, min_bytes=4096) == 0  # nothing left to move
+
+
+@pytest.mark.skipif(not available(), reason="needs the C kernels")
+def test_fused_step_on_moved_weights_decodes_like_the_modules():
+    model = _model()
+    to_huge_pages(model, min_bytes=4096)
+    fast, plain = Engine(model), Engine(model, fast=False)
+    assert fast.fused is not None
+    a = fast.generate([5, 9, 200], max_new_tokens=12, temperature=0.0).token_ids
+    assert a == plain.generate([5, 9, 200], max_new_tokens=12, temperature=0.0).token_ids
