@@ -98,8 +98,7 @@ class Int8Linear(nn.Module):
         q, scales = quantize_groupwise(weight, group_size)
         module.weight.copy_(q)
         module.scales.copy_(scales)
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        module.bias = _frozen_copy(linear.bias)
         return module
 
     def dequantize(self) -> Tensor:
@@ -115,6 +114,13 @@ class Int8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={self.group_size}"
         )
+
+
+def _frozen_copy(bias: Tensor | None) -> nn.Parameter | None:
+    """A quantized Linear's own float32 copy of a bias, without gradient (None stays None)."""
+    if bias is None:
+        return None
+    return nn.Parameter(bias.detach().float().clone(), requires_grad=False)
 
 
 def fitting_group_size(group_size: int | None, in_features: int) -> int | None:
@@ -217,8 +223,7 @@ class Int4Linear(nn.Module):
         module.weight.copy_(packed)
         module.scales.copy_(scales)
         module.mins.copy_(mins)
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().float().clone(), requires_grad=False)
+        module.bias = _frozen_copy(linear.bias)
         return module
 
     def dequantize(self) -> Tensor:
