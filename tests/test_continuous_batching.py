@@ -210,7 +210,7 @@ def test_engine_api_errors_name_the_value_and_the_fix():
     engine.add([3, 4], SamplingParams(max_new_tokens=5))
     with pytest.raises(ValueError, match=r"all 2 row slots are busy .*larger max_rows"):
         engine.add([5, 6])
-    with pytest.raises(ValueError, match="on_full_context='wrap' is not known"):
+    with pytest.raises(ValueError, match="on_full_context='wrap': pick 'stop' or 'shift'"):
         engine.add([5, 6], on_full_context="wrap")
     with pytest.raises(ValueError, match="max_rows=0 must be a whole number >= 1"):
         gf.Engine(model, max_rows=0)

@@ -110,12 +110,14 @@ def test_int8_without_kernel_dequantizes_exactly():
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("kind", ["int8 per row", "int8 groups of 32", "int4"])
-def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(kind, monkeypatch):
+@pytest.mark.parametrize("slice_rows", [5, 64])
+def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(kind, slice_rows, monkeypatch):
     """Prefill: more rows than the matvec loop takes. A slice of 5 weight rows at a time (the
-    last one partial: 23 rows) must give the matmul on the whole dequantized matrix."""
+    last one partial: 23 rows), or the whole matrix in one slice, must give the matmul on the
+    whole dequantized matrix."""
     from glassformer.nn.quant import quantize_groupwise, quantize_q4
 
-    monkeypatch.setattr(kernels, "SLICE_WEIGHTS", 5 * 64)
+    monkeypatch.setattr(kernels, "SLICE_WEIGHTS", slice_rows * 64)
     monkeypatch.setattr(kernels, "_scratch", threading.local())
     torch.manual_seed(3)
     w = torch.randn(23, 64)
@@ -131,6 +133,27 @@ def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(kind, monkeyp
     want = F.linear(x.double(), kernels.dequantize(weight, scale, torch.float64, mins))
     assert got.shape == (2, 9, 23) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_linears_multiply_in_fp32_on_onednn():
+    """Prefill's F.linear inside FastLinears: oneDNN's matmul where torch has it, an fp32
+    product all the same (against float64), bias added; with gradients it stays F.linear."""
+    from torch.profiler import profile
+
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(96, 40)
+    x = torch.randn(2, 33, 96)
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    with torch.no_grad(), profile() as trace, kernels.FastLinears():
+        got = layer(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    ops = {event.name for event in trace.events()}
+    if torch.backends.mkldnn.is_available():
+        assert "mkldnn::_linear_pointwise" in ops and "aten::addmm" not in ops
+    with kernels.FastLinears():
+        loss = layer(x).sum()
+    loss.backward()  # training keeps autograd's F.linear
+    torch.testing.assert_close(layer.bias.grad, torch.full((40,), 66.0))
 
 
 # --- the optimized model ------------------------------------------------------------------------

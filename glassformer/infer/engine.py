@@ -21,11 +21,13 @@ stop strings. Every row reports time to first token, decode tokens/s and KV-cach
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from glassformer import kernels
 from glassformer.infer.fused import FusedStep
 from glassformer.infer.rows import (
     GenerationResult,
@@ -33,11 +35,11 @@ from glassformer.infer.rows import (
     Row,
     TokenStream,
     check_integer_ids,
+    checked_prompt,
     common_prefix_length,
     prompt_tensor,
 )
 from glassformer.infer.sampling import MAX_SEED, SamplingParams, resolve_eos
-from glassformer.models.common import check_token_ids
 from glassformer.nn.kv_cache import KVCache
 
 __all__ = [
@@ -61,8 +63,9 @@ class Engine:
     max_seq_len: positions per slot (default: the model's context window).
     tokenizer: lets rows stop at stop strings and follow their text (row.text).
     fast: decode one row's steps with the fused C step (infer/fused.py) where the model allows
-        it (a GPT-family model on the CPU); False runs every step through the torch modules,
-        the reference the fused step is tested against. Build the Engine after changing the
+        it (a GPT-family model on the CPU), prefill's fp32 matmuls on oneDNN (FastLinears); False
+        runs everything through the torch modules, the reference the fast path is tested against.
+        Build the Engine after changing the
         model (quantizing, casting, swapping modules): the fused step reads the weights it saw.
     """
 
@@ -76,6 +79,7 @@ class Engine:
     ) -> None:
         self.model = model.eval()
         self.fused = FusedStep.for_model(model) if fast else None
+        self._linears = kernels.FastLinears if fast else contextlib.nullcontext
         self.max_seq_len: int = model.cfg.max_seq_len
         for name, value in (("max_rows", max_rows), ("max_seq_len", max_seq_len)):
             whole = isinstance(value, int) and not isinstance(value, bool)
@@ -224,15 +228,13 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if on_full_context not in ON_FULL_CONTEXT:
-            raise ValueError(
-                f"on_full_context={on_full_context!r} is not known: pick 'stop' or 'shift'"
-            )
+            raise ValueError(f"on_full_context={on_full_context!r}: pick 'stop' or 'shift'")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"stop={list(params.stop)!r} needs the text: create the Engine with "
                 "tokenizer=..., or stop at token ids with stop_token_ids"
             )
-        prompt = self._checked_prompt(prompt_ids)
+        prompt = checked_prompt(self.model, prompt_ids)
         eos = resolve_eos(params.eos_token_id, self.model.cfg)
         row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
         row.stats = self.new_stats(len(prompt))
@@ -251,11 +253,6 @@ class Engine:
     def new_stats(self, prompt_tokens: int) -> GenerationStats:
         """A new row's statistics (an engine with another step may keep more)."""
         return GenerationStats(prompt_tokens=prompt_tokens)
-
-    def _checked_prompt(self, prompt_ids: Sequence[int] | Tensor) -> list[int]:
-        ids = prompt_tensor(prompt_ids, self.max_seq_len, self.model.device)  # (1, T)
-        check_token_ids(ids, self.model.cfg.vocab_size)
-        return ids[0].tolist()
 
     def _take_slot(self, row: Row, wanted: int) -> None:
         """Put a new row into the first free slot (right after the live ones)."""
@@ -314,7 +311,8 @@ class Engine:
             slot.reset()  # a recurrent state must start from zero; a KV cache just overwrites
         ids = torch.tensor([new_ids], device=self.model.device)  # (1, T)
         positions = torch.arange(start, start + len(new_ids), device=ids.device)
-        return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
+        with self._linears():
+            return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
 
     def _prefill_many(self, rows: list[Row]) -> Tensor:
         """New rows in consecutive slots, prefilled in one forward -> logits (n, V), in the
@@ -331,7 +329,8 @@ class Engine:
         for row in rows:
             ids[row.slot - first, : len(row.prompt)] = torch.tensor(row.prompt, device=device)
         positions = torch.arange(longest, device=device)
-        hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
+        with self._linears():
+            hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
         last = torch.tensor([len(row.prompt) - 1 for row in rows], device=device)
         in_slot_order = torch.tensor([row.slot - first for row in rows], device=device)
         return self.model.lm_head(hidden[in_slot_order, last])  # (n, V)
@@ -494,7 +493,7 @@ class Engine:
             try:
                 if isinstance(row, str):
                     raise ValueError("got text: encode it with the tokenizer first")
-                checked.append(self._checked_prompt(row))
+                checked.append(checked_prompt(self.model, row))
             except ValueError as error:
                 raise ValueError(f"prompt {number} of {len(rows)}: {error}") from None
         return checked

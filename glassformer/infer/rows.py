@@ -26,6 +26,7 @@ from glassformer.infer.sampling import (
     token_logprobs,
 )
 from glassformer.infer.thinking import Segments
+from glassformer.models.common import check_token_ids
 
 
 @dataclass
@@ -125,6 +126,13 @@ def prompt_tensor(
             f"max_seq_len={max_seq_len}: shorten the prompt"
         )
     return ids[None]  # (1, T)
+
+
+def checked_prompt(model, prompt_ids: Sequence[int] | Tensor) -> list[int]:
+    """A prompt for `model` as a list of ids, its length and every id checked."""
+    ids = prompt_tensor(prompt_ids, model.cfg.max_seq_len, model.device)  # (1, T)
+    check_token_ids(ids, model.cfg.vocab_size)
+    return ids[0].tolist()
 
 
 class Row:

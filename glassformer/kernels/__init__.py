@@ -2,8 +2,8 @@
 
 `matvec(x, weight, scale, mins)` computes x @ weight.T (int8: times group scales; int4: packed
 nibbles times group scales plus group mins) with the C loops in matvec.c when the input has few
-rows and the CPU has AVX2/FMA. Many rows (prefill) of an int8 or int4 weight go to torch's
-matmul one dequantized slice of the weight at a time (the C loop fills a small reused buffer);
+rows and the CPU has AVX2/FMA. Many rows (prefill) go to oneDNN's fp32 matmul (`linear`), an
+int8 or int4 weight one dequantized slice at a time (the C loop fills a small reused buffer);
 anything else (other CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized
 weight, which is also the reference the tests hold the kernels to.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
@@ -204,7 +205,7 @@ def matvec(
     if not can_use(x, weight, scale):
         if _can_slice(x, weight, scale):
             return _matmul_by_slices(x, weight, scale, mins)
-        return F.linear(x, dequantize(weight, scale, x.dtype, mins))
+        return linear(x, dequantize(weight, scale, x.dtype, mins))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
         x2d = x2d.to(torch.float32).contiguous()
@@ -225,11 +226,54 @@ def matvec(
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-# Weights dequantized at a time when many rows meet an int8/int4 matrix (prefill): 4 MB of
-# fp32, which stays in cache between the C loop that writes it and the matmul that reads it.
-# Dequantizing whole matrices instead writes a fresh fp32 copy of each (SmolLM2 int8, 128-token
-# prefill: 337 ms against 217 ms in fp32, 87 ms of it in the dequantizing ops; sliced: 234 ms).
-SLICE_WEIGHTS = 1 << 20
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., in) @ weight (out, in).T for many rows: oneDNN's fp32 matmul where it applies
+    (CPU, fp32, inference), else F.linear. Both are fp32 matmuls; torch's F.linear sends fp32
+    to MKL, which on this kind of 2-core AMD machine multiplies SmolLM2's prefill shapes
+    1.2-1.5x slower than oneDNN does (benchmarks/prefill_matmul.py)."""
+    if (
+        x.dtype == weight.dtype == torch.float32
+        and x.device.type == weight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and _onednn_linear() is not None
+    ):
+        return _onednn_linear()(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+class FastLinears(TorchFunctionMode):
+    """Within `with FastLinears():`, every F.linear (so every nn.Linear) of fp32 inference
+    takes `linear` above. The Engine wraps its prefill in it: the model's modules stay plain
+    nn.Linear, and only the matmul under them changes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            y = linear(x, weight)
+            return y if bias is None else y + bias
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def _onednn_linear():
+    """torch's oneDNN linear on dense fp32 tensors (the op torch.compile's CPU code calls),
+    or None where this torch build has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# Weights dequantized at a time when many rows meet an int8/int4 matrix (prefill): 8 MB of
+# fp32, which stays in cache between the C loop that writes it and the matmul that reads it,
+# and holds every matrix of a small model whole. Dequantizing whole matrices instead writes a
+# fresh fp32 copy of each (SmolLM2 int8, 128-token prefill: 337 ms against 217 ms in fp32,
+# 87 ms of it in the dequantizing ops; sliced: 234 ms).
+SLICE_WEIGHTS = 1 << 21
 _scratch = threading.local()  # one buffer per thread: the server decodes in worker threads
 
 
@@ -247,12 +291,11 @@ def _can_slice(x: Tensor, weight: Tensor, scale: Tensor | None) -> bool:
 
 def _matmul_by_slices(x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | None) -> Tensor:
     """x (..., in) @ W.T for an int8 or int4 W and many rows of x, without a float copy of W:
-    the C loop dequantizes a slice of W's rows into a small buffer, torch's matmul takes that
-    slice (y.T[slice] = W[slice] @ x.T), and the next slice reuses the buffer."""
+    the C loop dequantizes a slice of W's rows into a small buffer, the fp32 matmul takes that
+    slice (y[:, slice] = x @ W[slice].T), and the next slice reuses the buffer."""
     n_in, n_out = in_features(weight), weight.shape[0]
     x2d = x.reshape(-1, n_in)
-    x_t = x2d.t()  # (in, rows): a transposed view, which the matmul reads as is
-    y_t = torch.empty(n_out, x2d.shape[0], dtype=torch.float32)
+    y = None  # the output, when W takes more than one slice
     step = max(1, SLICE_WEIGHTS // n_in)  # weight rows per slice
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < step * n_in:
@@ -270,8 +313,13 @@ def _matmul_by_slices(x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | N
                                threads)  # fmt: skip
         else:
             library.dequant_int8(source, scales, w.data_ptr(), rows, n_in, group, threads)
-        torch.mm(w, x_t, out=y_t[start : start + rows])
-    return y_t.t().contiguous().view(*x.shape[:-1], n_out)
+        part = linear(x2d, w)  # (rows of x, rows of this slice)
+        if rows == n_out:
+            return part.view(*x.shape[:-1], n_out)
+        if y is None:
+            y = torch.empty(x2d.shape[0], n_out, dtype=torch.float32)
+        y[:, start : start + rows] = part
+    return y.view(*x.shape[:-1], n_out)
 
 
 @functools.cache

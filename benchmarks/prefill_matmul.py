@@ -1,0 +1,106 @@
+"""Prefill's fp32 matmuls on MKL (torch's F.linear) against oneDNN (kernels.linear, what the
+Engine's FastLinears sends them to), side by side in one run on SmolLM2.
+
+Two tables: each of a layer's four matrices (fused qkv, output, fused gate/up, down) alone at
+--tokens rows, in GFLOP/s and with each product's largest error against float64; then the whole
+prefill of a --tokens prompt through the Engine, the same model with FastLinears on and off
+(everything else, the fused decode step included, alike). Rounds alternate the contestants so
+that the machine's other load hits both alike; figures are medians over --rounds.
+
+    python benchmarks/prefill_matmul.py
+    python benchmarks/prefill_matmul.py --tokens 128 1024 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from unittest import mock
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.nn.functional as F
+
+from glassformer import kernels
+from glassformer.infer.engine import Engine
+from glassformer.interop.pretrained import from_pretrained
+
+
+def _ms(fn, calls: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def matrices(model, tokens: int, rounds: int) -> None:
+    block = model.blocks[0]
+    layers = {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
+              "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
+    print(f"\n{tokens} rows, one matrix at a time (GFLOP/s, median of {rounds}; error vs fp64)")
+    print("| matrix | shape | MKL | oneDNN | ratio | MKL error | oneDNN error |")
+    print("|---|---|---|---|---|---|---|")
+    for name, layer in layers.items():
+        w = layer.weight.detach()
+        x = torch.randn(tokens, w.shape[1])
+        want = x.double() @ w.double().T
+        contestants = {"MKL": lambda x=x, w=w: F.linear(x, w),
+                       "oneDNN": lambda x=x, w=w: kernels.linear(x, w)}  # fmt: skip
+        times = {k: [] for k in contestants}
+        for _ in range(rounds):
+            for k, fn in contestants.items():
+                times[k].append(_ms(fn, calls=5))
+        gflop = 2 * tokens * w.numel() / 1e9
+        rate = {k: gflop / (statistics.median(v) / 1e3) for k, v in times.items()}
+        error = {k: (fn().double() - want).abs().max().item() for k, fn in contestants.items()}
+        mkl, onednn = rate["MKL"], rate["oneDNN"]
+        print(f"| {name} | {tuple(w.shape)} | {mkl:.0f} | {onednn:.0f} | {onednn / mkl:.2f}x | "
+              f"{error['MKL']:.1e} | {error['oneDNN']:.1e} |")  # fmt: skip
+
+
+def whole_prefill(model, tokens: int, rounds: int) -> None:
+    engines = {"oneDNN (Engine default)": Engine(model)}
+    with mock.patch.object(kernels, "FastLinears", contextlib.nullcontext):
+        engines["MKL"] = Engine(model)
+    prompt = list(range(1000, 1000 + tokens))
+
+    def prefill(engine):
+        row = engine.add(prompt)  # prefill and the first token
+        engine.cancel(row)
+
+    times = {k: [] for k in engines}
+    for engine in engines.values():
+        prefill(engine)  # warm-up: cache allocation
+    for _ in range(rounds):
+        for k, engine in engines.items():
+            times[k].append(_ms(lambda e=engine: prefill(e)))
+    base = statistics.median(times["MKL"])
+    print(f"\nwhole prefill of {tokens} tokens, fp32 (ms to the first token, median of {rounds})")
+    for k, v in times.items():
+        print(f"  {k:<24} {statistics.median(v):7.1f} ms   {base / statistics.median(v):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, _ = from_pretrained("smollm2")
+    print(f"torch {torch.__version__}, {args.threads} threads, oneDNN: "
+          f"{kernels._onednn_linear() is not None}")  # fmt: skip
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            matrices(model, tokens, args.rounds)
+    for tokens in args.tokens:
+        whole_prefill(model, tokens, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
