@@ -156,6 +156,17 @@ def test_fast_linears_multiply_in_fp32_on_onednn():
     torch.testing.assert_close(layer.bias.grad, torch.full((40,), 66.0))
 
 
+def test_fast_linears_apply_to_fp32_linears_only():
+    """The Engine enters the mode for models whose nn.Linear layers are fp32, not for bf16 or
+    quantized ones (no gain there, only the mode's cost per torch call)."""
+    from glassformer.nn.quant import quantize_int8
+
+    model = tiny_model()
+    assert kernels.FastLinears.applies(model) == torch.backends.mkldnn.is_available()
+    assert not kernels.FastLinears.applies(copy.deepcopy(model).to(torch.bfloat16))
+    assert not kernels.FastLinears.applies(quantize_int8(copy.deepcopy(model)))
+
+
 # --- the optimized model ------------------------------------------------------------------------
 
 

@@ -79,7 +79,8 @@ class Engine:
     ) -> None:
         self.model = model.eval()
         self.fused = FusedStep.for_model(model) if fast else None
-        self._linears = kernels.FastLinears if fast else contextlib.nullcontext
+        use_linears = fast and kernels.FastLinears.applies(model)
+        self._linears = kernels.FastLinears if use_linears else contextlib.nullcontext
         self.max_seq_len: int = model.cfg.max_seq_len
         for name, value in (("max_rows", max_rows), ("max_seq_len", max_seq_len)):
             whole = isinstance(value, int) and not isinstance(value, bool)
