@@ -65,8 +65,8 @@ class Engine:
     fast: decode one row's steps with the fused C step (infer/fused.py) where the model allows
         it (a GPT-family model on the CPU), prefill's fp32 matmuls on oneDNN (FastLinears); False
         runs everything through the torch modules, the reference the fast path is tested against.
-        Build the Engine after changing the
-        model (quantizing, casting, swapping modules): the fused step reads the weights it saw.
+        Build the Engine after changing the model (quantizing, casting, swapping modules): the
+        fused step reads the weights it saw.
     """
 
     def __init__(

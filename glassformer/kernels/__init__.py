@@ -229,8 +229,8 @@ def matvec(
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x (..., in) @ weight (out, in).T for many rows: oneDNN's fp32 matmul where it applies
     (CPU, fp32, inference), else F.linear. Both are fp32 matmuls; torch's F.linear sends fp32
-    to MKL, which on this kind of 2-core AMD machine multiplies SmolLM2's prefill shapes
-    1.2-1.5x slower than oneDNN does (benchmarks/prefill_matmul.py)."""
+    to MKL, which on this kind of 2-core AMD machine makes SmolLM2's whole prefill 1.18-1.25x
+    slower than oneDNN does (benchmarks/prefill_matmul.py)."""
     if (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
