@@ -22,7 +22,9 @@
  *
  * then logits = W_head norm(x). Weights are f32, bf16, int8 with group scales or int4 with
  * group scales and mins (simd.h);
- * activations are f32; the cache is f32 or bf16.
+ * activations are f32; the cache is f32 or bf16. The softmax's, SiLU's and GELU-tanh's
+ * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
+ * and sines are computed once per token for every layer and head.
  */
 #include <math.h>
 #include <omp.h>
@@ -127,15 +129,14 @@ static void norm(const float *x, float *out, int64_t n, const float *weight, con
     }
 }
 
-/* Rotate the pairs (i, i + D/2) of one head by pos * inv_freq[i]. */
-static void rope(float *v, int64_t head_dim, const float *inv_freq, int64_t pos, float factor) {
+/* Rotate the pairs (i, i + D/2) of one head by the angles pos * inv_freq[i], whose cosines and
+ * sines (times the attention factor) the step computes once per token for every head. */
+static void rope(float *v, int64_t head_dim, const float *cosines, const float *sines) {
     const int64_t half = head_dim / 2;
     for (int64_t i = 0; i < half; ++i) {
-        const float angle = (float)pos * inv_freq[i];
-        const float c = cosf(angle) * factor, s = sinf(angle) * factor;
         const float a = v[i], b = v[i + half];
-        v[i] = a * c - b * s;
-        v[i + half] = b * c + a * s;
+        v[i] = a * cosines[i] - b * sines[i];
+        v[i + half] = b * cosines[i] + a * sines[i];
     }
 }
 
@@ -146,6 +147,32 @@ static inline float activate(float v, int64_t kind) {
     case GELU_TANH:
         return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
     default: return v / (1.0f + expf(-v)); /* SILU */
+    }
+}
+
+/* SiLU and GELU (tanh form) of LANES values: v sigmoid(t) = v / (1 + e^-t), with t = v for
+ * SiLU and t = 2 sqrt(2/pi) (v + 0.044715 v^3) for GELU, as 1 + tanh(a) = 2 sigmoid(2a). */
+static inline vec activate_lanes(vec v, int64_t kind) {
+    vec t = v;
+    if (kind == GELU_TANH)
+        t = vec_mul(v, vec_fma(vec_mul(v, v), vec_set1(0.0713548162726f), vec_set1(1.5957691216f)));
+    return vec_div(v, vec_add(vec_set1(1.0f), vec_exp(vec_sub(vec_zero(), t))));
+}
+
+/* ff[i] = act(ff[i]) (times ff[F + i] when gated) for this thread's share of the F values,
+ * LANES at a time where the activation has a SIMD form. */
+static void activate_all(float *ff, int64_t F, int64_t kind, int gated) {
+    const int simd = kind == SILU || kind == GELU_TANH;
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < (F + LANES - 1) / LANES; ++block) {
+        const int64_t start = block * LANES, end = start + LANES < F ? start + LANES : F;
+        if (simd && end - start == LANES) {
+            vec a = activate_lanes(vec_load(ff + start), kind);
+            vec_store(ff + start, gated ? vec_mul(a, vec_load(ff + F + start)) : a);
+            continue;
+        }
+        for (int64_t i = start; i < end; ++i)
+            ff[i] = gated ? activate(ff[i], kind) * ff[F + i] : activate(ff[i], kind);
     }
 }
 
@@ -203,8 +230,16 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t pos
         scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, bf16) * m->attn_scale;
         if (scores[t] > best) best = scores[t];
     }
-    float total = 0.0f;
-    for (int64_t t = 0; t <= pos; ++t) {
+    const vec top = vec_set1(best);
+    vec sums = vec_zero();
+    int64_t t = 0;
+    for (; t + LANES <= pos + 1; t += LANES) {
+        const vec e = vec_exp(vec_sub(vec_load(scores + t), top));
+        vec_store(scores + t, e);
+        sums = vec_add(sums, e);
+    }
+    float total = vec_sum(sums);
+    for (; t <= pos; ++t) {
         scores[t] = expf(scores[t] - best);
         total += scores[t];
     }
@@ -219,6 +254,12 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
     const int64_t C = m->d_model, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
     const int rms = (int)m->rms_norm;
     float *x = m->x, *h = m->h, *qkv = m->qkv, *ff = m->ff;
+    float cosines[D / 2 + 1], sines[D / 2 + 1]; /* this position's RoPE rotation, every head's */
+    for (int64_t i = 0; m->inv_freq && i < D / 2; ++i) {
+        const float angle = (float)pos * m->inv_freq[i];
+        cosines[i] = cosf(angle) * m->rope_factor;
+        sines[i] = sinf(angle) * m->rope_factor;
+    }
     for (int64_t i = 0; i < C; ++i) {
         float e = m->emb_storage == BF16 ? bf16_to_f32(((const uint16_t *)m->tok_emb)[token * C + i])
                                          : ((const float *)m->tok_emb)[token * C + i];
@@ -237,7 +278,7 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
                 float *vec = qkv + head * D; /* the query heads, then the key heads */
                 const float *gain = head < H ? layer->q_norm_weight : layer->k_norm_weight;
                 if (gain) norm(vec, vec, D, gain, 0, 1, m->norm_eps);
-                if (m->inv_freq) rope(vec, D, m->inv_freq, pos, m->rope_factor);
+                if (m->inv_freq) rope(vec, D, cosines, sines);
             }
             for (int64_t head = 0; head < Hkv; ++head) {
                 const int64_t at = head * m->cache_head_stride + pos * m->cache_pos_stride;
@@ -253,11 +294,7 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
 #pragma omp single
         norm(x, h, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms, m->norm_eps);
         linear(&layer->up, h, ff, 0, m->x_sums);
-        const int64_t F = m->d_ff;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < F; ++i)
-            ff[i] = m->gated ? activate(ff[i], m->activation) * ff[F + i]
-                             : activate(ff[i], m->activation);
+        activate_all(ff, m->d_ff, m->activation, (int)m->gated);
         linear(&layer->down, ff, x, 1, m->x_sums);
     }
     norm(x, h, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);

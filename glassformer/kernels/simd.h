@@ -15,7 +15,20 @@ static inline vec vec_set1(float v) { return _mm512_set1_ps(v); }
 static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vec_sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+static inline vec vec_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vec_div(vec a, vec b) { return _mm512_div_ps(a, b); }
 static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vec_clamp(vec v, float lo, float hi) {
+    return _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+}
+static inline vec vec_round(vec v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec vec_pow2(vec n) { /* 2^n for whole numbers n in -126..127: the exponent bits */
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_castsi512_ps(bits);
+}
 static inline float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
 /* LANES weights as floats, for each storage */
 static inline vec load_f32(const float *w) { return _mm512_loadu_ps(w); }
@@ -39,7 +52,20 @@ static inline vec vec_set1(float v) { return _mm256_set1_ps(v); }
 static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vec_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vec_sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec vec_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vec_div(vec a, vec b) { return _mm256_div_ps(a, b); }
 static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vec_clamp(vec v, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+static inline vec vec_round(vec v) {
+    return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec vec_pow2(vec n) { /* 2^n for whole numbers n in -126..127: the exponent bits */
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(bits);
+}
 static inline float vec_sum(vec v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_hadd_ps(h, h);
@@ -63,6 +89,25 @@ static inline vec q4_group(__m128i low, __m128i high, const float *x) {
     return vec_add(q4_half(low, x), q4_half(high, x + 16));
 }
 #endif
+
+/* e^v in every lane, within about 1 ulp of expf for v in [-87, 88] (Cephes' expf: v = n ln 2 + r
+ * with |r| <= ln(2) / 2, e^r by its degree-7 polynomial, times 2^n). Outside that range v is
+ * clamped to it: e^-87 and e^88 stand for 0 and infinity, which is exact enough for every caller
+ * (softmax weights e^(s - max) and x / (1 + e^-x), where they change nothing in float32). */
+static inline vec vec_exp(vec v) {
+    v = vec_clamp(v, -87.0f, 88.0f);
+    const vec n = vec_round(vec_mul(v, vec_set1(1.44269504088896341f)));
+    vec r = vec_fma(n, vec_set1(-0.693359375f), v); /* ln 2 in two parts: r exact */
+    r = vec_fma(n, vec_set1(2.12194440e-4f), r);
+    vec p = vec_set1(1.9875691500e-4f);
+    p = vec_fma(p, r, vec_set1(1.3981999507e-3f));
+    p = vec_fma(p, r, vec_set1(8.3334519073e-3f));
+    p = vec_fma(p, r, vec_set1(4.1665795894e-2f));
+    p = vec_fma(p, r, vec_set1(1.6666665459e-1f));
+    p = vec_fma(p, r, vec_set1(5.0000001201e-1f));
+    p = vec_fma(p, vec_mul(r, r), vec_add(r, vec_set1(1.0f)));
+    return vec_mul(p, vec_pow2(n));
+}
 
 #define STEP 32                  /* columns per inner iteration */
 #define N_ACC (STEP / LANES)     /* independent accumulators: 2 (AVX-512) or 4 (AVX2) */
