@@ -3,9 +3,9 @@
 Decoding one token reads every weight once, so its speed limit is memory bandwidth: with B
 rows decoded together, at most B * bandwidth / weight_bytes tokens/s. This script measures the
 bandwidth itself, a 1 GiB read (torch's sum with the same threads, from 2 MB pages as the
-engines' weights are where the system has them; the best of 3) timed in each round of
-the interleaved runs, and takes the median beside the engines' medians: on a shared machine the
-bandwidth moves from run to run (24 to 39 GB/s here within a minute), so a limit measured
+engines' weights are where the system has them; the best of 3) timed just before every run of
+every engine, and takes each engine's median beside its own medians: on a shared machine the
+bandwidth moves from run to run (24 to 55 GB/s here within minutes), so a limit measured
 once, apart from the runs, says more about that moment than about the engines. It prints,
 for every configuration, each engine's time to first token (prefill + the first sampled token)
 and decode tokens/s (every row's tokens after the first, per second), its ratio to transformers
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import functools
 import os
 import statistics
 import tempfile
@@ -366,7 +367,7 @@ def main() -> None:
 
     bandwidth = memory_bandwidth_gb_s()
     print(f"threads {args.threads} | read bandwidth {bandwidth:.1f} GB/s at the start (best of "
-          f"5; each row's limit is the median read during its own runs) | {args.new_tokens} new "
+          f"5; each row's limit: the median read just before its own runs) | {args.new_tokens} new "
           f"tokens | median of {args.runs} interleaved runs\n")  # fmt: skip
     header = (
         f"{'model':<20}{'prec':<6}{'batch':>5}{'prompt':>7}  {'engine':<20}{'TTFT ms':>9}"
@@ -395,49 +396,47 @@ def main() -> None:
                         length = min(length, base.cfg.max_seq_len - args.new_tokens)
                         prompts = prompt_tokens(base.cfg.vocab_size, length, batch, tokenizer)
                         extra = llama if batch == 1 else {}
-                        timings, read = measure(contestants, hf_models[hf_peer], prompts, args,
-                                                extra)  # fmt: skip
+                        timings, reads = measure(contestants, hf_models[hf_peer], prompts, args,
+                                                 extra)  # fmt: skip
                         where = {"model": label, "precision": precision, "batch": batch,
                                  "prompt": length}  # fmt: skip
-                        rows += report(where, timings, hf_peer, {**contestants, **extra}, read)
+                        rows += report(where, timings, hf_peer, {**contestants, **extra}, reads)
                 del llama
             print()
     if args.json:
         write_json(args.json, rows, bandwidth, args)
 
 
-def measure(contestants, hf_model, prompts, args, extra=None) -> tuple[dict[str, Timing], float]:
+def measure(contestants, hf_model, prompts, args, extra=None):
     """Interleaved runs of every glassformer variant, transformers and the `extra` runners
-    (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens)); with the median read
-    bandwidth (GB/s) over the rounds."""
+    (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens)) -> (timings, reads):
+    each engine's median read bandwidth (GB/s) just before its own runs, its limit's basis."""
     extra = extra or {}
     engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")))
                for name, model in contestants.items()}  # fmt: skip
-    timings = {name: Timing() for name in [*engines, "transformers", *extra]}
-    # one untimed warm-up each: allocation, kernel selection, the kernels' first build
-    for engine in engines.values():
-        run_glassformer(engine, prompts, 4)
-    run_transformers(hf_model, prompts, 4, pad_id=0)
-    for runner in extra.values():
+    runners = {name: functools.partial(run_glassformer, engine)
+               for name, engine in engines.items()}  # fmt: skip
+    runners["transformers"] = functools.partial(run_transformers, hf_model, pad_id=0)
+    runners.update(extra)
+    timings = {name: Timing() for name in runners}
+    reads = {name: [] for name in runners}
+    for runner in runners.values():  # one untimed warm-up each: allocation, the kernels' build
         runner(prompts, 4)
-    data, reads = read_buffer(), []  # 1 GiB, read each round: the bandwidth limit
+    data = read_buffer()  # 1 GiB, read before every run: the bandwidth limit moves by the minute
     data.sum()
     for _ in range(args.runs):
-        # After a pause: llama.cpp's threads spin for a while after their last token, and a
-        # read beside them would see half the machine. The best of 3, as the runs are medians.
-        time.sleep(0.2)
-        reads.append(data.nbytes / min(_timed(data.sum) for _ in range(3)) / 1e9)
-        for name, engine in engines.items():
-            timings[name].add(*run_glassformer(engine, prompts, args.new_tokens))
-        timings["transformers"].add(*run_transformers(hf_model, prompts, args.new_tokens, 0))
-        for name, runner in extra.items():
+        for name, runner in runners.items():
+            # After a pause: llama.cpp's threads spin for a while after their last token, and
+            # a read beside them would see half the machine. The best of 3, as runs are medians.
+            time.sleep(0.2)
+            reads[name].append(data.nbytes / min(_timed(data.sum) for _ in range(3)) / 1e9)
             timings[name].add(*runner(prompts, args.new_tokens))
-    return timings, statistics.median(reads)
+    return timings, {name: statistics.median(values) for name, values in reads.items()}
 
 
-def report(where: dict, timings, hf_peer, contestants, bandwidth: float) -> list[dict]:
-    """Print one line per engine; return them as dicts (for --json). `bandwidth`: GB/s read
-    during these runs (measure)."""
+def report(where: dict, timings, hf_peer, contestants, reads: dict) -> list[dict]:
+    """Print one line per engine; return them as dicts (for --json). `reads`: each engine's
+    GB/s read just before its runs (measure)."""
     reference, batch, rows = timings["transformers"], where["batch"], []
     for name, timing in timings.items():
         contestant = contestants.get(name)
@@ -451,6 +450,7 @@ def report(where: dict, timings, hf_peer, contestants, bandwidth: float) -> list
             )
         else:
             engine, weight_bytes = name, weight_bytes_per_step(contestant)
+        bandwidth = reads[name]
         limit = batch * bandwidth * 1e9 / weight_bytes if weight_bytes else None
         row = {**where, "engine": engine, "ttft_ms": timing.ttft_ms, "decode_tok_s": timing.tok_s,
                "vs_transformers": timing.tok_s / reference.tok_s,
