@@ -81,37 +81,45 @@ def q4_blocks(tensor: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def keep_file_blocks(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """After quantize_int4 on the float model loaded from the GGUF file at `path`: each
-    Int4Linear whose source matrices the file stores at 4 bits takes their blocks as they are
-    (the requantized numbers are dropped), and one with a source stored above 4 bits (Q5/Q6/Q8,
-    F16, F32: Q4_K_M files keep some attn_v and ffn_down at Q6_K) becomes int8 in groups of 32
-    from the file's values, as llama.cpp keeps those layers above 4 bits (a fused qkv_proj
-    whose v is Q6_K included). Returns the model; a matrix stored below 4 bits (Q2_K, Q3_K)
-    keeps the requantized int4."""
+    """Before quantize_int4, on the float model loaded from the GGUF file at `path`: each
+    nn.Linear of the blocks whose source matrices the file stores at 4 bits becomes an
+    Int4Linear holding their blocks as they are, and one with a source stored above 4 bits
+    (Q5/Q6/Q8, F16, F32: Q4_K_M files keep some attn_v and ffn_down at Q6_K) becomes int8 in
+    groups of 32 from the file's values, as llama.cpp keeps those layers above 4 bits (a fused
+    qkv_proj whose v is Q6_K included). quantize_int4 then quantizes what is still float (the
+    lm_head, a matrix stored below 4 bits) and leaves these as they are. Returns the model."""
     from glassformer.interop.gguf import SUPPORTED_ARCHITECTURES, rules
-    from glassformer.nn.quant import Int4Linear, Int8Linear
+    from glassformer.nn.quant import Int4Linear, Int8Linear, frozen_copy
 
     file = read_gguf(path)
     for rule in rules(model.cfg, permuted=SUPPORTED_ARCHITECTURES[file.architecture]):
         name, _, kind = rule.target.rpartition(".")
         module = model.get_submodule(name) if kind == "weight" else None
-        if not isinstance(module, Int4Linear):
+        # The blocks' Linears that quantize_int4 makes int4 (routers and odd widths stay float)
+        if (
+            type(module) is not torch.nn.Linear
+            or not name.startswith("blocks.")
+            or name.endswith(".router")
+            or module.in_features % 32
+        ):
             continue
-        sources = [file.tensors[s] for s in rule.sources]
-        types = {t.tensor_type.name for t in sources}
+        types = {file.tensors[s].tensor_type.name for s in rule.sources}
         with torch.no_grad():
             if types <= set(FOUR_BIT):
+                kept = Int4Linear(module.in_features, module.out_features, bias=False)
                 # The rules only concatenate and permute rows, so they apply to each part.
-                parts = zip(*(q4_blocks(t) for t in sources), strict=True)
-                buffers = (module.weight, module.scales, module.mins)
+                parts = zip(*(q4_blocks(file.tensors[s]) for s in rule.sources), strict=True)
+                buffers = (kept.weight, kept.scales, kept.mins)
                 for buffer, pieces in zip(buffers, parts, strict=True):
                     buffer.copy_(rule.load(list(pieces)))
             elif types <= set(FOUR_BIT + ABOVE_FOUR_BITS):  # some above 4 bits
-                linear = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+                exact = torch.nn.Linear(module.in_features, module.out_features, bias=False)
                 values = [LazyTensor(file.tensors[s], str(file.path)).load() for s in rule.sources]
-                linear.weight.copy_(rule.load(values))
-                wider = Int8Linear.from_linear(linear, group_size=32)
-                wider.bias = module.bias
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, wider)
+                exact.weight.copy_(rule.load(values))
+                kept = Int8Linear.from_linear(exact, group_size=32)
+            else:
+                continue
+            kept.bias = frozen_copy(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, kept)
     return model

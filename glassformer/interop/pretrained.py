@@ -99,12 +99,12 @@ def from_pretrained(
     elif quantize == "int4":
         from glassformer.nn.quant import quantize_int4
 
-        model = quantize_int4(model)
         path = resolve(name_or_path)
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file() and path.suffix == ".gguf":  # its 4-bit blocks as they are
             from glassformer.interop.gguf_blocks import keep_file_blocks
 
             model = keep_file_blocks(model, path)
+        model = quantize_int4(model)
     return model, tokenizer
 
 

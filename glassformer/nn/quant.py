@@ -98,7 +98,7 @@ class Int8Linear(nn.Module):
         q, scales = quantize_groupwise(weight, group_size)
         module.weight.copy_(q)
         module.scales.copy_(scales)
-        module.bias = _frozen_copy(linear.bias)
+        module.bias = frozen_copy(linear.bias)
         return module
 
     def dequantize(self) -> Tensor:
@@ -116,7 +116,7 @@ class Int8Linear(nn.Module):
         )
 
 
-def _frozen_copy(bias: Tensor | None) -> nn.Parameter | None:
+def frozen_copy(bias: Tensor | None) -> nn.Parameter | None:
     """A quantized Linear's own float32 copy of a bias, without gradient (None stays None)."""
     if bias is None:
         return None
@@ -223,7 +223,7 @@ class Int4Linear(nn.Module):
         module.weight.copy_(packed)
         module.scales.copy_(scales)
         module.mins.copy_(mins)
-        module.bias = _frozen_copy(linear.bias)
+        module.bias = frozen_copy(linear.bias)
         return module
 
     def dequantize(self) -> Tensor:
