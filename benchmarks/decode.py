@@ -1,7 +1,9 @@
 """Generation speed: glassformer against transformers on identical weights (seed 000 §2.5.1).
 
-Decoding one token reads every weight once, so its speed limit is memory bandwidth: with B
-rows decoded together, at most B * bandwidth / weight_bytes tokens/s. This script measures the
+Decoding one token reads every weight once, and every cached key and value of its row, so its
+speed limit is memory bandwidth: with B rows decoded together, at most
+B * bandwidth / (weight_bytes + B * kv_bytes) tokens/s, kv_bytes the cache at the middle decode
+step (the prompt and half the new tokens; fp16 for llama.cpp). This script measures the
 bandwidth itself, a 1 GiB read (torch's sum with the same threads, from 2 MB pages as the
 engines' weights are where the system has them; the best of 3) timed just before every run of
 every engine, and takes each engine's median beside its own medians: on a shared machine the
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import functools
 import os
 import statistics
@@ -53,6 +54,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from llama_cpp_peer import LLAMA_CPP_TYPES, LlamaCpp, llama_cpp_files  # benchmarks/
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
@@ -107,6 +109,11 @@ def weight_bytes_per_step(model: nn.Module) -> int:
     if model.lm_head.weight is model.tok_emb.weight:  # the head reads the whole shared table
         total += model.tok_emb.weight.nbytes
     return total
+
+
+def kv_bytes_per_step(cfg: ModelConfig, element_size: int, position: float) -> float:
+    """Bytes of the KV cache a decode step at `position` reads: every layer's keys and values."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * element_size * position
 
 
 # --- contestants --------------------------------------------------------------------------------
@@ -202,90 +209,6 @@ def run_transformers(model, prompts: list[list[int]], new_tokens: int, pad_id: i
 def _prefill_seconds(model, ids, mask) -> float:
     with torch.inference_mode():
         return _timed(lambda: model(input_ids=ids, attention_mask=mask, use_cache=True))
-
-
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python on one GGUF file, fed the same token ids, greedy,
-    batch 1."""
-
-    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
-        self.bytes_per_token = path.stat().st_size  # nearly all of the file is weights
-
-    def __call__(self, prompts: list[list[int]], new_tokens: int):
-        # reset(): llama-cpp-python would otherwise reuse the previous run's matching prompt
-        # prefix from its cache and skip the prefill.
-        self.llm.reset()
-        start = time.perf_counter()
-        tokens, first = [], None
-        for token in self.llm.generate(prompts[0], top_k=1, temp=0.0, reset=True):
-            if first is None:
-                first = time.perf_counter()
-            tokens.append(int(token))
-            if len(tokens) == new_tokens:
-                break
-        end = time.perf_counter()
-        return first - start, (new_tokens - 1) / (end - first), [tokens]
-
-
-# llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
-LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
-_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
-           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-           "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # fmt: skip
-
-
-def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
-    """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama.cpp's requantization of
-    it}, when llama-cpp-python is installed and the model is SmolLM2; else {}."""
-    if name != "smollm2":
-        return {}
-    return requantized_smollm2([LLAMA_CPP_TYPES[p] for p in precisions], tmp, threads)
-
-
-def requantized_smollm2(kinds, tmp: Path, threads: int) -> dict[str, Path]:
-    """{kind: a GGUF file} for each kind of _FTYPES or "Q4_1" (the shipped SmolLM2 file),
-    requantized by llama.cpp's own llama_model_quantize into `tmp`; {} without llama-cpp-python.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        return {}
-    import llama_cpp
-
-    from glassformer.interop.pretrained import resolve
-
-    _quiet_llama_cpp(llama_cpp)
-    source = resolve("smollm2")
-    files = {"Q4_1": source}
-    for kind in kinds:
-        if kind in files:
-            continue  # the shipped file itself
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize, params.nthread = (
-            getattr(llama_cpp, _FTYPES[kind]), True, threads)  # fmt: skip
-        target = tmp / f"smollm2-{kind}.gguf"
-        status = llama_cpp.llama_model_quantize(
-            str(source).encode(), str(target).encode(), ctypes.byref(params)
-        )
-        if status != 0:
-            raise RuntimeError(f"llama_model_quantize to {kind} failed with status {status}")
-        files[kind] = target
-    return {kind: path for kind, path in files.items() if kind in kinds}
-
-
-def _quiet_llama_cpp(llama_cpp) -> None:
-    """Silence llama.cpp's own log (the quantizer prints a line per tensor)."""
-
-    @llama_cpp.llama_log_callback
-    def ignore(level, text, user_data):
-        pass
-
-    _quiet_llama_cpp.callback = ignore  # kept alive: C holds only the pointer
-    llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
 
 
 # --- models and prompts -------------------------------------------------------------------------
@@ -400,7 +323,8 @@ def main() -> None:
                                                  extra)  # fmt: skip
                         where = {"model": label, "precision": precision, "batch": batch,
                                  "prompt": length}  # fmt: skip
-                        rows += report(where, timings, hf_peer, {**contestants, **extra}, reads)
+                        rows += report(where, timings, hf_peer, {**contestants, **extra}, reads,
+                                       args.new_tokens)  # fmt: skip
                 del llama
             print()
     if args.json:
@@ -434,24 +358,27 @@ def measure(contestants, hf_model, prompts, args, extra=None):
     return timings, {name: statistics.median(values) for name, values in reads.items()}
 
 
-def report(where: dict, timings, hf_peer, contestants, reads: dict) -> list[dict]:
+def report(where: dict, timings, hf_peer, contestants, reads: dict, new_tokens: int):
     """Print one line per engine; return them as dicts (for --json). `reads`: each engine's
-    GB/s read just before its runs (measure)."""
+    GB/s read just before its runs (measure). Its limit counts the bytes of its weights and of
+    the KV cache at the middle decode step."""
     reference, batch, rows = timings["transformers"], where["batch"], []
+    ours = contestants["glassformer"]
+    position = where["prompt"] + new_tokens / 2  # the middle decode step's cached positions
     for name, timing in timings.items():
         contestant = contestants.get(name)
-        if isinstance(contestant, LlamaCpp):
-            engine, weight_bytes = name, contestant.bytes_per_token
+        if isinstance(contestant, LlamaCpp):  # its KV cache is fp16
+            engine, weight_bytes, element = name, contestant.bytes_per_token, 2
         elif contestant is None:  # transformers: its weights are glassformer's, in hf_peer
-            engine = f"transformers {hf_peer}"
-            same_precision = where["precision"] == hf_peer
-            weight_bytes = (
-                weight_bytes_per_step(contestants["glassformer"]) if same_precision else None
-            )
-        else:
+            engine, element = f"transformers {hf_peer}", 4 if hf_peer == "fp32" else 2
+            same = where["precision"] == hf_peer
+            weight_bytes = weight_bytes_per_step(ours) if same else None
+        else:  # the cache takes the dtype of the model's float parameters
             engine, weight_bytes = name, weight_bytes_per_step(contestant)
+            element = next(contestant.parameters()).element_size()
+        kv_bytes = batch * kv_bytes_per_step(ours.cfg, element, position)
         bandwidth = reads[name]
-        limit = batch * bandwidth * 1e9 / weight_bytes if weight_bytes else None
+        limit = batch * bandwidth * 1e9 / (weight_bytes + kv_bytes) if weight_bytes else None
         row = {**where, "engine": engine, "ttft_ms": timing.ttft_ms, "decode_tok_s": timing.tok_s,
                "vs_transformers": timing.tok_s / reference.tok_s,
                "read_bandwidth_gb_s": round(bandwidth, 2),

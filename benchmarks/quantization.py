@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from decode import requantized_smollm2  # benchmarks/decode.py: llama.cpp requantizes SmolLM2
+from llama_cpp_peer import requantized_smollm2  # benchmarks/: llama.cpp requantizes SmolLM2
 
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine

@@ -75,12 +75,15 @@ def test_fp32_step_matches_the_modules(arch):
     assert _compare(_model(arch)) < 1e-4
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
-def test_long_contexts_and_far_out_exponentials_match(arch):
+def test_long_contexts_and_far_out_exponentials_match(arch, threads, monkeypatch):
     # The C step's exponentials are its own SIMD ones (kernels/simd.h): the softmax's over 16
     # or 8 scores at a time plus a scalar tail (40 positions here), SiLU's and GELU's. With the
     # up-projections and q/k scaled up, FFN inputs reach the thousands and scores the hundreds,
-    # where e^x is clamped; a 0.2% error in one coefficient of its polynomial fails this.
+    # where e^x is clamped; a 0.2% error in one coefficient of its polynomial fails this. With
+    # 3 threads, each takes a third of every matrix's rows and of the heads.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     model = _model(arch)
     with torch.no_grad():
         for block in model.blocks:

@@ -1,0 +1,96 @@
+"""llama.cpp as a benchmark peer, through llama-cpp-python (`pip install -e .[bench]`): the
+shipped SmolLM2 Q4_1 GGUF file, llama.cpp's own requantizations of it (llama_model_quantize,
+with allow_requantize) into F32, BF16, Q8_0, Q4_0 or Q4_K_M in a temporary folder, and a runner
+that times its greedy generation from the same token ids as glassformer's (benchmarks/decode.py,
+benchmarks/quantization.py). Without llama-cpp-python, no files: the benchmarks run without
+these rows."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on one GGUF file, fed the same token ids, greedy,
+    batch 1."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+        self.bytes_per_token = path.stat().st_size  # nearly all of the file is weights
+
+    def __call__(self, prompts: list[list[int]], new_tokens: int):
+        # reset(): llama-cpp-python would otherwise reuse the previous run's matching prompt
+        # prefix from its cache and skip the prefill.
+        self.llm.reset()
+        start = time.perf_counter()
+        tokens, first = [], None
+        for token in self.llm.generate(prompts[0], top_k=1, temp=0.0, reset=True):
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        end = time.perf_counter()
+        return first - start, (new_tokens - 1) / (end - first), [tokens]
+
+
+# llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
+LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
+           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+           "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # fmt: skip
+
+
+def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
+    """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama.cpp's requantization of
+    it}, when llama-cpp-python is installed and the model is SmolLM2; else {}."""
+    if name != "smollm2":
+        return {}
+    return requantized_smollm2([LLAMA_CPP_TYPES[p] for p in precisions], tmp, threads)
+
+
+def requantized_smollm2(kinds, tmp: Path, threads: int) -> dict[str, Path]:
+    """{kind: a GGUF file} for each kind of _FTYPES or "Q4_1" (the shipped SmolLM2 file),
+    requantized by llama.cpp's own llama_model_quantize into `tmp`; {} without llama-cpp-python.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {}
+    import llama_cpp
+
+    from glassformer.interop.pretrained import resolve
+
+    _quiet_llama_cpp(llama_cpp)
+    source = resolve("smollm2")
+    files = {"Q4_1": source}
+    for kind in kinds:
+        if kind in files:
+            continue  # the shipped file itself
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = (
+            getattr(llama_cpp, _FTYPES[kind]), True, threads)  # fmt: skip
+        target = tmp / f"smollm2-{kind}.gguf"
+        status = llama_cpp.llama_model_quantize(
+            str(source).encode(), str(target).encode(), ctypes.byref(params)
+        )
+        if status != 0:
+            raise RuntimeError(f"llama_model_quantize to {kind} failed with status {status}")
+        files[kind] = target
+    return {kind: path for kind, path in files.items() if kind in kinds}
+
+
+def _quiet_llama_cpp(llama_cpp) -> None:
+    """Silence llama.cpp's own log (the quantizer prints a line per tensor)."""
+
+    @llama_cpp.llama_log_callback
+    def ignore(level, text, user_data):
+        pass
+
+    _quiet_llama_cpp.callback = ignore  # kept alive: C holds only the pointer
+    llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
