@@ -1,12 +1,14 @@
-"""Compiled against eager decode steps on SmolLM2-135M (seed 000 §2.5.1: decode is memory-bound,
-so what a step spends beyond streaming the weights is overhead to remove).
+"""Compiled, eager and fused decode steps on SmolLM2-135M (seed 000 §2.5.1: decode is
+memory-bound, so what a step spends beyond streaming the weights is overhead to remove).
 
 For each precision (int8 weight-only, fp32 and bf16 through optimize_for_decode) the script
-prefills the same prompt into two caches, then times decode steps of the eager model
-(model(token, cache=...), as Engine runs it) and of CompiledDecoder's compiled step, in
-interleaved blocks (eager, compiled, eager, ...) so that load from other processes hits both
-alike; each figure is the median over blocks. It also times the matrix-vector kernels alone
-(every Linear of one step) and prints the compile time (the first compiled step).
+prefills the same prompt into three caches, then times decode steps of the eager model
+(model(token, cache=...), the Engine's path for batches and with fast=False), of
+CompiledDecoder's compiled step and of the fused C step (infer/fused.py, what Engine(model)
+decodes a single row with), in interleaved blocks (eager, compiled, fused, eager, ...) so that
+load from other processes hits them alike; each figure is the median over blocks. It also
+times the matrix-vector kernels alone (every Linear of one step) and prints the compile time
+(the first compiled step).
 
     python benchmarks/compiled_decode.py                        # int8, fp32, bf16, 2 threads
     python benchmarks/compiled_decode.py --precision int8 --threads 1 --blocks 5
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from glassformer.infer.compiled import CompiledDecoder
+from glassformer.infer.fused import FusedStep
 from glassformer.infer.optimize import DecodeLinear, optimize_for_decode
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.nn.quant import Int8Linear, quantize_int8
@@ -67,12 +70,15 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt))
     token = torch.tensor([42])
     decoder = CompiledDecoder(model)
+    fused = FusedStep(model)  # what Engine(model) decodes a single row with
     capacity = args.prompt + args.blocks * args.steps + 1
     with torch.inference_mode():
         eager_cache = model.new_cache(batch_size=1, max_seq_len=capacity)
+        fused_cache = model.new_cache(batch_size=1, max_seq_len=capacity)
         decoder.reserve(1, capacity)
         compiled_cache = decoder.cache
         model(prompt, cache=eager_cache, last_token_only=True)
+        model(prompt, cache=fused_cache, last_token_only=True)
         decoder.forward(prompt, torch.arange(args.prompt), compiled_cache)
 
         def eager_step(tok, cache):
@@ -84,23 +90,23 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
             decoder.compiled_forward(tok.reshape(1, 1).clone(), torch.tensor([cache.length]), cache)
             cache.length += 1
 
+        def fused_step(tok, cache):  # writes position cache.length, then counts it
+            fused(int(tok), cache.length, cache)
+
         start = time.perf_counter()
         compiled_step(token, compiled_cache)
         compile_s = time.perf_counter() - start
-        # Both sides warm up, then take turns.
-        step_ms(eager_step, eager_cache, args.prompt, token, args.steps)
-        step_ms(compiled_step, compiled_cache, args.prompt, token, args.steps)
-        eager, compiled = [], []
-        for _ in range(args.blocks):
-            eager.append(step_ms(eager_step, eager_cache, args.prompt, token, args.steps))
-            compiled.append(step_ms(compiled_step, compiled_cache, args.prompt, token, args.steps))
+        sides = {"eager": (eager_step, eager_cache), "compiled": (compiled_step, compiled_cache),
+                 "fused": (fused_step, fused_cache)}  # fmt: skip
+        times = {name: [] for name in sides}
+        for block in range(args.blocks + 1):  # every side warms up, then they take turns
+            for name, (step, cache) in sides.items():
+                ms = step_ms(step, cache, args.prompt, token, args.steps)
+                if block:
+                    times[name].append(ms)
         matvec = kernels_ms(model)
-    return {
-        "compile_s": compile_s,
-        "eager_ms": statistics.median(eager),
-        "compiled_ms": statistics.median(compiled),
-        "kernels_ms": matvec,
-    }
+    medians = {f"{name}_ms": statistics.median(values) for name, values in times.items()}
+    return {"compile_s": compile_s, "kernels_ms": matvec, **medians}
 
 
 def main() -> None:
@@ -114,8 +120,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, _ = from_pretrained("smollm2")
     header = (
-        f"{'precision':<9} {'compile s':>9} {'eager ms':>9} {'compiled ms':>11} "
-        f"{'kernels ms':>10} {'eager tok/s':>11} {'compiled tok/s':>14} {'speedup':>7}"
+        f"{'precision':<9} {'compile s':>9} {'eager ms':>9} {'compiled ms':>11} {'fused ms':>9} "
+        f"{'kernels ms':>10} {'eager tok/s':>11} {'compiled tok/s':>14} {'fused tok/s':>11} "
+        f"{'compiled/eager':>14} {'fused/compiled':>14}"
     )
     print(f"SmolLM2-135M, {args.threads} threads, {args.prompt}-token prompt, batch 1")
     print(header)
@@ -123,8 +130,10 @@ def main() -> None:
         r = measure(model, precision, args)
         print(
             f"{precision:<9} {r['compile_s']:>9.1f} {r['eager_ms']:>9.2f} "
-            f"{r['compiled_ms']:>11.2f} {r['kernels_ms']:>10.2f} {1e3 / r['eager_ms']:>11.1f} "
-            f"{1e3 / r['compiled_ms']:>14.1f} {r['eager_ms'] / r['compiled_ms']:>6.2f}x",
+            f"{r['compiled_ms']:>11.2f} {r['fused_ms']:>9.2f} {r['kernels_ms']:>10.2f} "
+            f"{1e3 / r['eager_ms']:>11.1f} {1e3 / r['compiled_ms']:>14.1f} "
+            f"{1e3 / r['fused_ms']:>11.1f} {r['eager_ms'] / r['compiled_ms']:>13.2f}x "
+            f"{r['compiled_ms'] / r['fused_ms']:>13.2f}x",
             flush=True,
         )
 

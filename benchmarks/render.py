@@ -19,7 +19,7 @@ def stamp(result: dict) -> str:
     return (
         f"`{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} threads, "
         f"read bandwidth {m['read_bandwidth_gb_s']} GB/s at the start, each row's limit from "
-        f"reads between its runs; torch {m['torch']}{peer}; "
+        f"reads just before its runs; torch {m['torch']}{peer}; "
         f"{result['new_tokens']} new tokens, median of {result['runs']} runs)"
     )
 

@@ -54,6 +54,35 @@ def test_random_draft_gives_plain_greedy_output(k):
     assert stats.acceptance_rate < 0.5
 
 
+def test_the_draft_proposes_through_its_fused_step():
+    # Models the fused C step takes (widths multiples of 32): the draft's one-token passes go
+    # through it, and the round's tokens and counts are those of the torch draft (fast=False).
+    from glassformer.infer.speculative import SpeculativeDecoder
+
+    target = tiny_model(seed=0, d_model=64)
+    draft = tiny_model(seed=1, d_model=64, n_layers=1)
+    fast, plain = (
+        SpeculativeDecoder(target, draft, 3),
+        SpeculativeDecoder(target, draft, 3, fast=False),
+    )
+    assert fast.draft_step is not None and plain.draft_step is None
+    calls = []
+    real = fast.draft_step
+
+    class Spy:
+        supports = real.supports
+
+        def __call__(self, *args):
+            calls.append(args[:2])
+            return real(*args)
+
+    fast.draft_step = Spy()
+    a, b = (d.generate(PROMPT, 20, temperature=0.0) for d in (fast, plain))
+    assert a.token_ids == b.token_ids == plain_greedy(target, PROMPT, 20)[0]
+    assert (a.stats.proposed, a.stats.accepted) == (b.stats.proposed, b.stats.accepted)
+    assert len(calls) > 0
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_draft_equal_to_target_accepts_everything(k):
     target = tiny_model(seed=0)

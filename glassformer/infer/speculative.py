@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.infer.engine import Engine
+from glassformer.infer.fused import FusedStep
 from glassformer.infer.rows import GenerationStats, Row
 from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
 
@@ -86,19 +87,25 @@ def propose(
     n_proposals: int,
     params: SamplingParams,
     generator: torch.Generator | None,
+    step: FusedStep | None = None,
 ) -> tuple[list[int], Tensor | None]:
     """Let the draft continue `context` by n_proposals tokens, one forward pass each.
 
     The draft's cache may lag behind the context by a few tokens (the target's correction, or
-    the last proposal after a full acceptance): the first pass feeds all of them at once.
+    the last proposal after a full acceptance): the first pass feeds all of them at once. Passes
+    of one token go through `step`, the draft's fused C step, when it has one for this cache.
     Returns the tokens and, when sampling, the draft's distributions q (K, V) they came from.
     """
     feed = context[cache.length :]  # at least the last token: the cache holds context[:-1]
     tokens: list[int] = []
     q_rows: list[Tensor] = []
+    fused = step is not None and step.supports(cache)
     for _ in range(n_proposals):
-        ids = torch.tensor([feed], device=draft.device)  # (1, T)
-        logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+        if fused and len(feed) == 1:
+            logits = step(feed[0], cache.length, cache)  # (1, V)
+        else:
+            ids = torch.tensor([feed], device=draft.device)  # (1, T)
+            logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
         if not params.is_greedy:
             q_rows.append(sampling_distribution(logits, params)[0])
         token = int(sample(logits, params, generator))
@@ -157,14 +164,16 @@ class SpeculativeDecoder(Engine):
     """The Engine, one row at a time, whose step is a speculative round: `draft` proposes up
     to k tokens, `target` checks them in one pass, and the row accepts what survives."""
 
-    def __init__(self, target: nn.Module, draft: nn.Module, k: int = 4) -> None:
+    def __init__(self, target: nn.Module, draft: nn.Module, k: int = 4, fast: bool = True):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(
                 f"k={k!r} must be an integer >= 1: the draft tokens proposed per round"
             )
         check_draft(target, draft)
-        super().__init__(target)
+        super().__init__(target, fast=fast)
         self.draft, self.k = draft.eval(), k
+        # The draft's proposals are single-token steps: the fused C step where it has one.
+        self.draft_step = FusedStep.for_model(self.draft) if fast else None
         self.draft_cache = None
         self._draft_row: Row | None = None  # whose context the draft cache holds
 
@@ -226,8 +235,9 @@ class SpeculativeDecoder(Engine):
         n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
         t_draft = time.perf_counter()
         proposals, draft_probs = propose(
-            self.draft, self.draft_cache, context, n_proposals, params, row.generator
-        )
+            self.draft, self.draft_cache, context, n_proposals, params, row.generator,
+            self.draft_step,
+        )  # fmt: skip
         t_target = time.perf_counter()
         # The target's slot holds context[:-1]: the last token and the proposals go at the
         # next positions. Positions past the accepted tokens are simply written over later.
