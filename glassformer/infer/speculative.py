@@ -186,7 +186,7 @@ class SpeculativeDecoder(Engine):
             if value != off:
                 raise ValueError(
                     f"{name}={value!r} is not supported with speculative decoding: leave it at "
-                    f"{off!r}, or generate without --draft"
+                    f"{off!r}, or generate without a draft (Engine(target))"
                 )
         return super().add(prompt_ids, params, **kwargs)
 
