@@ -99,6 +99,27 @@ def test_long_contexts_and_far_out_exponentials_match(arch, threads, monkeypatch
     assert worst < 1e-5 * largest
 
 
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
+def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits):
+    # many(): up to max_tokens consecutive tokens in one call (a speculative round's check),
+    # each seeing the cache and the run's earlier tokens, as one forward over the run does.
+    model = _model(arch)
+    if bits != 32:
+        model = quantize_int8(model, group_size=32) if bits == 8 else quantize_int4(model)
+    step, prompt, run = FusedStep(model), [3, 141, 59, 26, 5], [7, 200, 11, 42, 9, 1, 2, 3]
+    with torch.inference_mode():
+        reference, fused = model.new_cache(1, 48), model.new_cache(1, 48)
+        model(torch.tensor([prompt]), cache=reference), model(torch.tensor([prompt]), cache=fused)
+        want = model(torch.tensor([run]), torch.arange(5, 13), cache=reference)[0]  # (8, V)
+        got = step.many(run, 5, fused)
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-4
+    assert fused.length == reference.length == 13
+    torch.testing.assert_close(fused.k[..., :13, :], reference.k[..., :13, :], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="9 tokens: the fused step takes 1 to 8"):
+        step.many([1] * 9, 0, fused)
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_bf16_weights_match_their_float32_copy(arch):
     # The C step reads bf16 weights and computes in float32: the exact reference is a float32

@@ -54,9 +54,10 @@ def test_random_draft_gives_plain_greedy_output(k):
     assert stats.acceptance_rate < 0.5
 
 
-def test_the_draft_proposes_through_its_fused_step():
+def test_fused_steps_propose_and_check_the_rounds():
     # Models the fused C step takes (widths multiples of 32): the draft's one-token passes go
-    # through it, and the round's tokens and counts are those of the torch draft (fast=False).
+    # through its fused step, the target checks each round through its `many`, and the tokens
+    # and counts are those of the torch modules (fast=False).
     from glassformer.infer.speculative import SpeculativeDecoder
 
     target = tiny_model(seed=0, d_model=64)
@@ -70,17 +71,19 @@ def test_the_draft_proposes_through_its_fused_step():
     real = fast.draft_step
 
     class Spy:
-        supports = real.supports
+        supports, max_tokens = real.supports, real.max_tokens
 
-        def __call__(self, *args):
+        def many(self, *args):
             calls.append(args[:2])
-            return real(*args)
+            return real.many(*args)
 
     fast.draft_step = Spy()
+    checks, many = [], fast.fused.many
+    fast.fused.many = lambda tokens, *args: checks.append(len(tokens)) or many(tokens, *args)
     a, b = (d.generate(PROMPT, 20, temperature=0.0) for d in (fast, plain))
     assert a.token_ids == b.token_ids == plain_greedy(target, PROMPT, 20)[0]
     assert (a.stats.proposed, a.stats.accepted) == (b.stats.proposed, b.stats.accepted)
-    assert len(calls) > 0
+    assert len(calls) > 0 and len(checks) == a.stats.rounds and max(checks) == 4  # k + 1
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 5])

@@ -12,6 +12,8 @@ same numbers, streamed faster (fp32 steps 1.05-1.18x in benchmarks/huge_pages.py
 
     step = FusedStep.for_model(model)              # None when this model needs the torch path
     logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
+    logits = step.many(ids, position, cache, slot) # (n, V) for up to step.max_tokens ids at
+                                                   # position.. (a speculative round's check)
 
 Shapes: C channels, H query heads, Hkv key/value heads, D head dim, V vocab, Tmax cache length.
 """
@@ -117,13 +119,14 @@ def _linear_problem(module: nn.Module) -> str | None:
 
 
 class FusedStep:
-    """One decode step of `model` (batch 1) through decode.c; see the module docstring."""
+    """One decode step of `model` (batch 1) through decode.c, or a run of up to `max_tokens`
+    consecutive tokens (`many`: a speculative round's check); see the module docstring."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, max_tokens: int = 8) -> None:
         reason = unsupported(model)
         if reason:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
-        self.model, self.cfg = model, model.cfg
+        self.model, self.cfg, self.max_tokens = model, model.cfg, max_tokens
         to_huge_pages(model)  # before the structs take the weights' addresses
         self._keep: list[Tensor] = []  # every tensor the C structs point to stays alive here
         self._function = _library_function()
@@ -196,8 +199,8 @@ class FusedStep:
         scratch = {"x": C, "h": C, "qkv": (H + 2 * Hkv) * D, "att": H * D,
                    "ff": (2 if gated else 1) * cfg.d_ff,
                    "x_sums": max(C, H * D, cfg.d_ff) // kernels.Q4_GROUP + 1}  # fmt: skip
-        for name, size in scratch.items():
-            buffer = torch.zeros(size)
+        for name, size in scratch.items():  # per token, for up to max_tokens
+            buffer = torch.zeros(self.max_tokens * size)
             self._keep.append(buffer)
             setattr(struct, name, buffer.data_ptr())
         return struct
@@ -232,20 +235,35 @@ class FusedStep:
     def __call__(self, token: int, position: int, cache: KVCache, slot: int = 0) -> Tensor:
         """The next-token logits (1, V) for `token` at `position` of cache row `slot`, whose
         positions 0..position-1 are filled; writes the token's keys/values at `position`."""
-        if not 0 <= position < cache.max_seq_len:
-            raise ValueError(f"position {position} is outside the cache's {cache.max_seq_len}")
-        if not 0 <= token < self.cfg.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary ({self.cfg.vocab_size})")
+        return self.many([token], position, cache, slot)
+
+    def many(self, tokens: list[int], position: int, cache: KVCache, slot: int = 0) -> Tensor:
+        """The logits (n, V) after each of n consecutive `tokens` at positions position.. of
+        cache row `slot` (token i sees the cache and tokens 0..i), as the model's forward over
+        them would give; writes their keys/values. n is 1 to max_tokens."""
+        n = len(tokens)
+        if not 1 <= n <= self.max_tokens:
+            raise ValueError(f"{n} tokens: the fused step takes 1 to {self.max_tokens} at once")
+        if position < 0 or position + n > cache.max_seq_len:
+            raise ValueError(
+                f"position {position + n - 1} is outside the cache's {cache.max_seq_len}"
+            )
+        for token in tokens:
+            if not 0 <= token < self.cfg.vocab_size:
+                raise ValueError(
+                    f"token id {token} is outside the vocabulary ({self.cfg.vocab_size})"
+                )
         self._point_at(cache, slot)
-        logits = torch.empty(1, self.cfg.vocab_size)
-        self._function(ctypes.byref(self._struct), token, position, logits.data_ptr(),
+        ids = (ctypes.c_int64 * n)(*tokens)
+        logits = torch.empty(n, self.cfg.vocab_size)
+        self._function(ctypes.byref(self._struct), ids, n, position, logits.data_ptr(),
                        torch.get_num_threads())  # fmt: skip
-        cache.length = position + 1  # as cache.begin() does for the torch path
+        cache.length = position + n  # as cache.begin() does for the torch path
         return logits  # float32 whatever the weights: the C step computes in float32
 
 
 def _library_function():
-    function = kernels.library().decode_token
-    function.argtypes = [ctypes.POINTER(_Model), _I, _I, _P, ctypes.c_int]
+    function = kernels.library().decode_tokens
+    function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
     function.restype = None
     return function

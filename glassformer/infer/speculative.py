@@ -10,7 +10,9 @@ the output distributed exactly as the target's. Shapes: V vocab, K proposals in 
 
 SpeculativeDecoder is the Engine with another step: one round (the draft's proposals, the
 target's one verification pass at explicit positions, the accepted tokens) instead of one
-token. Prefill, stop rules, statistics and streaming are the Engine's.
+token. Prefill, stop rules, statistics and streaming are the Engine's. Where the models have
+fused C steps (infer/fused.py), the draft proposes through its own and the target checks the
+round's tokens through its `many`, one call for all of them.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def propose(
 
     The draft's cache may lag behind the context by a few tokens (the target's correction, or
     the last proposal after a full acceptance): the first pass feeds all of them at once. Passes
-    of one token go through `step`, the draft's fused C step, when it has one for this cache.
+    of up to step.max_tokens go through `step`, the draft's fused C step, when it has one for
+    this cache (the prompt's first pass is a prefill through the modules).
     Returns the tokens and, when sampling, the draft's distributions q (K, V) they came from.
     """
     feed = context[cache.length :]  # at least the last token: the cache holds context[:-1]
@@ -101,8 +104,8 @@ def propose(
     q_rows: list[Tensor] = []
     fused = step is not None and step.supports(cache)
     for _ in range(n_proposals):
-        if fused and len(feed) == 1:
-            logits = step(feed[0], cache.length, cache)  # (1, V)
+        if fused and len(feed) <= step.max_tokens:
+            logits = step.many(feed, cache.length, cache)[-1:]  # (1, V)
         else:
             ids = torch.tensor([feed], device=draft.device)  # (1, T)
             logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
@@ -241,10 +244,15 @@ class SpeculativeDecoder(Engine):
         t_target = time.perf_counter()
         # The target's slot holds context[:-1]: the last token and the proposals go at the
         # next positions. Positions past the accepted tokens are simply written over later.
-        ids = torch.tensor([context[-1:] + proposals], device=self.model.device)  # (1, K + 1)
-        positions = torch.arange(row.length, row.length + ids.shape[1], device=ids.device)
-        slot = self.cache.rows(row.slot, row.slot + 1)
-        target_logits = self.model(ids, positions, cache=slot)[0]  # (K + 1, V)
+        checked, step = context[-1:] + proposals, self.fused
+        if step is not None and step.supports(self.cache) and len(checked) <= step.max_tokens:
+            # the target's fused C step over the K + 1 tokens at once
+            target_logits = step.many(checked, row.length, self.cache, row.slot)  # (K + 1, V)
+        else:
+            ids = torch.tensor([checked], device=self.model.device)  # (1, K + 1)
+            positions = torch.arange(row.length, row.length + ids.shape[1], device=ids.device)
+            slot = self.cache.rows(row.slot, row.slot + 1)
+            target_logits = self.model(ids, positions, cache=slot)[0]  # (K + 1, V)
         if params.is_greedy:
             emitted = verify_greedy(target_logits, proposals)
         else:

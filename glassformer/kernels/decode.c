@@ -6,6 +6,9 @@
  * threads split every matrix-vector product by output rows and the attention by heads, and
  * meet at a barrier between steps; the small steps (norms, RoPE, the cache write) run on one
  * thread. Nothing is allocated: the caller hands in scratch buffers and the KV cache.
+ * The same call also takes a short run of consecutive tokens (a speculative round's check):
+ * each weight row is then read once for all of them, and token r attends to positions
+ * 0..pos+r.
  *
  * Per layer, for the token x at position pos (the reference is glassformer/nn, step by step):
  *
@@ -63,8 +66,9 @@ typedef struct {
     const float *final_norm_weight, *final_norm_bias;
     Linear head;
     const Layer *layers;
-    /* scratch: x, h (C); qkv ((H + 2 Hkv) D); att (H D); scores (H, Tmax); ff (2 d_ff);
-     * x_sums (the widest input / 32: int4's group sums) */
+    /* scratch for up to max_tokens rows: x, h (rows, C); qkv (rows, (H + 2 Hkv) D); att (rows,
+     * H D); ff (rows, 2 d_ff); x_sums (rows, the widest input / 32: int4's group sums); and
+     * scores (H, Tmax) */
     float *x, *h, *qkv, *att, *scores, *ff, *x_sums;
     int64_t max_positions;
 } Model;
@@ -86,31 +90,50 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(bits >> 16);
 }
 
-/* y[o] (+)= W[o] . x + b[o] for this thread's share of the rows; accumulate adds into y (the
- * residual stream). An orphaned `omp for`: called inside the token's parallel region, it ends
- * with the barrier that makes y whole for every thread. */
-static void linear(const Linear *L, const float *x, float *y, int accumulate, float *x_sums) {
+/* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
+static inline __attribute__((always_inline)) float row_dot(const Linear *L, int64_t o,
+                                                           const float *x, const float *x_sums) {
     const int64_t n_groups = L->in / L->group;
+    const float *scale = L->scale ? L->scale + o * n_groups : 0;
+    float dot;
+    if (L->storage == Q4)
+        dot = dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
+                     L->mins + o * n_groups, x_sums, L->in);
+    else if (L->storage == F32)
+        dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
+    else if (L->storage == BF16)
+        dot = dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, L->group);
+    else
+        dot = dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, L->group);
+    return L->bias ? dot + L->bias[o] : dot;
+}
+
+/* y[r][o] (+)= W[o] . x[r] + b[o] for each of the `rows` inputs (x[r] at x + r * stride, y[r]
+ * at y + r * out) and this thread's share of the output rows o; accumulate adds into y (the
+ * residual stream). Each weight row is read from memory once for all inputs. An orphaned
+ * `omp for`: called inside the token's parallel region, it ends with the barrier that makes y
+ * whole for every thread. One input (a decode step) has its own loop: the loop over inputs
+ * around the dot product costs a single step ~4% (GPT-2 fp32). */
+static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
+                   int accumulate, float *x_sums) {
     if (L->storage == Q4) {
 #pragma omp single
-        group_sums(x, L->in, x_sums);
+        for (int64_t r = 0; r < rows; ++r)
+            group_sums(x + r * stride, L->in, x_sums + r * (L->in / 32));
+    }
+    if (rows == 1) {
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < L->out; ++o)
+            y[o] = accumulate ? y[o] + row_dot(L, o, x, x_sums) : row_dot(L, o, x, x_sums);
+        return;
     }
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < L->out; ++o) {
-        const float *scale = L->scale ? L->scale + o * n_groups : 0;
-        float dot;
-        if (L->storage == Q4)
-            dot = dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
-                         L->mins + o * n_groups, x_sums, L->in);
-        else if (L->storage == F32)
-            dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
-        else if (L->storage == BF16)
-            dot = dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, L->group);
-        else
-            dot = dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, L->group);
-        if (L->bias) dot += L->bias[o];
-        y[o] = accumulate ? y[o] + dot : dot;
-    }
+    for (int64_t o = 0; o < L->out; ++o)
+        for (int64_t r = 0; r < rows; ++r) {
+            const float dot = row_dot(L, o, x + r * stride, x_sums + r * (L->in / 32));
+            float *out = y + r * L->out + o;
+            *out = accumulate ? *out + dot : dot;
+        }
 }
 
 /* out = norm(x) * weight (+ bias): RMSNorm, or LayerNorm (centred, biased variance). */
@@ -159,20 +182,23 @@ static inline vec activate_lanes(vec v, int64_t kind) {
     return vec_div(v, vec_add(vec_set1(1.0f), vec_exp(vec_sub(vec_zero(), t))));
 }
 
-/* ff[i] = act(ff[i]) (times ff[F + i] when gated) for this thread's share of the F values,
- * LANES at a time where the activation has a SIMD form. */
-static void activate_all(float *ff, int64_t F, int64_t kind, int gated) {
+/* For each of `rows` rows of ff (2F values when gated: the gates, then the ups; else F):
+ * ff[i] = act(ff[i]) (times ff[F + i] when gated), this thread's share of the values, LANES at
+ * a time where the activation has a SIMD form. */
+static void activate_all(float *ff, int64_t F, int64_t kind, int gated, int64_t rows) {
     const int simd = kind == SILU || kind == GELU_TANH;
+    const int64_t blocks = (F + LANES - 1) / LANES, stride = gated ? 2 * F : F;
 #pragma omp for schedule(static)
-    for (int64_t block = 0; block < (F + LANES - 1) / LANES; ++block) {
-        const int64_t start = block * LANES, end = start + LANES < F ? start + LANES : F;
+    for (int64_t b = 0; b < rows * blocks; ++b) {
+        float *row = ff + (b / blocks) * stride;
+        const int64_t start = (b % blocks) * LANES, end = start + LANES < F ? start + LANES : F;
         if (simd && end - start == LANES) {
-            vec a = activate_lanes(vec_load(ff + start), kind);
-            vec_store(ff + start, gated ? vec_mul(a, vec_load(ff + F + start)) : a);
+            vec a = activate_lanes(vec_load(row + start), kind);
+            vec_store(row + start, gated ? vec_mul(a, vec_load(row + F + start)) : a);
             continue;
         }
         for (int64_t i = start; i < end; ++i)
-            ff[i] = gated ? activate(ff[i], kind) * ff[F + i] : activate(ff[i], kind);
+            row[i] = gated ? activate(row[i], kind) * row[F + i] : activate(row[i], kind);
     }
 }
 
@@ -218,12 +244,13 @@ static inline void add_value(float *out, float p, const void *cache, int64_t at,
     for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, bf16);
 }
 
-/* One query head over the keys 0..pos of its key/value head: softmax(q . K * scale) . V. */
-static void attend(const Model *m, const Layer *layer, int64_t head, int64_t pos) {
-    const int64_t D = m->head_dim, kv_head = head / (m->n_heads / m->n_kv_heads);
+/* One query head of token `row` over the keys 0..pos of its key/value head:
+ * softmax(q . K * scale) . V. */
+static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos) {
+    const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
     const int bf16 = (int)m->cache_bf16;
-    const float *q = m->qkv + head * D;
-    float *scores = m->scores + head * m->max_positions, *out = m->att + head * D;
+    const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
+    float *scores = m->scores + head * m->max_positions, *out = m->att + (row * H + head) * D;
     const int64_t base = kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     float best = -INFINITY;
     for (int64_t t = 0; t <= pos; ++t) {
@@ -250,38 +277,49 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t pos
 
 /* --- the step -------------------------------------------------------------------------------- */
 
-void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int n_threads) {
+/* The tokens tokens[0..n-1] at positions pos..pos+n-1 (the cache holds 0..pos-1): one decode
+ * step for n = 1, a short run of tokens (a speculative round's check) for more; writes their
+ * keys and values and the logits (n, V). Token r attends to the keys 0..pos+r. */
+void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos, float *logits,
+                   int n_threads) {
     const int64_t C = m->d_model, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t QKV = (H + 2 * Hkv) * D, F = m->d_ff;
     const int rms = (int)m->rms_norm;
     float *x = m->x, *h = m->h, *qkv = m->qkv, *ff = m->ff;
-    float cosines[D / 2 + 1], sines[D / 2 + 1]; /* this position's RoPE rotation, every head's */
-    for (int64_t i = 0; m->inv_freq && i < D / 2; ++i) {
-        const float angle = (float)pos * m->inv_freq[i];
-        cosines[i] = cosf(angle) * m->rope_factor;
-        sines[i] = sinf(angle) * m->rope_factor;
-    }
-    for (int64_t i = 0; i < C; ++i) {
-        float e = m->emb_storage == BF16 ? bf16_to_f32(((const uint16_t *)m->tok_emb)[token * C + i])
-                                         : ((const float *)m->tok_emb)[token * C + i];
-        x[i] = m->pos_emb ? e + m->pos_emb[pos * C + i] : e;
-    }
+    /* each position's RoPE rotation, every head's */
+    float cosines[n * (D / 2) + 1], sines[n * (D / 2) + 1];
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; m->inv_freq && i < D / 2; ++i) {
+            const float angle = (float)(pos + r) * m->inv_freq[i];
+            cosines[r * (D / 2) + i] = cosf(angle) * m->rope_factor;
+            sines[r * (D / 2) + i] = sinf(angle) * m->rope_factor;
+        }
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < C; ++i) {
+            const int64_t at = tokens[r] * C + i;
+            float e = m->emb_storage == BF16 ? bf16_to_f32(((const uint16_t *)m->tok_emb)[at])
+                                             : ((const float *)m->tok_emb)[at];
+            x[r * C + i] = m->pos_emb ? e + m->pos_emb[(pos + r) * C + i] : e;
+        }
 #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const Layer *layer = &m->layers[l];
 #pragma omp single
-        norm(x, h, C, layer->attn_norm_weight, layer->attn_norm_bias, rms, m->norm_eps);
-        linear(&layer->qkv, h, qkv, 0, m->x_sums);
+        for (int64_t r = 0; r < n; ++r)
+            norm(x + r * C, h + r * C, C, layer->attn_norm_weight, layer->attn_norm_bias, rms,
+                 m->norm_eps);
+        linear(&layer->qkv, h, C, n, qkv, 0, m->x_sums);
 #pragma omp single
-        {
-            float *k = qkv + H * D, *v = k + Hkv * D;
+        for (int64_t r = 0; r < n; ++r) {
+            float *row = qkv + r * QKV, *k = row + H * D, *v = k + Hkv * D;
             for (int64_t head = 0; head < H + Hkv; ++head) {
-                float *vec = qkv + head * D; /* the query heads, then the key heads */
+                float *vec = row + head * D; /* the query heads, then the key heads */
                 const float *gain = head < H ? layer->q_norm_weight : layer->k_norm_weight;
                 if (gain) norm(vec, vec, D, gain, 0, 1, m->norm_eps);
-                if (m->inv_freq) rope(vec, D, cosines, sines);
+                if (m->inv_freq) rope(vec, D, cosines + r * (D / 2), sines + r * (D / 2));
             }
             for (int64_t head = 0; head < Hkv; ++head) {
-                const int64_t at = head * m->cache_head_stride + pos * m->cache_pos_stride;
+                const int64_t at = head * m->cache_head_stride + (pos + r) * m->cache_pos_stride;
                 for (int64_t d = 0; d < D; ++d) {
                     cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_bf16);
                     cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_bf16);
@@ -289,15 +327,19 @@ void decode_token(const Model *m, int64_t token, int64_t pos, float *logits, int
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t head = 0; head < H; ++head) attend(m, layer, head, pos);
-        linear(&layer->out, m->att, x, 1, m->x_sums);
+        for (int64_t head = 0; head < H; ++head)
+            for (int64_t r = 0; r < n; ++r) attend(m, layer, head, r, pos + r);
+        linear(&layer->out, m->att, H * D, n, x, 1, m->x_sums);
 #pragma omp single
-        norm(x, h, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms, m->norm_eps);
-        linear(&layer->up, h, ff, 0, m->x_sums);
-        activate_all(ff, m->d_ff, m->activation, (int)m->gated);
-        linear(&layer->down, ff, x, 1, m->x_sums);
+        for (int64_t r = 0; r < n; ++r)
+            norm(x + r * C, h + r * C, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms,
+                 m->norm_eps);
+        linear(&layer->up, h, C, n, ff, 0, m->x_sums);
+        activate_all(ff, F, m->activation, (int)m->gated, n);
+        linear(&layer->down, ff, m->gated ? 2 * F : F, n, x, 1, m->x_sums);
     }
-    norm(x, h, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
+    for (int64_t r = 0; r < n; ++r)
+        norm(x + r * C, h + r * C, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
 #pragma omp parallel num_threads(n_threads)
-    linear(&m->head, h, logits, 0, m->x_sums);
+    linear(&m->head, h, C, n, logits, 0, m->x_sums);
 }
