@@ -71,7 +71,7 @@ def test_fused_steps_propose_and_check_the_rounds():
     real = fast.draft_step
 
     class Spy:
-        supports, max_tokens = real.supports, real.max_tokens
+        takes = real.takes
 
         def many(self, *args):
             calls.append(args[:2])

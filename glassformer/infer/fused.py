@@ -230,6 +230,10 @@ class FusedStep:
             and cache.k.stride(-1) == 1
         )
 
+    def takes(self, cache: Any, n_tokens: int) -> bool:
+        """Whether `many` can run n_tokens tokens on this cache (else: the torch modules)."""
+        return self.supports(cache) and 1 <= n_tokens <= self.max_tokens
+
     # --- the step -----------------------------------------------------------------------------
 
     def __call__(self, token: int, position: int, cache: KVCache, slot: int = 0) -> Tensor:

@@ -102,9 +102,8 @@ def propose(
     feed = context[cache.length :]  # at least the last token: the cache holds context[:-1]
     tokens: list[int] = []
     q_rows: list[Tensor] = []
-    fused = step is not None and step.supports(cache)
     for _ in range(n_proposals):
-        if fused and len(feed) <= step.max_tokens:
+        if step is not None and step.takes(cache, len(feed)):
             logits = step.many(feed, cache.length, cache)[-1:]  # (1, V)
         else:
             ids = torch.tensor([feed], device=draft.device)  # (1, T)
@@ -175,7 +174,7 @@ class SpeculativeDecoder(Engine):
         check_draft(target, draft)
         super().__init__(target, fast=fast)
         self.draft, self.k = draft.eval(), k
-        # The draft's proposals are single-token steps: the fused C step where it has one.
+        # The draft's proposals (and its catch-up after a round) through its fused C step.
         self.draft_step = FusedStep.for_model(self.draft) if fast else None
         self.draft_cache = None
         self._draft_row: Row | None = None  # whose context the draft cache holds
@@ -244,10 +243,10 @@ class SpeculativeDecoder(Engine):
         t_target = time.perf_counter()
         # The target's slot holds context[:-1]: the last token and the proposals go at the
         # next positions. Positions past the accepted tokens are simply written over later.
-        checked, step = context[-1:] + proposals, self.fused
-        if step is not None and step.supports(self.cache) and len(checked) <= step.max_tokens:
+        checked = context[-1:] + proposals
+        if self.fused is not None and self.fused.takes(self.cache, len(checked)):
             # the target's fused C step over the K + 1 tokens at once
-            target_logits = step.many(checked, row.length, self.cache, row.slot)  # (K + 1, V)
+            target_logits = self.fused.many(checked, row.length, self.cache, row.slot)
         else:
             ids = torch.tensor([checked], device=self.model.device)  # (1, K + 1)
             positions = torch.arange(row.length, row.length + ids.shape[1], device=ids.device)

@@ -89,19 +89,15 @@ def keep_file_blocks(model: torch.nn.Module, path: str | Path) -> torch.nn.Modul
     qkv_proj whose v is Q6_K included). quantize_int4 then quantizes what is still float (the
     lm_head, a matrix stored below 4 bits) and leaves these as they are. Returns the model."""
     from glassformer.interop.gguf import SUPPORTED_ARCHITECTURES, rules
-    from glassformer.nn.quant import Int4Linear, Int8Linear, frozen_copy
+    from glassformer.nn.quant import Int4Linear, Int8Linear, frozen_copy, int4_fits
 
     file = read_gguf(path)
     for rule in rules(model.cfg, permuted=SUPPORTED_ARCHITECTURES[file.architecture]):
         name, _, kind = rule.target.rpartition(".")
         module = model.get_submodule(name) if kind == "weight" else None
-        # The blocks' Linears that quantize_int4 makes int4 (routers and odd widths stay float)
-        if (
-            type(module) is not torch.nn.Linear
-            or not name.startswith("blocks.")
-            or name.endswith(".router")
-            or module.in_features % 32
-        ):
+        # The blocks' Linears that quantize_int4 packs (as replace_linears: routers stay float)
+        in_blocks = name.startswith("blocks.") and not name.endswith(".router")
+        if type(module) is not torch.nn.Linear or not in_blocks or not int4_fits(module):
             continue
         types = {file.tensors[s].tensor_type.name for s in rule.sources}
         with torch.no_grad():

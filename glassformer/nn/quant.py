@@ -241,6 +241,11 @@ class Int4Linear(nn.Module):
         )
 
 
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether quantize_int4 packs this Linear of a block: its width is whole groups of 32."""
+    return linear.in_features % kernels.Q4_GROUP == 0
+
+
 def quantize_int4(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear in a GPT's blocks by an Int4Linear, and the lm_head by an
     Int8Linear with groups of 32 (in place; returns the model, in eval mode).
@@ -251,8 +256,7 @@ def quantize_int4(model: nn.Module) -> nn.Module:
     routers stay float, and a layer whose width is not a multiple of 32 stays float too."""
 
     def int4(linear: nn.Linear) -> Int4Linear | None:
-        fits = linear.in_features % kernels.Q4_GROUP == 0
-        return Int4Linear.from_linear(linear) if fits else None
+        return Int4Linear.from_linear(linear) if int4_fits(linear) else None
 
     def head(linear: nn.Linear) -> Int8Linear:
         return Int8Linear.from_linear(linear, fitting_group_size(32, linear.in_features))
