@@ -19,6 +19,7 @@ from glassformer.cli.stats import format_reply_stats
 from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.engine import Engine, GenerationStats, Row
 from glassformer.infer.sampling import SamplingParams
+from glassformer.templates import ChatTemplateError
 from glassformer.tokenizers import PretrainedTokenizer
 
 # Tokens that end an assistant turn in common chat templates, besides the tokenizer's EOS.
@@ -149,7 +150,9 @@ _REASONS = {"eos": "end_of_turn", "stop": "end_of_turn"}  # the engine's words -
 
 def run_chat(session: ChatSession, read: Callable[[str], str] = input) -> None:
     """The read-reply loop: /reset clears the history, /exit or end of input quits, Ctrl-C
-    stops a reply (and at the prompt only says how to quit)."""
+    stops a reply (and at the prompt only says how to quit). A message the turn refuses is one
+    error line and the chat goes on; a chat template that fails (ChatTemplateError) ends it,
+    raised, since every later turn renders the same template."""
     print(
         "chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits, "
         "Ctrl-C stops a reply",
@@ -175,7 +178,9 @@ def run_chat(session: ChatSession, read: Callable[[str], str] = input) -> None:
             continue
         try:
             reply = session.send(text, write=_write)
-        except ValueError as err:
+        except ChatTemplateError:
+            raise  # the model file's template: every later turn renders it too, so chat ends
+        except ValueError as err:  # this message (too long, a control token): send another
             print(f"error: {err}", file=sys.stderr)
             continue
         except KeyboardInterrupt:  # while the prompt was being prepared

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glassformer import json_input
+
 FAMILIES = ("gpt", "bert", "seq2seq", "rnn")
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none", "relative")
 NORMS = ("layer", "rms")
@@ -286,7 +288,7 @@ class ModelConfig:
     def from_json(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json_input.loads(path.read_text())
         except FileNotFoundError:
             raise FileNotFoundError(f"no model config at {path}") from None
         except json.JSONDecodeError as err:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from glassformer import templates
+from glassformer import json_input, templates
 
 TOKENIZER_FILE = "tokenizer.json"
 ENDOFTEXT = "<|endoftext|>"
@@ -54,9 +54,16 @@ def _as_int_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _hf_encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+class TokenizerRegexError(ValueError):
+    """A tokenizer file's own regex fails on a text (the file is at fault, not the text)."""
+
+
+def _hf_encode(
+    hf: HFTokenizer, text: str, add_special_tokens: bool, source: Path | None = None
+) -> list[int]:
     """hf.encode(text).ids, with a one-line error for text that is not valid Unicode (a lone
-    surrogate, which is what undecodable bytes become in argv or with errors='surrogateescape')."""
+    surrogate, which is what undecodable bytes become in argv or with errors='surrogateescape'),
+    and for a regex in the file (source) that gives up on the text."""
     try:
         return hf.encode(text, add_special_tokens=add_special_tokens).ids
     except TypeError:
@@ -67,6 +74,22 @@ def _hf_encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int
             f"text has a lone surrogate {text[position]!r} at index {position}, which is "
             f"not encodable as UTF-8; fix the text's decoding (e.g. errors='replace')"
         ) from None
+    except BaseException as err:
+        if type(err).__name__ != "PanicException":
+            raise
+        raise _panic_error(err, source) from None
+
+
+def _panic_error(panic: BaseException, source: Path | None) -> TokenizerRegexError:
+    """The one line for a Rust panic inside encode, which pyo3 raises as a BaseException (not an
+    Exception). A pre-tokenizer like Split("(a+)+$") backtracks without end on "aaa...ab"; the
+    Oniguruma engine gives up at its retry limit and panics."""
+    detail = " ".join(str(panic).split())
+    where = str(source) if source is not None else "the tokenizer"
+    return TokenizerRegexError(
+        f"{where}: the tokenizer's pre-tokenizer or normalizer regex fails on this text "
+        f"({detail}): the tokenizer.json is broken or hostile; use another model file"
+    )
 
 
 def byte_level_chars() -> dict[int, str]:
@@ -138,7 +161,12 @@ class CharTokenizer:
     def bos_token_id(self) -> int | None:
         return None
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def pad_token_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # add_special_tokens: as the other tokenizers take it; a char vocabulary has none to add
         try:
             return [self._index[c] for c in text]
         except KeyError:
@@ -183,13 +211,16 @@ class BPETokenizer:
     among the special tokens (so a tokenizer trained with "</s>" stops generation there).
     """
 
-    def __init__(self, hf_tokenizer: HFTokenizer, eos_token: str | None = AUTO) -> None:
+    def __init__(
+        self, hf_tokenizer: HFTokenizer, eos_token: str | None = AUTO, source: Path | None = None
+    ) -> None:
         if not isinstance(hf_tokenizer, HFTokenizer):
             raise TypeError(
                 f"BPETokenizer wraps a tokenizers.Tokenizer, got {type(hf_tokenizer).__name__}; "
                 f"to read a tokenizer.json use BPETokenizer.from_file(path) or load_tokenizer(path)"
             )
         self.hf = hf_tokenizer
+        self.source = source  # the file it was read from, named in errors
         if eos_token == AUTO:
             eos_token = _find_eos(hf_tokenizer)
         self._eos_token_id = None if eos_token is None else hf_tokenizer.token_to_id(eos_token)
@@ -229,7 +260,7 @@ class BPETokenizer:
         hf = read_tokenizer_json(
             path, "re-save it with BPETokenizer.save or point at the right file"
         )
-        return cls(hf, eos_token=eos_token)
+        return cls(hf, eos_token=eos_token, source=path)
 
     @property
     def vocab_size(self) -> int:
@@ -243,6 +274,10 @@ class BPETokenizer:
     def bos_token_id(self) -> int | None:
         return None
 
+    @property
+    def pad_token_id(self) -> int | None:
+        return None
+
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
 
@@ -250,9 +285,9 @@ class BPETokenizer:
         _check_ids([int(token_id)], self.vocab_size)
         return self.hf.id_to_token(int(token_id))
 
-    def encode(self, text: str) -> list[int]:
-        # add_special_tokens=False: no post-processor tokens, so decode(encode(s)) == s.
-        return _hf_encode(self.hf, text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # add_special_tokens=False by default: no post-processor tokens, so decode(encode(s)) == s.
+        return _hf_encode(self.hf, text, add_special_tokens, self.source)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = _as_int_list(ids)
@@ -286,8 +321,10 @@ class PretrainedTokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         chat_template: str | None = None,
+        source: Path | None = None,
     ) -> None:
         self.hf = hf_tokenizer
+        self.source = source  # the tokenizer.json it was read from, named in errors
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.chat_template = chat_template
         self._plain_hf: HFTokenizer | None = None  # a copy that reads special tokens as text
@@ -334,6 +371,7 @@ class PretrainedTokenizer:
             eos_token=token("eos_token"),
             pad_token=token("pad_token"),
             chat_template=templates.read_chat_template(config.get("chat_template"), config_file),
+            source=file,
         )
 
     @property
@@ -364,11 +402,11 @@ class PretrainedTokenizer:
         if self.uncovered_bytes:
             self._check_covered(text)
         if parse_special:
-            return _hf_encode(self.hf, text, add_special_tokens)
+            return _hf_encode(self.hf, text, add_special_tokens, self.source)
         if self._plain_hf is None:
             self._plain_hf = HFTokenizer.from_str(self.hf.to_str())
             self._plain_hf.encode_special_tokens = True
-        return _hf_encode(self._plain_hf, text, add_special_tokens)
+        return _hf_encode(self._plain_hf, text, add_special_tokens, self.source)
 
     def _check_covered(self, text: str) -> None:
         data = text.encode("utf-8", errors="surrogatepass")
@@ -434,7 +472,7 @@ class PretrainedTokenizer:
 
 def _read_tokenizer_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json_input.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON ({err}): fix or delete the file") from None
     if not isinstance(config, dict):
@@ -465,7 +503,7 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
             f"no tokenizer at {file}: pass a directory holding {TOKENIZER_FILE} or the file itself"
         )
     try:
-        payload = json.loads(file.read_text(encoding="utf-8"))
+        payload = json_input.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(
             f"{file} is not valid JSON ({error}): the tokenizer file is corrupt; re-save it"
@@ -483,3 +521,65 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     if not isinstance(payload.get("chars"), list):
         raise ValueError(f"{file}: a char tokenizer needs a 'chars' list; re-save it")
     return CharTokenizer(payload["chars"])
+
+
+# --- how much text one token can cover ----------------------------------------------------------
+
+# Normalizers and pre-tokenizers that never drop a character: they keep, add, split or replace
+# one character by one or more (Replace only where its content is no shorter than its pattern).
+# With only these, and a BPE that gives every character a token (byte-level or byte fallback),
+# each character of a text lies inside the string of some token of its encoding.
+_KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase", "ByteLevel", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split",
+                           "UnicodeScripts"}  # fmt: skip
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, where that bounds every encoding:
+    a text of N characters then has at least N / longest_token_chars tokens, so a text too long
+    for a context is known before it is tokenized. None where a tokenizer may drop or merge text
+    without a token each (a whitespace pre-tokenizer, WordPiece's one [UNK] per unknown word, a
+    strip normalizer, special tokens that swallow the spaces beside them)."""
+    if isinstance(tokenizer, CharTokenizer):
+        return 1
+    hf = getattr(tokenizer, "hf", None)
+    if not isinstance(hf, HFTokenizer) or not _keeps_every_char(hf):
+        return None
+    return max(map(len, hf.get_vocab(with_added_tokens=True)), default=None)
+
+
+def _keeps_every_char(hf: HFTokenizer) -> bool:
+    model = hf.model
+    if type(model).__name__ != "BPE":
+        return False
+    pre = json.loads(hf.pre_tokenizer.__getstate__()) if hf.pre_tokenizer is not None else None
+    normalizer = json.loads(hf.normalizer.__getstate__()) if hf.normalizer is not None else None
+    pres = _parts(pre, "pretokenizers")
+    byte_level = any(p.get("type") == "ByteLevel" for p in pres)
+    every_char_known = model.byte_fallback or byte_level or (model.unk_token and not model.fuse_unk)
+    swallowing = any(t.lstrip or t.rstrip for t in hf.get_added_tokens_decoder().values())
+    return (
+        bool(every_char_known)
+        and not swallowing
+        and all(_keeps(p, _KEEPING_PRE_TOKENIZERS) for p in pres)
+        and all(_keeps(n, _KEEPING_NORMALIZERS) for n in _parts(normalizer, "normalizers"))
+    )
+
+
+def _parts(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """A normalizer or pre-tokenizer as the list of its steps (a Sequence's, or itself)."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        return [p for part in component.get(key, []) for p in _parts(part, key)]
+    return [component]
+
+
+def _keeps(step: dict[str, Any], keeping: set[str]) -> bool:
+    kind = step.get("type")
+    if kind not in keeping or str(step.get("behavior", "")).lower() == "removed":
+        return False
+    if kind == "Replace":  # a literal pattern by content at least as long; no regex
+        pattern = step.get("pattern", {}).get("String")
+        return isinstance(pattern, str) and len(step.get("content", "")) >= len(pattern)
+    return True

@@ -1,6 +1,9 @@
 """kill -9 in the middle of checkpointing, again and again (issue 12): after every kill `latest`
 names a complete checkpoint that loads and resumes, and the run resumed after all the kills
-ends bit-for-bit where an uninterrupted run ends.
+ends bit-for-bit where an uninterrupted run ends. The same for the folders `convert`, `merge` and
+`finetune` write (issue 30): the destination is always the complete old or the complete new
+folder and every source is untouched; and Ctrl-C or SIGTERM at random moments stops a run within
+seconds with its lock released.
 
 Each trial starts `python -m glassformer train --resume` on a tiny model that saves after every
 step, waits until a save has begun (a new `.tmp-step-*` directory appears) and sends SIGKILL at
@@ -15,6 +18,7 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +28,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from processes import default_sigint
+from trees import tree
 
 from glassformer.train.checkpoint import load, resolve_checkpoint
 from glassformer.train.guards import read_resume_state
@@ -43,6 +49,7 @@ def start_training(config: Path, *flags: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=default_sigint,
     )
 
 
@@ -138,4 +145,219 @@ def test_kill_9_while_saving_always_leaves_a_loadable_checkpoint_and_exact_resum
         f"\ndurability: {TRIALS}/{TRIALS} kill -9 trials left a loadable checkpoint"
         f" ({mid_write} while a save was being written, {TRIALS - mid_write} after it was renamed"
         f" into place); resume bit-exact ({time.monotonic() - started:.0f} s)"
+    )
+
+
+# --- issue 30: kill -9 while convert, merge and finetune write, again and again ------------------
+
+FOLDER_TRIALS = 20
+FOLDER_KILL_WITHIN_S = 0.1  # a tiny model's folder write, fsyncs included, takes 15-80 ms here
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "glassformer", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def hidden_beside(dest: Path, stage: str = "") -> set[str]:
+    """The hidden folders of a write to `dest` (files.write_folder): .DEST.gf-new-* while the new
+    folder is built, .DEST.gf-del-* while the old one is deleted after the swap."""
+    prefix = f".{dest.name}.gf-{stage}"
+    return {name for name in os.listdir(dest.parent) if name.startswith(prefix)}
+
+
+def kill_while_writing(proc: subprocess.Popen, dest: Path, stage: str, delay_s: float) -> bool:
+    """SIGKILL `proc` `delay_s` after a hidden folder of `stage` appears beside `dest` ("new":
+    the write began; "del": the swap is done and the old folder is being deleted); True if a
+    hidden folder was still there when the kill landed."""
+    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    while not hidden_beside(dest, stage):
+        if proc.poll() is not None:
+            return False  # it finished between two looks: a complete write
+        assert time.monotonic() < deadline, "no folder write began in time"
+        time.sleep(0.0002)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return bool(hidden_beside(dest))
+
+
+def trial_folder_writes(args: list[str], dest: Path, old: Path, sources: list[Path]) -> str:
+    """Kill `args` (which writes `dest`, holding a copy of `old`) FOLDER_TRIALS times while it
+    writes; after every kill `dest` is the complete old or the complete new folder and every
+    source is as it was. Returns a summary line."""
+    reference = dest.parent / f"{dest.name}-reference"
+    assert subprocess.run([sys.executable, "-m", "glassformer", *args[:-1], str(reference)],
+                          capture_output=True).returncode == 0  # fmt: skip
+    new = tree(reference)
+    old_tree = tree(old)
+    assert new != old_tree
+    before = {source: tree(source) for source in sources}
+    rng = random.Random(30)
+    outcomes = {"old": 0, "new": 0}
+    mid_write = 0
+    for trial in range(FOLDER_TRIALS):
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(old, dest)
+        proc = start_cli(*args, "--overwrite")
+        try:
+            # A third at once as the write begins, a third anywhere in the next 100 ms, a third
+            # just after the swap, while the old folder is deleted.
+            stage = "del" if trial % 3 == 2 else "new"
+            delay_s = rng.uniform(0.0, FOLDER_KILL_WITHIN_S) if trial % 3 == 1 else 0.0
+            mid_write += kill_while_writing(proc, dest, stage, delay_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            output = proc.communicate()[0]
+        now = tree(dest)
+        assert now in (old_tree, new), f"trial {trial}: a mixed folder\n{output}"
+        outcomes["old" if now == old_tree else "new"] += 1
+        assert {source: tree(source) for source in sources} == before, f"trial {trial}"
+    assert mid_write >= 1, "no kill landed while a folder was being written"
+    assert outcomes["old"] >= 1 and outcomes["new"] >= 1, outcomes
+    finish = subprocess.run(
+        [sys.executable, "-m", "glassformer", *args, "--overwrite"], capture_output=True, text=True
+    )
+    assert finish.returncode == 0, finish.stderr
+    assert tree(dest) == new and not hidden_beside(dest)  # leftovers of the kills are gone
+    return (
+        f"{FOLDER_TRIALS} kill -9 trials: {outcomes['old']} left the old folder,"
+        f" {outcomes['new']} the new one, none a mix ({mid_write} mid-write); sources unchanged"
+    )
+
+
+@pytest.fixture
+def folder_setting(tiny_models, tmp_path: Path):
+    """Two different complete models to write: `merged` (base_hf + the LoRA adapter) and the old
+    content of the destination (base converted)."""
+    from glassformer.cli import main
+
+    old = tmp_path / "old"
+    assert main(["convert", str(tiny_models.base), "--to", "hf", str(old)]) == 0
+    return tiny_models, old
+
+
+@pytest.mark.slow
+def test_kill_9_during_convert_leaves_the_old_or_the_new_folder(folder_setting, tmp_path):
+    tiny, old = folder_setting
+    dest = tmp_path / "dest"
+    args = ["convert", str(tiny.base / "step-000002"), "--to", "hf", str(dest)]
+    print("\nconvert:", trial_folder_writes(args, dest, old, [tiny.base]))
+
+
+@pytest.mark.slow
+def test_kill_9_during_merge_leaves_the_old_or_the_new_folder(folder_setting, tmp_path):
+    tiny, old = folder_setting
+    dest = tmp_path / "dest"
+    args = ["merge", "--model", str(tiny.base_hf), "--adapter", str(tiny.lora), "--out", str(dest)]
+    print("\nmerge:", trial_folder_writes(args, dest, old, [tiny.base_hf, tiny.lora]))
+
+
+FINETUNE_STEPS = 40
+
+
+@pytest.mark.slow
+def test_kill_9_during_finetune_saves_keeps_a_whole_checkpoint_and_adapter(
+    tiny_models, tmp_path: Path
+) -> None:
+    base = tiny_models.base_hf
+    base_before = tree(base)
+    flags = [*tiny_models.finetune, "--model", str(base), "--steps", str(FINETUNE_STEPS)]
+    flags += ["--checkpoint-interval", "1"]
+    run, straight = tmp_path / "killed", tmp_path / "straight"
+    reference = start_cli(*flags, "--out", str(straight))  # uninterrupted, on the other core
+    rng = random.Random(31)
+    seen: set[str] = set()  # the adapter weights of every step seen on disk
+    mid_write = 0
+    try:
+        for trial in range(FOLDER_TRIALS):
+            proc = start_cli(*flags, "--out", str(run), *(["--resume"] if trial else []))
+            try:
+                delay_s = 0.0 if trial % 2 == 0 else rng.uniform(0.0, KILL_WITHIN_S)
+                mid_write += kill_during_a_save(proc, run, delay_s)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                output = proc.communicate()[0]
+            step_dir = resolve_checkpoint(run)  # `latest` names a complete step
+            state, _ = read_resume_state(step_dir)
+            assert step_dir.name == f"step-{state['step']:06d}", output
+            for step in run.glob("step-*"):
+                seen.add(tree(step)["adapter_model.safetensors"])
+            published = tree(run)
+            # The folder peft reads holds a whole adapter of some saved step, never a mix.
+            assert published["adapter_model.safetensors"] in seen, f"trial {trial}\n{output}"
+            assert published["adapter_config.json"] == tree(step_dir)["adapter_config.json"]
+            assert tree(base) == base_before
+        assert mid_write >= 1, "no kill landed while a save was being written"
+        finish = start_cli(*flags, "--out", str(run), "--resume")
+        assert finish.wait(timeout=120) == 0, finish.communicate()[0]
+        assert reference.wait(timeout=120) == 0, reference.communicate()[0]
+    finally:
+        for proc in (reference,):
+            if proc.poll() is None:
+                proc.kill()
+    last, straight_last = tree(resolve_checkpoint(run)), tree(resolve_checkpoint(straight))
+    assert last["adapter_model.safetensors"] == straight_last["adapter_model.safetensors"]
+    assert tree(run)["adapter_model.safetensors"] == last["adapter_model.safetensors"]
+    hidden = [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != ".lock"]
+    assert not hidden, hidden  # what the kills left was cleaned up
+    print(
+        f"\nfinetune: {FOLDER_TRIALS} kill -9 trials ({mid_write} mid-save): every one left a"
+        " whole checkpoint and a whole adapter; resumed bit-exact; base unchanged"
+    )
+
+
+# --- issue 30: Ctrl-C and SIGTERM at random moments -----------------------------------------------
+
+SIGNAL_TRIALS = 16
+STOPPED_WITHIN_S = 10.0
+
+
+@pytest.mark.slow
+def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
+    tmp_path: Path, tiny_run_config
+) -> None:
+    config = tiny_run_config("run", max_steps=100_000, keep_checkpoints=2)
+    run = tmp_path / "run"
+    rng = random.Random(32)
+    stopped_in = []
+    for trial in range(SIGNAL_TRIALS):
+        signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
+        proc = start_training(config, *(["--resume"] if (run / "latest").exists() else []))
+        try:
+            if trial % 4 == 3:  # any moment of the process: imports, building, training
+                time.sleep(rng.uniform(0.0, 2.5))
+            else:  # once the trainer holds the run: building, evaluating, training, saving
+                deadline = time.monotonic() + TRIAL_TIMEOUT_S
+                while not (run / ".lock").exists() and proc.poll() is None:
+                    assert time.monotonic() < deadline, "the trainer never took its lock"
+                    time.sleep(0.001)
+                time.sleep(rng.uniform(0.0, 1.5))
+            sent = time.monotonic()
+            proc.send_signal(signum)
+            output = proc.communicate(timeout=STOPPED_WITHIN_S)[0]
+            stopped_in.append(time.monotonic() - sent)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        # Our handler: 128 + signum; a signal during Python's own start-up: killed by it.
+        assert proc.returncode in (128 + signum, -signum), (proc.returncode, output)
+        if proc.returncode == 128 + signum:
+            assert "Traceback" not in output, output
+        assert not (run / ".lock").exists(), f"trial {trial}: the lock was left\n{output}"
+        if (run / "latest").exists():
+            load(run)  # the newest checkpoint is whole
+    print(
+        f"\nsignals: {SIGNAL_TRIALS} SIGINT/SIGTERM trials stopped in at most"
+        f" {max(stopped_in):.2f} s (median {sorted(stopped_in)[len(stopped_in) // 2]:.2f} s);"
+        " lock released and the newest checkpoint whole every time"
     )

@@ -129,16 +129,17 @@ def test_hostile_template_is_one_bounded_error(name):
     assert sys.gettrace() is previous  # a debugger or coverage keeps its tracer
 
 
-def test_template_errors_are_one_line_in_chat(capsys, monkeypatch, smol):
+def test_template_errors_end_the_chat_as_one_line(smol):
+    # The error ends the chat (main prints it and exits 2: tests/test_hostile_inputs.py).
     looping = PretrainedTokenizer(smol.hf, chat_template=BOMBS["type error"])
     session = ChatSession(_Engine(), looping)
     lines = iter(["hello", "/exit"])
     from glassformer.chat import run_chat
 
-    run_chat(session, read=lambda _: next(lines))
-    err = capsys.readouterr().err
-    assert "error: the chat template failed: can only concatenate str" in err
-    assert "Traceback" not in err
+    with pytest.raises(templates.ChatTemplateError) as caught:
+        run_chat(session, read=lambda _: next(lines))
+    assert str(caught.value).startswith("the chat template failed: can only concatenate str")
+    assert "\n" not in str(caught.value)
 
 
 # --- text that is not Unicode, bytes a vocabulary lacks -------------------------------------
@@ -249,7 +250,7 @@ def test_convert_refuses_the_folders_a_checkpoint_lives_in(run_dir, capsys, src,
     base = run_dir.parent
     before = _files(run_dir)
     assert main(["convert", str(base / src), str(base / out), "--to", "hf"]) == 2
-    assert "where the source checkpoint lives" in capsys.readouterr().err
+    assert "which this command reads from" in capsys.readouterr().err
     assert _files(run_dir) == before
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-000001", "step-000002"]
     load(run_dir)

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import glassformer as gf
+from glassformer.files import FolderError
 from glassformer.interop.hf import load_hf_model
 from glassformer.interop.integrity import InteropError
 from glassformer.interop.peft import load_adapter, save_adapter
@@ -390,16 +391,16 @@ def test_merge_refuses_to_overwrite_a_model(tmp_path):
     apply_lora(model, "q,v", rank=2)
     save_adapter(model, tmp_path / "adapter")
     given = ["--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
-    with pytest.raises(InteropError, match="where the source checkpoint lives"):
+    with pytest.raises(FolderError, match="which this command reads from"):
         _run_merge(*given, "--out", str(tmp_path / "base"))
     hf_model.save_pretrained(tmp_path / "other")
-    with pytest.raises(InteropError, match=r"already holds a model.*--overwrite"):
+    with pytest.raises(FolderError, match=r"already holds a model.*--overwrite"):
         _run_merge(*given, "--out", str(tmp_path / "other"))
-    with pytest.raises(ValueError, match="is the adapter's folder"):
+    with pytest.raises(FolderError, match=r"adapter is .*adapter, which this command reads from"):
         _run_merge(*given, "--out", str(tmp_path / "adapter"), "--overwrite")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="holds files that are not a model"):
+    with pytest.raises(FolderError, match="holds files that are not a model"):
         _run_merge(*given, "--out", str(tmp_path / "notes"), "--overwrite")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
     _run_merge(*given, "--out", str(tmp_path / "other"), "--overwrite")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from processes import default_sigint
 
 from glassformer import ModelConfig
 from glassformer.cli import main
@@ -224,7 +225,9 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(
     assert json.loads((run / "run_config.json").read_text())["train"]["max_steps"] == 6
     # One that saves replaces the old run entirely.
     assert train(config, "--overwrite", **{"train.max_steps": 2}) == 0
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "run_config.json", "step-000002"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "glassformer.json", "latest", "run_config.json", "step-000002"
+    ]  # fmt: skip
     assert json.loads((run / "run_config.json").read_text())["train"]["max_steps"] == 2
 
 
@@ -259,7 +262,13 @@ def _start_training(config: Path, *flags: str) -> subprocess.Popen:
     command.append("--no-progress")
     for value in ("max_steps=100000", "eval_interval=100000", "checkpoint_interval=1"):
         command += ["--set", f"train.{value}"]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=default_sigint,
+    )
 
 
 def _wait_for_checkpoint(run: Path, proc: subprocess.Popen) -> None:
@@ -413,7 +422,9 @@ def test_a_failed_save_names_the_intact_checkpoint_and_leaves_no_partial_files(
     assert err.startswith("error: could not save step-000004") and "\n" not in err, err
     assert "File too large" in err and "the previous checkpoint step-000002 is intact" in err
     assert "no partial files" in err and "a checkpoint needs about" in err
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "run_config.json", "step-000002"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "glassformer.json", "latest", "run_config.json", "step-000002"
+    ]  # fmt: skip
     assert (run / "latest").read_text().strip() == "step-000002"
     assert weights_digest(step2) == digest
     model, tokenizer = load(run)
@@ -437,3 +448,37 @@ def test_nan_loss_stops_without_saving_over_the_last_good_checkpoint(config: Pat
     weights = safetensors.torch.load_file(str(last / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
     assert not (run / ".lock").exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the point
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run_at_the_next_step() -> None:
+    # Python prints "Exception ignored" for a KeyboardInterrupt raised inside a __del__ and runs
+    # on: the window that once kept a trainer alive 60 s after Ctrl-C.
+    from glassformer.train.signals import Stopped, StopRequests
+
+    class Finalizer:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the finalizer
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # `&` jobs ignore it
+    try:
+        with StopRequests() as stop:
+            Finalizer()  # collected at once: its Stopped is printed and ignored
+            with pytest.raises(Stopped) as stopped:
+                stop.check()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.signum == signal.SIGINT
+
+
+def test_a_stop_during_a_save_lets_the_save_finish_first() -> None:
+    from glassformer.train.signals import Stopped, StopRequests
+
+    finished = []
+    with StopRequests() as stop, pytest.raises(Stopped), stop.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        finished.append(True)  # the "save" was not cut short
+    assert finished == [True]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -72,9 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # Ctrl-C, or train/signals.Stopped (SIGINT, SIGTERM)
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except (ValueError, OSError) as err:  # ConfigError, CheckpointError, InteropError too
         if args.debug or os.environ.get("GLASSFORMER_DEBUG"):
             raise

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from glassformer import json_input
 from glassformer.cli.common import (
     add_command,
     add_threads_flag,
@@ -72,7 +73,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if config_file is None:
         raise ValueError(f"{args.model} has no run_config.json: evaluate reads a trained run")
     set_threads(args.threads)
-    run = RunConfig.from_dict(json.loads(config_file.read_text()))
+    try:
+        saved = json_input.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}): the run is damaged") from None
+    run = RunConfig.from_dict(saved)
     model, tokenizer = load(step_dir)
     task = make_task(run, tokenizer)
     if not hasattr(task, "evaluate"):

@@ -5,6 +5,7 @@ the chosen device."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,24 +59,54 @@ def _help_and_description(text: str) -> dict[str, str | None]:
 # --- argument types ---------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _whole_number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def seed(text: str) -> int:
     """A seed as torch takes it: a whole number in 0..2**64-1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _whole_number(text)
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"{value} must be in 0..2**64-1")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port to listen on, 1..65535. Port 0 (the system picks a free one) is refused too:
+    the address serve prints, and its clients, would not know which port it got."""
+    value = _whole_number(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give one in 1..65535, e.g. 8000")
+    return value
+
+
+MAX_THREADS = 1024  # more than any CPU has cores; 100,000 crashed torch (a segfault)
+
+
+def thread_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(
+            f"{value} threads is more than {MAX_THREADS}: give 1..{MAX_THREADS} (this machine "
+            f"has {os.cpu_count()} cores)"
+        )
     return value
 
 
@@ -83,7 +114,7 @@ def seed(text: str) -> int:
 
 
 def add_threads_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, help="torch threads (default: torch's choice)")
 
 
 def set_threads(threads: int | None) -> None:

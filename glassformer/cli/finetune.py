@@ -64,16 +64,19 @@ def cmd_finetune(args: argparse.Namespace) -> None:
     from glassformer.train.config import load_finetune_config
     from glassformer.train.distributed import quiet_unless_main
     from glassformer.train.finetune import FinetuneTrainer
+    from glassformer.train.signals import StopRequests
 
     quiet_unless_main()  # under torchrun (train.strategy=ddp): one log, from rank 0
     run = load_finetune_config(args.config, list(args.set or []), flag_values(args))
-    trainer = FinetuneTrainer(
-        run, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
-    )
-    try:
-        result = trainer.fit()
-    finally:
-        trainer.parallel.close()
+    with StopRequests():  # Ctrl-C / SIGTERM: stop, keeping the checkpoints and freeing the lock
+        trainer = FinetuneTrainer(
+            run, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
+        )
+        try:
+            result = trainer.fit()
+        finally:
+            trainer.close()
+            trainer.parallel.close()
     ft = run.finetune
     where = (
         f"adapter (peft format) in {result.out_dir}"

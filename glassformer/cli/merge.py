@@ -6,61 +6,31 @@ format (seed 002: fine-tuning only nudges what is there)."""
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from glassformer.cli.common import add_command
 
 
 def merge_to_checkpoint(model_name: str, adapter: str, out: str | Path, overwrite: bool = False):
-    """Write base + adapter, merged, to `out` (config.json, model.safetensors, the tokenizer),
-    all at once: the files are written to a hidden folder beside `out` and renamed into place.
-    Returns (out, merged module names)."""
-    from glassformer.files import fsync_dir, fsync_tree
-    from glassformer.interop.checkpoint import save_model_files
-    from glassformer.interop.convert import check_out_dir
+    """Write base + adapter, merged, to `out` (config.json, model.safetensors, the tokenizer)
+    through files.write_folder: built beside `out` and swapped in whole, never into the base, the
+    adapter or the run either lives in. Returns (out, merged module names)."""
+    from glassformer.files import check_destination, write_folder
+    from glassformer.interop.checkpoint import checkpoint_folders, save_model_files
     from glassformer.interop.peft import load_adapter
     from glassformer.interop.pretrained import from_pretrained, resolve
     from glassformer.nn.lora import merge_lora
 
-    out = Path(out)
-    check_out_dir(resolve(model_name), out, overwrite)
-    _check_replaceable(out, Path(adapter))
+    sources = [*checkpoint_folders(resolve(model_name)), *checkpoint_folders(adapter)]
+    check_destination(out, sources)  # before the (slow) load
     model, tokenizer = from_pretrained(model_name)
     load_adapter(model, adapter)
     merged = merge_lora(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700 folders; models are shared
+    details = {"written_by": "glassformer merge", "base": model_name, "adapter": str(adapter)}
+    with write_folder(out, "model", sources, overwrite, format="glassformer", **details) as tmp:
         save_model_files(tmp, model.eval(), model.cfg, tokenizer)
-        fsync_tree(tmp)
-        if out.exists():  # --overwrite: the old folder goes only once the new one is complete
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out, merged
-
-
-def _check_replaceable(out: Path, adapter: Path) -> None:
-    """--out may be new, empty, or (with --overwrite, which check_out_dir has required) a
-    folder that holds a model; never the adapter's folder nor a folder of other files, which
-    the rename into place would delete."""
-    from glassformer.interop.convert import MODEL_FILES
-
-    if adapter.exists() and out.exists() and out.resolve() == adapter.resolve():
-        raise ValueError(f"--out {out} is the adapter's folder: write the merged model elsewhere")
-    holds_model = any((out / name).exists() for name in MODEL_FILES)
-    if out.is_dir() and any(out.iterdir()) and not holds_model:
-        raise ValueError(
-            f"--out {out} holds files that are not a model: give a new or empty folder"
-        )
+    return Path(out), merged
 
 
 def cmd_merge(args: argparse.Namespace) -> None:

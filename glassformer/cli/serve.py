@@ -4,8 +4,15 @@ and litgpt's OpenAI servers use). The server itself lives in glassformer/server/
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import socket
 import sys
 
+import torch
+from torch import nn
+
+from glassformer.calc import format_bytes, kv_cache_bytes, rnn_state_bytes
 from glassformer.cli.common import (
     DecodeOptions,
     add_command,
@@ -13,9 +20,84 @@ from glassformer.cli.common import (
     add_thinking_flags,
     load_for_decode,
     load_with_tokenizer,
+    non_negative_int,
     positive_int,
+    tcp_port,
     thinking_options,
 )
+from glassformer.memory import available_memory_bytes
+
+_ADDRESS_HINT = "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse a --host/--port that uvicorn could not listen on, before the model loads, in one
+    line (not uvicorn's traceback for a host that is not UTF-8, nor its exit 3 for 999.1.1.1 or
+    a port in use). Every address the host resolves to is bound as asyncio's create_server binds
+    it (SO_REUSEADDR, IPv6 only on IPv6 sockets), then closed: a socket that never listened
+    leaves nothing behind, so uvicorn can bind the port right after."""
+    if not host:
+        raise ValueError(f"--host is empty: give an address to bind, {_ADDRESS_HINT}")
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) else "not a valid host name"
+        raise ValueError(
+            f"--host {host!r} is not an address this machine can bind ({reason}): give an IP "
+            f"address or host name, {_ADDRESS_HINT}"
+        ) from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(found):  # as asyncio, once each
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                raise ValueError(_bind_error(host, port, err)) from None
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _bind_error(host: str, port: int, err: OSError) -> str:
+    if err.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is in use (another server, or a serve still running): stop "
+            "it, or pick another --port"
+        )
+    if err.errno == errno.EACCES:
+        return f"port {port} needs privileges to bind: use a --port of 1024 or above, e.g. 8000"
+    if err.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"--host {host} is not an address of this machine: give one of its own, {_ADDRESS_HINT}"
+        )
+    return f"cannot bind {host}:{port} ({err.strerror}): check --host and --port"
+
+
+def check_cache_fits(model: nn.Module, max_rows: int, slot_len: int, max_batch: int) -> None:
+    """Refuse a --max-batch whose cache cannot fit, before the server allocates it at start:
+    the engine reserves max_rows slots (running and parked rows) of slot_len positions each."""
+    cfg = model.cfg
+    if cfg.family == "bert" or next(model.parameters()).device.type != "cpu":
+        return  # an encoder keeps no cache; a GPU's memory is not what /proc/meminfo counts
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if cfg.family == "rnn":
+        need = rnn_state_bytes(cfg, name) * max_rows
+    else:
+        need = kv_cache_bytes(cfg, slot_len, name, batch_size=max_rows)
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise ValueError(
+            f"--max-batch {max_batch} reserves a cache of {max_rows:,} rows x {slot_len:,} "
+            f"positions, {format_bytes(need)}, but {format_bytes(available)} of memory is "
+            "available: lower --max-batch (or --max-seq-len)"
+        )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -32,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or drop the flag to serve without one")
+    check_address(args.host, args.port)
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "serve needs one to encode text")
     thinking, _ = thinking_options(args, tokenizer, args.model)  # checks the flags
@@ -56,6 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         thinking_budget=thinking.get("thinking_budget"),
     )
     app = create_app(served, server_options)
+    engine = app.state.scheduler.engine
+    check_cache_fits(model, engine.max_rows, engine.slot_len, args.max_batch)
     print(
         f"serving {served.name} on http://{args.host}:{args.port} (OpenAI API at /v1, "
         f"the lab at /); Ctrl-C stops",
@@ -74,7 +159,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--embed-model", help="an encoder for /v1/embeddings, e.g. minilm (default: none)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default 8000)")
     p.add_argument(
         "--max-batch",
         type=positive_int,
@@ -98,7 +183,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefix-cache-mb",
-        type=int,
+        type=non_negative_int,
         default=256,
         help="KV-cache MiB that finished conversations may keep for their next turn (default "
         "256; 0 turns prefix reuse off)",

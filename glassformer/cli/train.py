@@ -17,6 +17,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     """
     from glassformer.train.config import load_run_config
     from glassformer.train.distributed import quiet_unless_main
+    from glassformer.train.signals import StopRequests
     from glassformer.train.trainer import train
 
     quiet_unless_main()
@@ -24,7 +25,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.device is not None:
         overrides.append(f"train.device={args.device}")  # after --set: the flag wins
     run = load_run_config(args.config, overrides)
-    result = train(run, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    with StopRequests():  # Ctrl-C / SIGTERM: stop, keeping the checkpoints and freeing the lock
+        result = train(
+            run, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite
+        )
     if result.val_loss is not None:
         print(
             f"done: {result.steps} steps | val loss {result.val_loss:.4f} nats/token vs "

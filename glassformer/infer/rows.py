@@ -19,6 +19,7 @@ from glassformer.detokenize import IncrementalDecoder
 from glassformer.infer.sampling import (
     SamplingParams,
     TokenLogprob,
+    check_finite_logits,
     make_generator,
     penalize_counts,
     penalize_repetition,
@@ -188,6 +189,7 @@ class Row:
     def sample(self, logits: Tensor) -> int:
         """Pick this row's next token from its logits (1, V); with params.logprobs set, also
         record its log-probability and the top candidates (row.logprobs)."""
+        check_finite_logits(logits, f"the model's logits at step {len(self.tokens) + 1}")
         params = self.params
         budget = params.thinking_budget
         if self.thinking and budget is not None and self.thought >= budget:

@@ -304,6 +304,20 @@ def filter_logits(
     return logits
 
 
+def check_finite_logits(logits: Tensor, where: str) -> None:
+    """Refuse to sample from logits with a NaN or infinite value: a model whose weights or
+    adapter are broken would otherwise pick garbage (argmax of NaN is token 0) and succeed.
+    One reduction over the row's V values, next to the forward pass that made them."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = logits.numel() - int(torch.isfinite(logits).sum())
+    raise ValueError(
+        f"{where} are NaN/inf ({bad:,} of {logits.numel():,} values): its weights or adapter "
+        "are broken (a diverged training run, a damaged file, an adapter whose update "
+        "overflows); load an earlier checkpoint, or the model without --adapter, to compare"
+    )
+
+
 def sampling_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
     """The float32 probabilities [B, V] that `sample` draws from; one-hot argmax when greedy."""
     logits = logits.float()

@@ -27,7 +27,12 @@ from torch import Tensor, nn
 from glassformer.infer.engine import Engine
 from glassformer.infer.fused import FusedStep
 from glassformer.infer.rows import GenerationStats, Row
-from glassformer.infer.sampling import SamplingParams, sample, sampling_distribution
+from glassformer.infer.sampling import (
+    SamplingParams,
+    check_finite_logits,
+    sample,
+    sampling_distribution,
+)
 
 
 @dataclass
@@ -108,6 +113,7 @@ def propose(
         else:
             ids = torch.tensor([feed], device=draft.device)  # (1, T)
             logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+        check_finite_logits(logits, f"the draft model's logits at position {cache.length}")
         if not params.is_greedy:
             q_rows.append(sampling_distribution(logits, params)[0])
         token = int(sample(logits, params, generator))
@@ -252,6 +258,7 @@ class SpeculativeDecoder(Engine):
             positions = torch.arange(row.length, row.length + ids.shape[1], device=ids.device)
             slot = self.cache.rows(row.slot, row.slot + 1)
             target_logits = self.model(ids, positions, cache=slot)[0]  # (K + 1, V)
+        check_finite_logits(target_logits, f"the model's logits at step {len(row.tokens) + 1}")
         if params.is_greedy:
             emitted = verify_greedy(target_logits, proposals)
         else:

@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from glassformer import json_input
 from glassformer.config import ConfigError, ModelConfig
 from glassformer.interop.integrity import (
     UNREADABLE_SAFETENSORS,
@@ -122,7 +123,7 @@ def _saved_aliases(path: Path) -> dict[str, str]:
     with safetensors.safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
     try:
-        return json.loads(metadata.get("glassformer.aliases", "{}"))
+        return json_input.loads(metadata.get("glassformer.aliases", "{}"))
     except json.JSONDecodeError:
         return {}  # only used to explain errors better; never worth failing over
 
@@ -279,13 +280,32 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def checkpoint_folders(path: str | Path) -> list[Path]:
+    """What a model at `path` is read from, for files.write_folder's source check: the path
+    itself and, for a glassformer checkpoint or LoRA run, the step folder it resolves to and the
+    run folder around that step (writing into a sibling step would replace a checkpoint)."""
+    path = Path(path)
+    folders = [path]
+    if not path.is_dir():
+        return folders  # a .gguf or safetensors file
+    try:
+        step = resolve_checkpoint(path)
+    except CheckpointError:
+        return folders  # a folder of other files (a peft adapter, a tokenizer)
+    folders.append(step)
+    run = step.parent
+    if (run / LATEST_FILE).is_file() or any(run.glob("step-*")):
+        folders.append(run)
+    return folders
+
+
 # --- reading ----------------------------------------------------------------------------------
 
 
 def read_checkpoint_json(path: Path) -> Any:
     """A JSON file of a step folder; missing or damaged is a CheckpointError."""
     try:
-        return json.loads(path.read_text())
+        return json_input.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: load another step or re-save it") from None
     except json.JSONDecodeError as err:

@@ -13,13 +13,13 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from glassformer.interop.checkpoint import LATEST_FILE, resolve_checkpoint
+from glassformer import json_input
+from glassformer.files import check_destination, write_folder
+from glassformer.interop.checkpoint import checkpoint_folders
 from glassformer.interop.hf import InteropError, default_model_type, save_hf_model
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.tokenizers import BPETokenizer, CharTokenizer, PretrainedTokenizer
 
-# Files whose presence means a folder already holds a model (Hugging Face or glassformer).
-MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", LATEST_FILE)
 # Files of a Hugging Face folder that describe tokenization and generation, copied verbatim.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -45,8 +45,8 @@ def _hf_model_type(path: Path) -> str | None:
     if not (path.is_dir() and config.is_file()):
         return None
     try:
-        return json.loads(config.read_text()).get("model_type")
-    except json.JSONDecodeError:
+        return json_input.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):  # not JSON, or JSON but not an object
         return None
 
 
@@ -83,7 +83,7 @@ def _save_tokenizer(tokenizer: Any, src: Path, out: Path, report: ConversionRepo
         return
     if isinstance(tokenizer, PretrainedTokenizer):
         tokenizer.save(out)
-        config = json.loads((out / "tokenizer_config.json").read_text())
+        config = json_input.loads((out / "tokenizer_config.json").read_text())
         _write_tokenizer_config(out, **config)
     elif isinstance(tokenizer, BPETokenizer):
         tokenizer.save(out)
@@ -106,54 +106,16 @@ def _save_tokenizer(tokenizer: Any, src: Path, out: Path, report: ConversionRepo
     report.files += ["tokenizer.json", "tokenizer_config.json"]
 
 
-def _source_folders(path: Path) -> list[Path]:
-    """The folders a source checkpoint lives in: the source folder itself and, for a glassformer
-    checkpoint, the step folder it resolves to and the run folder around that step."""
-    if not path.is_dir():
-        return []  # a .gguf file: the conversion writes no file of that name
-    folders = [path]
-    if _hf_model_type(path) is None:
-        step = resolve_checkpoint(path)
-        folders.append(step)
-        run = step.parent
-        if (run / LATEST_FILE).is_file() or any(run.glob("step-*")):
-            folders.append(run)
-    return [folder.resolve() for folder in folders]
-
-
-def check_out_dir(src: Path, out: Path, overwrite: bool = False) -> None:
-    """Refuse a destination that would lose something: any folder (or subfolder) the source
-    checkpoint lives in, and, without overwrite, a folder that already holds a model."""
-    if out.exists() and not out.is_dir():
-        raise InteropError(f"{out} is a file: give a folder to write the Hugging Face model into")
-    target = out.resolve()
-    for folder in _source_folders(src):
-        if target == folder or folder in target.parents:
-            where = "is" if target == folder else "is inside"
-            raise InteropError(
-                f"{out} {where} {folder}, where the source checkpoint lives: writing there would "
-                f"replace or shadow its files; write the conversion to a new folder outside it, "
-                f"e.g. {folder.parent / (folder.name + '-hf')}"
-            )
-    if out.is_dir() and not overwrite:
-        held = [name for name in MODEL_FILES if (out / name).exists()]
-        held += sorted(child.name for child in out.glob("step-*"))
-        if held:
-            raise InteropError(
-                f"{out} already holds a model ({', '.join(held)}): pass --overwrite to replace "
-                "it, or write to a new folder"
-            )
-
-
 def convert_to_hf(
     src: str | Path, out_dir: str | Path, model_type: str | None = None, overwrite: bool = False
 ) -> ConversionReport:
     """Write `src` as a Hugging Face folder. model_type: the architecture to write (default: the
-    source's own for a Hugging Face folder, else the closest one to its config). The folder
-    must not be one the source lives in; one that holds a model already needs overwrite."""
+    source's own for a Hugging Face folder, else the closest one to its config). The folder is
+    written whole through files.write_folder: never one the source lives in, and one that holds
+    a model already only with overwrite."""
     path = resolve(src)
     out = Path(out_dir)
-    check_out_dir(path, out, overwrite)
+    check_destination(out_dir, checkpoint_folders(path))  # before the (slow) load
     model, tokenizer = from_pretrained(path)
     notes = []
     if model_type is None:
@@ -168,8 +130,17 @@ def convert_to_hf(
                 "transformers' AutoTokenizer would force Qwen2's tokenizer onto this vocabulary "
                 "(pass --model-type qwen2 to write qwen2 anyway)"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    save_hf_model(model, out, model_type)
     report = ConversionReport(out, model_type, ["model.safetensors", "config.json"], notes)
-    _save_tokenizer(tokenizer, path, out, report)
+    folder = write_folder(
+        out_dir,
+        "model",
+        sources=checkpoint_folders(path),
+        overwrite=overwrite,
+        format="huggingface",
+        written_by="glassformer convert",
+        source=str(path),
+    )
+    with folder as tmp:
+        save_hf_model(model, tmp, model_type)
+        _save_tokenizer(tokenizer, path, tmp, report)
     return report

@@ -14,6 +14,7 @@ from typing import Any
 from safetensors import safe_open
 from torch import Tensor
 
+from glassformer import json_input
 from glassformer.interop.integrity import (
     UNREADABLE_SAFETENSORS,
     InteropError,
@@ -29,11 +30,13 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON file that must hold an object (config.json, the shard index)."""
     try:
-        data = json.loads(path.read_text())
+        data = json_input.loads(path.read_text())
     except FileNotFoundError:
         raise InteropError(f"{path} is missing: a Hugging Face model folder needs it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InteropError(f"{path} is not valid JSON: {err}") from None
+        raise InteropError(
+            f"{path} is not valid JSON ({err}): the file is damaged; save or download it again"
+        ) from None
     except OSError as err:  # a directory, unreadable
         raise InteropError(f"cannot read {path}: {err}") from None
     if not isinstance(data, dict):

@@ -20,7 +20,6 @@ alpha / r is unchanged).
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +29,18 @@ import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
-from glassformer.files import atomic_write_bytes, atomic_write_text
+from glassformer.files import write_folder
+from glassformer.interop.adapter_config import (
+    ADAPTER_CONFIG,
+    FLOAT32_MAX,
+    AdapterConfig,
+    read_adapter_config,
+)
 from glassformer.interop.hf import architecture_for, default_model_type
-from glassformer.interop.hf_files import PICKLE_SUFFIXES, read_json, read_shapes, read_tensors
-from glassformer.interop.integrity import InteropError
+from glassformer.interop.hf_files import PICKLE_SUFFIXES, read_shapes, read_tensors
+from glassformer.interop.integrity import InteropError, clip
 from glassformer.nn.lora import LoRASite, add_adapters, lora_modules, lora_sites
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel wraps the transformers model as base_model.model
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
@@ -152,10 +156,22 @@ def _target_modules(model: nn.Module, adapted: set[str]) -> list[str]:
     return sorted(adapted)
 
 
-def save_adapter(model: nn.Module, out_dir: str | Path, base_model: str = "") -> Path:
+def save_adapter(
+    model: nn.Module, out_dir: str | Path, base_model: str = "", overwrite: bool = False
+) -> Path:
     """Write the model's LoRA adapters as peft does (adapter_config.json and
-    adapter_model.safetensors, each written atomically) and return the folder. base_model is
-    recorded as base_model_name_or_path (peft reads it to find the base when none is given)."""
+    adapter_model.safetensors) into a new adapter folder, swapped in whole by
+    files.write_folder (overwrite: replace an adapter folder already there), and return it.
+    base_model is recorded as base_model_name_or_path (peft reads it to find the base)."""
+    sources = [base_model] if base_model and Path(base_model).exists() else []
+    with write_folder(out_dir, "adapter", sources, overwrite, written_by="glassformer") as tmp:
+        write_adapter_files(model, tmp, base_model)
+    return Path(out_dir)
+
+
+def write_adapter_files(model: nn.Module, folder: Path, base_model: str = "") -> None:
+    """adapter_config.json and adapter_model.safetensors, in peft's format, into `folder` (a
+    folder being built: a training step's, or save_adapter's). Nothing is fsynced here."""
     model_type, tensors, ranks = adapter_state(model)
     # r and lora_alpha: the glassformer adapters' own (apply_lora gives them one); a module that
     # combines several adapters (GPT-2's c_attn) gets its rank in rank_pattern / alpha_pattern.
@@ -186,68 +202,11 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model: str = "") ->
         "layers_pattern": None,
         "revision": None,
     }
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InteropError(f"{out} is a file: give a folder to write the adapter into")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
-    atomic_write_text(out / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    (folder / ADAPTER_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # --- reading ----------------------------------------------------------------------------------
-
-# adapter_config.json values that change what the adapter computes and that glassformer does not
-# implement: key -> the values that are fine.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "use_dora": (False, None),
-    "use_rslora": (False, None),
-    "lora_bias": (False, None),
-    "bias": ("none", None),
-    "modules_to_save": (None, []),
-    "target_parameters": (None, []),
-    "trainable_token_indices": (None, {}, []),
-    "layer_replication": (None, []),
-}
-
-
-def read_adapter_config(folder: Path) -> dict[str, Any]:
-    """adapter_config.json, checked: a LoRA of positive r and lora_alpha, with no option that
-    would make glassformer compute something other than peft."""
-    path = folder / ADAPTER_CONFIG
-    if not path.is_file():
-        raise InteropError(
-            f"{folder} has no {ADAPTER_CONFIG}: give a folder written by save_adapter, "
-            "glassformer finetune or peft's save_pretrained"
-        )
-    config = read_json(path)
-    if config.get("peft_type") != "LORA":
-        raise InteropError(
-            f"{path}: peft_type={config.get('peft_type')!r}; glassformer reads LoRA adapters "
-            "only (peft_type 'LORA')"
-        )
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise InteropError(f"{path}: {key}={value!r} must be a number > 0")
-    for key, fine in UNSUPPORTED.items():
-        if config.get(key) not in fine:
-            raise InteropError(
-                f"{path}: {key}={config.get(key)!r} is not supported by glassformer's LoRA "
-                f"(supported: {fine[0]!r}); merge it with peft instead (merge_and_unload)"
-            )
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(key) or {}, dict):
-            raise InteropError(f"{path}: {key}={config.get(key)!r} must be an object")
-    return config
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """peft's rank_pattern / alpha_pattern lookup: a key matches a module name ending in it."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
 
 
 def _adapter_tensors(folder: Path) -> dict[str, Tensor]:
@@ -308,6 +267,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     if not modules:
         raise InteropError(f"{folder / ADAPTER_WEIGHTS} holds no LoRA matrices")
     model_type, pieces = hf_pieces(model)
+    _check_fan_in_fan_out(config, model_type)
+    _check_layers(config, model.cfg.n_layers, model_type)
     by_hf = {p.hf_name: p for group in pieces.values() for p in group}
     in_features = {s.module: _in_features(model, s.module) for s in lora_sites(model)}
     sites_by_rows = {(s.module, s.start, s.size): s for s in lora_sites(model)}
@@ -323,11 +284,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
                 f"does not have (its modules end in {', '.join(known)}): the adapter was trained "
                 "on another architecture"
             )
+        if not config.targets(hf_name):
+            raise _untargeted(config, hf_name, folder / ADAPTER_WEIGHTS)
         piece = by_hf[hf_name]
-        rank = int(_pattern_value(config.get("rank_pattern") or {}, hf_name, config["r"]))
-        alpha = float(
-            _pattern_value(config.get("alpha_pattern") or {}, hf_name, config["lora_alpha"])
-        )
+        rank, alpha = config.rank_of(hf_name), config.alpha_of(hf_name)
         expected = {
             "lora_A": (rank, in_features[piece.module]),
             "lora_B": (piece.size, rank),
@@ -339,14 +299,93 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
                     f"but this model with r={rank} needs {expected[kind]}: the adapter belongs "
                     "to a model of another size (or its config's r does not match its tensors)"
                 )
+        _check_update(A, B, rank, alpha, f"{folder / ADAPTER_WEIGHTS}: {hf_name}")
         site = sites_by_rows[(piece.module, piece.start, piece.size)]
         sites.append(site)
         ranks[site.name], alphas[site.name] = rank, alpha
         weights[site.name] = (A, B)
-    dropout = config.get("lora_dropout") or 0.0
-    names = add_adapters(model, sites, ranks, alphas, float(dropout))
+    names = add_adapters(model, sites, ranks, alphas, config.dropout)
     _copy_weights(model, weights)
     return names
+
+
+# Which transformers layer class each model type's projections are: peft's fan_in_fan_out says
+# the weights are stored (in, out), as GPT-2's Conv1D stores them; nn.Linear stores (out, in).
+CONV1D_MODEL_TYPES = ("gpt2",)
+
+
+def _check_fan_in_fan_out(config: AdapterConfig, model_type: str) -> None:
+    conv1d = model_type in CONV1D_MODEL_TYPES
+    if config.fan_in_fan_out is None or config.fan_in_fan_out == conv1d:
+        return
+    layer = "GPT-2's Conv1D, which stores (in, out)" if conv1d else "nn.Linear, (out, in)"
+    raise InteropError(
+        f"{config.path}: fan_in_fan_out={config.fan_in_fan_out} does not describe this "
+        f"{model_type} model, whose projections are {layer}: set fan_in_fan_out to "
+        f"{str(conv1d).lower()} (lora_A and lora_B are stored the same either way; peft "
+        "itself resets the flag to match the layer)"
+    )
+
+
+def _check_layers(config: AdapterConfig, n_layers: int, model_type: str) -> None:
+    outside = [i for i in config.layers_to_transform or () if i >= n_layers]
+    if outside:
+        raise InteropError(
+            f"{config.path}: layers_to_transform={list(config.layers_to_transform)} names "
+            f"layer {outside[0]}, but this {model_type} model has {n_layers} layers (0.."
+            f"{n_layers - 1}): the adapter was trained on a deeper model; load it on that one"
+        )
+
+
+def _untargeted(config: AdapterConfig, hf_name: str, weights: Path) -> InteropError:
+    """A module with tensors in the file that the config does not adapt: peft would leave
+    those tensors out, so loading them would compute something else than peft."""
+    given = [
+        f"{key}={clip(list(value) if isinstance(value, tuple) else value)}"
+        for key, value in (
+            ("target_modules", config.target_modules),
+            ("exclude_modules", config.exclude_modules),
+            ("layers_to_transform", config.layers_to_transform),
+        )
+        if value
+    ]
+    return InteropError(
+        f"{weights} holds an adapter for {hf_name}, which {config.path.name}'s "
+        f"{', '.join(given)} does not adapt (peft would leave those tensors out): fix the "
+        "config to name that module, or use the config saved with these weights"
+    )
+
+
+def _check_update(A: Tensor, B: Tensor, rank: int, alpha: float, where: str) -> None:
+    """Refuse an adapter whose update (alpha / rank) B @ A does not fit in float32: merged or
+    not, the model would then compute inf and NaN (weights of 1e38 are finite, their product
+    is not)."""
+    scaling = alpha / rank
+    if scaling > FLOAT32_MAX:
+        raise InteropError(
+            f"{where}: lora_alpha / r = {alpha:.3g} / {rank} does not fit in float32: the "
+            "config's lora_alpha (or alpha_pattern) is broken; fix it (2 * r is usual)"
+        )
+    largest = _update_overflow(A, B, scaling)
+    if largest is not None:
+        raise InteropError(
+            f"{where}: the update (lora_alpha / r) * B @ A reaches {largest:.3g}, beyond "
+            f"float32's {FLOAT32_MAX:.3g}: the adapter's weights (or its lora_alpha={alpha:g}) "
+            "are broken, e.g. by a diverged training run; train or download it again"
+        )
+
+
+def _update_overflow(A: Tensor, B: Tensor, scaling: float) -> float | None:
+    """The largest |value| of scaling * B @ A if it is past float32's range, else None. A
+    bound that costs one pass over each matrix settles it for any sane adapter
+    (|sum_k B_ik A_kj| <= sum_k |B_ik| * max |A|); only past it is the product computed, in
+    float64, where a product of float32 values cannot overflow."""
+    A64, B64 = A.double(), B.double()  # (r, K), (O, r)
+    bound = scaling * float(B64.abs().sum(dim=1).max()) * float(A64.abs().max())
+    if bound <= FLOAT32_MAX:
+        return None
+    largest = scaling * float((B64 @ A64).abs().max())  # (O, K)
+    return largest if largest > FLOAT32_MAX else None
 
 
 def _in_features(model: nn.Module, module: str) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from glassformer import json_input
 from glassformer.interop.hf_files import PICKLE_SUFFIXES
 from glassformer.interop.integrity import InteropError
 
@@ -136,7 +137,7 @@ def _load_float(name_or_path: str | Path, dtype: torch.dtype):
     config = path / "config.json" if path.is_dir() else None
     if config is not None and config.is_file():
         try:
-            data = json.loads(config.read_text())
+            data = json_input.loads(config.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise InteropError(f"{config} is not valid JSON: {err}") from None
         if isinstance(data, dict) and "model_type" in data:

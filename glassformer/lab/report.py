@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from glassformer.files import atomic_write_text
 from glassformer.lab.base import VERDICTS, Check, claims, evidence_groups, verdict
 from glassformer.lab.runner import cell, describe_check
 
@@ -115,7 +116,7 @@ def write_report(out_dir: str | Path = "docs/lab", path: str | Path = "docs/clai
 
 def _write(path: Path, head: list[str], sections: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join([*head, "", *sections]).rstrip() + "\n")
+    atomic_write_text(path, "\n".join([*head, "", *sections]).rstrip() + "\n")
     return path
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from glassformer.files import atomic_write_text
 from glassformer.lab.base import Experiment, Result, RunContext, discover
 
 
@@ -70,7 +71,7 @@ def run_one(exp: Experiment, ctx: RunContext) -> dict:
     result = exp.run(ctx)
     rec = record(exp, ctx, result, time.perf_counter() - t0, started)
     path = ctx.out_dir / f"{exp.name}.json"
-    path.write_text(json.dumps(rec, ensure_ascii=False, indent=1, default=_jsonable) + "\n")
+    atomic_write_text(path, json.dumps(rec, ensure_ascii=False, indent=1, default=_jsonable) + "\n")
     return rec
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from glassformer import json_input
+
 # --- errors -------------------------------------------------------------------------------------
 
 
@@ -43,7 +45,7 @@ class APIError(Exception):
 def parse_json(raw: bytes) -> Any:
     """The request body as JSON, or a 400 that says where it is broken."""
     try:
-        return json.loads(raw)
+        return json_input.loads(raw)
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not UTF-8 text: send JSON") from None
     except json.JSONDecodeError as err:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.files import atomic_write_text, fsync_dir, fsync_tree
+from glassformer.files import KIND_FILE, atomic_write_text, fsync_dir, fsync_tree
 from glassformer.interop.checkpoint import (  # noqa: F401  (re-exported: the format's names)
     CONFIG_FILE,
     LATEST_FILE,
@@ -48,6 +48,7 @@ from glassformer.interop.checkpoint import (  # noqa: F401  (re-exported: the fo
 
 TRAIN_STATE_FILE = "train_state.json"
 TRAIN_TENSORS_FILE = "train_state.safetensors"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # peft's, config last
 RUN_CONFIG_FILE = "run_config.json"  # the trainer's whole TOML config, beside the step dirs
 LOCK_FILE = ".lock"  # held by the one trainer writing into a run directory
 
@@ -88,12 +89,36 @@ def _train_state_json(step: int, train_state: dict[str, Any] | None) -> str:
         ) from None
 
 
-def _remove_leftovers(out_dir: Path) -> None:
-    # .tmp-* and .old-* directories are what an interrupted save leaves behind; once a newer
-    # save has completed they hold nothing `latest` can reach.
+# The hidden files and folders an interrupted save leaves in a run folder: .tmp-step-* and
+# .old-step-* folders (commit_step_dir), .NAME.*.tmp files (files.atomic_write_bytes) and
+# .tmp-NAME-* files (the adapter copy of older versions).
+_RUN_FILES = (LATEST_FILE, RUN_CONFIG_FILE, KIND_FILE, *ADAPTER_FILES)
+
+
+def _leftover_file(name: str) -> bool:
+    return any(
+        (name.startswith(f".{known}.") and name.endswith(".tmp"))
+        or name.startswith(f".tmp-{known}-")
+        for known in _RUN_FILES
+    )
+
+
+def remove_leftovers(out_dir: Path) -> None:
+    """Delete what interrupted saves left in `out_dir`: a save's temporary folder holds nothing
+    `latest` can reach, and an old step moved aside is put back if its step is missing (a save
+    died between its two renames) or deleted if the step is there."""
     for child in out_dir.iterdir():
-        if child.is_dir() and child.name.startswith((".tmp-step-", ".old-step-")):
+        name = child.name
+        if child.is_dir() and name.startswith(".tmp-step-"):
             shutil.rmtree(child, ignore_errors=True)
+        elif child.is_dir() and name.startswith(".old-step-"):
+            step = out_dir / name.removeprefix(".old-").rsplit("-", 1)[0]
+            if step.exists():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                os.replace(child, step)
+        elif child.is_file() and _leftover_file(name):
+            child.unlink(missing_ok=True)
 
 
 def _prune(out_dir: Path, keep_last: int, just_written: Path) -> None:
@@ -190,7 +215,7 @@ def commit_step_dir(out_dir: str | Path, step: int, tmp: Path, keep_last: int | 
         raise
     if aside is not None:
         shutil.rmtree(aside)
-    _remove_leftovers(out_dir)
+    remove_leftovers(out_dir)
     if keep_last is not None:
         _prune(out_dir, keep_last, final)
     return final

@@ -106,6 +106,11 @@ class TrainConfig:
     # Under torchrun: "ddp", "fsdp", or "auto" (one process: single; more: ddp). See
     # train/distributed.py.
     strategy: str = "auto"
+    # Under torchrun: how long a rank waits for the others at any collective (gloo and nccl
+    # apply it to each all-reduce, barrier and gather) before it reports the silent rank and
+    # stops. 120 s outlasts the slowest thing one rank does while the others wait (rank 0
+    # writing a checkpoint); raise it for multi-GB checkpoints on slow storage.
+    rank_timeout_s: float = 120.0
     init_from: str | None = None  # start from these weights (a checkpoint), e.g. fine-tuning
 
     def __post_init__(self) -> None:
@@ -119,6 +124,11 @@ class TrainConfig:
         counts += ("checkpoint_interval", "keep_checkpoints", "threads")
         _at_least("train", self, counts, 1, _TRAIN_HINTS)
         _at_least("train", self, ("warmup_steps", "weight_decay", "min_lr", "grad_clip"), 0, {})
+        if not self.rank_timeout_s > 0:
+            raise ConfigError(
+                f"train.rank_timeout_s={self.rank_timeout_s!r} must be > 0: seconds a rank waits"
+                " for the others, e.g. 120"
+            )
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r} must be > 0, e.g. 1e-3")
         _in_unit_interval("train.beta1", self.beta1, high_open=True)
@@ -215,7 +225,7 @@ def parse_override(
         )
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         parsed = value.strip()  # a bare word such as rope or bf16
     return section, name.strip(), parsed
 
@@ -242,6 +252,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{path} nests arrays or tables too deeply to read: a run config is a few flat"
+            " tables ([model], [data], [train]); see configs/ for examples"
+        ) from None
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -16,7 +16,9 @@ makes N processes compute what one process computes:
   averaged gradient is the gradient of the global mean even when rows learn different numbers
   of tokens (chat fine-tuning), and the loss that is logged is the global one on every rank;
 - inner micro-steps of gradient accumulation skip the all-reduce;
-- the ranks check at start-up that they run the same config, instead of hanging later.
+- the ranks check at start-up that they run the same config, instead of hanging later;
+- a rank that stops answering (train.rank_timeout_s) or dies is one error line naming it
+  (RankFailure), not torch.distributed's traceback, and not a silent wait.
 
 Strategies ([train] strategy): "single" (one process), "ddp" (every rank holds the whole model
 and optimizer; gradients are all-reduced), "fsdp" (FSDP2: every block and the model are
@@ -30,9 +32,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from glassformer.config import ConfigError
-from glassformer.train.config import STRATEGIES
+from glassformer.train.config import STRATEGIES, TrainConfig
+from glassformer.train.run_dir import newest_checkpoint
 
 SHARDS_DIR = "shards"  # in a step folder of an FSDP run: one safetensors file per rank
 
@@ -114,25 +119,57 @@ class _LossForward(nn.Module):
         return self.model.loss(**batch)
 
 
+class RankFailure(ValueError):
+    """Another rank stopped answering within train.rank_timeout_s, or died, while this one
+    waited for it in a collective. A ValueError, so the CLI prints it as one line: the cause
+    is in another process, and this one's traceback only shows where it waited."""
+
+
+# What torch.distributed's errors (RuntimeError, DistBackendError, ...) say when a peer went
+# silent ("Timed out waiting 5000ms for recv operation", nccl's "Watchdog caught collective
+# operation timeout") or went away (gloo: "Connection reset by peer", "Connection closed by
+# peer"; a write to a dead socket: "Broken pipe").
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_LOST = re.compile(r"connection closed by peer|connection reset|broken pipe", re.IGNORECASE)
+
+
 class Parallel:
     """How training is spread over the ranks; with strategy "single", not at all (every method
-    is then the plain single-process step)."""
+    is then the plain single-process step). timeout_s: train.rank_timeout_s; out_dir: the
+    run's folder, whose newest checkpoint a RankFailure names."""
 
-    def __init__(self, strategy: str, ranks: Ranks, device: torch.device) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        ranks: Ranks,
+        device: torch.device,
+        timeout_s: float = TrainConfig.rank_timeout_s,
+        out_dir: str | Path | None = None,
+    ) -> None:
         self.strategy, self.ranks, self.device = strategy, ranks, device
+        self.timeout_s = timeout_s
+        self.out_dir = Path(out_dir) if out_dir is not None else None
         self.model: nn.Module | None = None
         self._ddp: nn.Module | None = None
 
     # --- start and stop ---
 
     @classmethod
-    def start(cls, strategy: str, device: torch.device) -> Parallel:
+    def start(
+        cls,
+        strategy: str,
+        device: torch.device,
+        timeout_s: float = TrainConfig.rank_timeout_s,
+        out_dir: str | Path | None = None,
+    ) -> Parallel:
         """Join torchrun's process group (nothing to join for one process). `device` is the
-        resolved train.device; on CUDA each rank takes GPU LOCAL_RANK."""
+        resolved train.device; on CUDA each rank takes GPU LOCAL_RANK. Every collective waits
+        at most timeout_s for the other ranks (gloo and nccl apply the group's timeout to each
+        one), then fails, and peer_failures() turns that into a RankFailure."""
         ranks = Ranks.from_env()
         strategy = resolve_strategy(strategy, ranks.world_size)
         if strategy == "single":
-            return cls(strategy, ranks, device)
+            return cls(strategy, ranks, device, timeout_s, out_dir)
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(
                 f"train.strategy={strategy!r} runs on CPUs (gloo) or CUDA GPUs (nccl), not on"
@@ -148,8 +185,14 @@ class Parallel:
             # the addresses the killed attempt published, and fail to connect.
             store, rank, world_size = next(dist.rendezvous("env://"))
             store = dist.PrefixStore(f"glassformer/restart-{restart_count()}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        return cls(strategy, ranks, device)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        return cls(strategy, ranks, device, timeout_s, out_dir)
 
     def check_batch_size(self, batch_size: int) -> None:
         """Each rank takes batch_size / world_size rows of every global batch."""
@@ -163,6 +206,61 @@ class Parallel:
     def close(self) -> None:
         if self.strategy != "single" and dist.is_initialized():
             dist.destroy_process_group()
+
+    @contextlib.contextmanager
+    def peer_failures(self) -> Iterator[None]:
+        """Around anything that waits for the other ranks. DDP's and FSDP's gradient
+        all-reduces run inside forward, backward() and the optimizer step, so the trainer wraps
+        its steps in this; Parallel's own collectives wrap themselves. A collective that timed
+        out, or whose peer closed the connection, becomes one RankFailure naming the rank and
+        the checkpoint to resume from; any other error passes through untouched."""
+        if self.strategy == "single":
+            yield
+            return
+        try:
+            yield
+        except RuntimeError as err:  # DistBackendError and DistError are RuntimeErrors
+            failure = self._rank_failure(str(err))
+            if failure is None:
+                raise
+            raise failure from err
+
+    def _rank_failure(self, message: str) -> RankFailure | None:
+        """The RankFailure that torch.distributed's error `message` means; None when it is
+        about something else."""
+        if _LOST.search(message):
+            return RankFailure(
+                f"lost the connection to {self._peer(message)} (it stopped or was killed):"
+                f" {_gist(message)}; {self._resume_hint()} (torchrun --max-restarts N restarts"
+                " the job and resumes by itself)"
+            )
+        if _TIMED_OUT.search(message):
+            return RankFailure(
+                f"{self._peer(message)} did not answer within {self.timeout_s:g} s"
+                " (train.rank_timeout_s): it hangs, was stopped, or its node is unreachable; "
+                f"{self._resume_hint()}, or raise train.rank_timeout_s if that rank is only slow"
+            )
+        return None
+
+    def _peer(self, message: str) -> str:
+        """The rank this one waited for: the other one of two, the one other rank the message
+        names (gloo's monitored_barrier does), else "another rank" (gloo's transport errors
+        name only an address)."""
+        world = self.ranks.world_size
+        if world == 2:
+            return str(Ranks(1 - self.ranks.rank, world))
+        named = {int(r) for r in re.findall(r"\brank (\d+)", message, re.IGNORECASE)}
+        named.discard(self.ranks.rank)
+        if len(named) == 1 and named < set(range(world)):
+            return str(Ranks(named.pop(), world))
+        return "another rank"
+
+    def _resume_hint(self) -> str:
+        newest = newest_checkpoint(self.out_dir) if self.out_dir is not None else None
+        rerun = "rerun the same torchrun command with --resume"
+        if newest is None:
+            return f"no checkpoint was saved yet: {rerun}, which starts over"
+        return f"the newest checkpoint {newest} is intact: {rerun}"
 
     @property
     def is_main(self) -> bool:
@@ -184,7 +282,8 @@ class Parallel:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self._ddp = DistributedDataParallel(_LossForward(model), device_ids=ids)
+            with self.peer_failures():  # DDP broadcasts rank 0's weights to the others
+                self._ddp = DistributedDataParallel(_LossForward(model), device_ids=ids)
         elif self.strategy == "fsdp":
             from torch.distributed.fsdp import (
                 MixedPrecisionPolicy,
@@ -256,7 +355,8 @@ class Parallel:
         if self.strategy == "single":
             return value.item()
         value = value.detach().to(self.device, torch.float64).reshape(1)
-        dist.all_reduce(value)
+        with self.peer_failures():
+            dist.all_reduce(value)
         return value.item() / self.ranks.world_size
 
     def any_rank(self, flag: bool) -> bool:
@@ -264,12 +364,14 @@ class Parallel:
         if self.strategy == "single":
             return flag
         value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        with self.peer_failures():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
     def barrier(self) -> None:
         if self.strategy != "single":
-            dist.barrier()
+            with self.peer_failures():
+                dist.barrier()
 
     def broadcast_text(self, text: str) -> str:
         """Rank 0's `text` on every rank."""
@@ -305,16 +407,25 @@ class Parallel:
         data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=self.device)
         size = torch.tensor([data.numel()], device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.ranks.world_size)]
-        dist.all_gather(sizes, size)
+        with self.peer_failures():
+            dist.all_gather(sizes, size)
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
         gathered = [torch.zeros_like(padded) for _ in sizes]
-        dist.all_gather(gathered, padded)
+        with self.peer_failures():
+            dist.all_gather(gathered, padded)
         return [
             bytes(g[: int(s.item())].tolist()).decode()
             for g, s in zip(gathered, sizes, strict=True)
         ]
+
+
+def _gist(message: str) -> str:
+    """The first sentence of a torch.distributed error, without gloo's source location: "Read
+    error [127.0.0.1]:56458: Connection reset by peer"."""
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", message.strip().splitlines()[0])
+    return first.split(". ")[0].rstrip(".")
 
 
 def learned_positions(batch: dict[str, Tensor]) -> int:

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from glassformer import json_input
 from glassformer.config import ConfigError
 from glassformer.data import IGNORE_INDEX, batch_indices, lm_targets, pack
 from glassformer.data.folio_chat import (  # noqa: F401  (re-exported: the task's names)
@@ -42,16 +40,22 @@ from glassformer.data.folio_chat import (  # noqa: F401  (re-exported: the task'
     folio_chat_records,
     write_folio_jsonl,
 )
-from glassformer.files import fsync_dir
-from glassformer.interop.checkpoint import CONFIG_FILE, MODEL_FILE, read_checkpoint_tensors
-from glassformer.interop.peft import save_adapter
-from glassformer.interop.pretrained import from_pretrained
+from glassformer.files import atomic_write_bytes, fsync_dir
+from glassformer.interop.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    checkpoint_folders,
+    read_checkpoint_tensors,
+)
+from glassformer.interop.integrity import clip
+from glassformer.interop.peft import write_adapter_files
+from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.nn.lora import apply_lora, trainable_fraction
+from glassformer.tokenizers import longest_token_chars
+from glassformer.train.checkpoint import ADAPTER_FILES
 from glassformer.train.config import FOLIO_DATA, FinetuneConfig, FinetuneRunConfig
 from glassformer.train.tasks import Task
 from glassformer.train.trainer import ResumePoint, Trainer, TrainResult, evaluate
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # peft's names
 
 
 class FinetuneDataError(ValueError):
@@ -107,25 +111,26 @@ def _bad_line(source: str, line: int, problem: str) -> FinetuneDataError:
 def check_record(record: Any, source: str, line: int) -> None:
     """Refuse a line that is not a chat or text example, naming the line and the fix."""
     if not isinstance(record, dict) or len({"messages", "text"} & set(record)) != 1:
-        shown = sorted(record) if isinstance(record, dict) else type(record).__name__
+        shown = clip(sorted(record)) if isinstance(record, dict) else type(record).__name__
         raise _bad_line(source, line, f"found {shown}, not exactly one of messages or text")
     if "text" in record:
         if not isinstance(record["text"], str) or not record["text"]:
-            raise _bad_line(source, line, f"text={record['text']!r} must be a non-empty string")
+            raise _bad_line(source, line, f"text={clip(record['text'])} must be a non-empty string")
         return
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
-        raise _bad_line(source, line, f"messages={messages!r} must be a non-empty list")
+        raise _bad_line(source, line, f"messages={clip(messages)} must be a non-empty list")
     for index, message in enumerate(messages):
         ok = isinstance(message, dict) and all(
             isinstance(message.get(key), str) for key in ("role", "content")
         )
         if not ok:
             raise _bad_line(
-                source, line, f"message {index} is {message!r}, not a role and a content string"
+                source, line, f"message {index} is {clip(message)}, not a role and a content string"
             )
     if not any(message["role"] == "assistant" for message in messages):
-        roles = ", ".join(message["role"] for message in messages)
+        roles = ", ".join(message["role"][:20] for message in messages[:8])
+        roles += ", ..." if len(messages) > 8 else ""
         raise FinetuneDataError(
             f"{source} line {line}: the conversation ({roles}) has no assistant turn, so there is"
             ' nothing to learn: add {"role": "assistant", "content": "..."} with the answer'
@@ -150,7 +155,7 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = json_input.loads(raw)  # nesting too deep or numbers too long: bad JSON too
         except json.JSONDecodeError as err:
             problem = f"not valid JSON ({err.msg} at column {err.colno})"
             raise _bad_line(str(path), number, problem) from None
@@ -169,8 +174,23 @@ def encode_records(
     """Tokenize checked records; an example longer than max_len tokens is an error that says
     what to do (the trainer never cuts an answer off silently)."""
     eos = tokenizer.eos_token_id
+    longest = longest_token_chars(tokenizer) if records else None
     examples = []
     for line, record in records:
+        # An example that cannot fit is refused before it is tokenized (50 MB of text takes a
+        # minute): no token stands for more than `longest` characters, and a chat template
+        # writes every message's content out.
+        texts = (
+            [m["content"] for m in record["messages"]] if "messages" in record else [record["text"]]
+        )
+        chars = sum(map(len, texts))
+        if longest is not None and chars > max_len * longest:
+            raise FinetuneDataError(
+                f"{source} line {line} holds {chars:,} characters, so at least "
+                f"{-(-chars // longest):,} tokens (no token of this tokenizer is longer than "
+                f"{longest} character{'s' * (longest > 1)}), more than finetune.max_seq_len="
+                f"{max_len}: split or shorten the example, or raise --max-seq-len"
+            )
         if "messages" in record:
             if not getattr(tokenizer, "chat_template", None):
                 raise FinetuneDataError(
@@ -182,8 +202,9 @@ def encode_records(
             except ValueError as err:
                 raise FinetuneDataError(f"{source} line {line}: {err}") from None
         else:
+            text = record["text"]
             # Plain text learns every token and, with an EOS id, where the text ends.
-            ids = tokenizer.encode(record["text"], add_special_tokens=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             ids += [eos] if eos is not None else []
             learn = [True] * len(ids)
         if len(ids) > max_len:
@@ -317,17 +338,19 @@ def load_examples(
 # --- the run --------------------------------------------------------------------------------------
 
 
-def _atomic_copy(source: Path, target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{target.name}-", dir=target.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def publish_adapter(step_dir: Path, out_dir: Path) -> None:
+    """Copy the step's adapter to the run folder, where peft looks for it. Each file is replaced
+    atomically; a config that changes (a run started over with another rank) is removed first,
+    so a reader never pairs the new weights with the old config: it finds the old adapter, no
+    adapter, or the new one."""
+    weights, config = ((step_dir / name).read_bytes() for name in ADAPTER_FILES)
+    published = out_dir / ADAPTER_FILES[1]
+    if published.is_file() and published.read_bytes() != config:
+        published.unlink()
+        fsync_dir(out_dir)
+    atomic_write_bytes(out_dir / ADAPTER_FILES[0], weights)
+    if not published.is_file():
+        atomic_write_bytes(published, config)
 
 
 DEFAULT_MAX_SEQ_LEN = 512
@@ -356,6 +379,17 @@ class FinetuneTrainer(Trainer):
     """The trainer, building its model from a pretrained one and, with LoRA, saving adapters."""
 
     run: FinetuneRunConfig
+    out_flag = "--out"
+
+    @property
+    def holds(self) -> str:
+        return "adapter" if self.run.finetune.method == "lora" else "model"
+
+    def _sources(self) -> list[Path]:
+        ft = self.run.finetune
+        sources = checkpoint_folders(resolve(ft.model))
+        data = [Path(name) for name in (ft.data, ft.val_data) if name and Path(name).exists()]
+        return [*sources, *data]
 
     def _check_before_start(self) -> None:
         # The model's size is known once it is loaded; loading checks the memory.
@@ -426,7 +460,7 @@ class FinetuneTrainer(Trainer):
         metadata = {"format": "pt", "glassformer.base_model": self.run.finetune.model}
         safetensors.torch.save_file(tensors, str(directory / MODEL_FILE), metadata=metadata)
         (directory / CONFIG_FILE).write_text(self.model_cfg.to_json() + "\n")
-        save_adapter(self.model, directory, base_model=self.run.finetune.model)
+        write_adapter_files(self.model, directory, base_model=self.run.finetune.model)
 
     def _load_weights(self, step_dir: Path) -> None:
         if self.run.finetune.method == "full":
@@ -449,10 +483,8 @@ class FinetuneTrainer(Trainer):
 
     def save(self) -> Path:
         step_dir = super().save()
-        if self.run.finetune.method == "lora":  # the newest adapter, where peft looks for it
-            for name in reversed(ADAPTER_FILES):  # the config last: it marks the copy as whole
-                _atomic_copy(step_dir / name, self.out_dir / name)
-            fsync_dir(self.out_dir)
+        if self.run.finetune.method == "lora" and self.parallel.is_main:
+            publish_adapter(step_dir, self.out_dir)  # the newest adapter, where peft looks
         return step_dir
 
     @property

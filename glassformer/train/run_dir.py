@@ -16,6 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from glassformer import json_input
+from glassformer.config import ConfigError
+from glassformer.files import check_destination, folder_kind
 from glassformer.interop.checkpoint import (
     LATEST_FILE,
     STEP_DIR_RE,
@@ -25,6 +28,7 @@ from glassformer.interop.checkpoint import (
     weights_to_save,
 )
 from glassformer.train.checkpoint import LOCK_FILE, RUN_CONFIG_FILE
+from glassformer.train.guards import make_out_dir
 
 _LOCK_WRITE_GRACE_S = 10.0  # a lock this young may be empty because its owner is writing it
 
@@ -42,6 +46,21 @@ def previous_run(out_dir: str | Path) -> list[str]:
         or child.name.startswith((".tmp-step-", ".old-step-"))
         or child.name in (LATEST_FILE, RUN_CONFIG_FILE)
     )
+
+
+def check_run_folder(out_dir: Path, sources: list[Path], flag: str) -> None:
+    """Refuse a run folder that is, holds or sits inside something the run reads (its base model,
+    init_from, corpus), that is `/`, home or the current folder (files.check_destination), or
+    that holds a model or an adapter rather than a run; then create it."""
+    check_destination(out_dir, sources, flag)
+    kind = folder_kind(out_dir)
+    if kind in ("model", "adapter"):
+        raise ConfigError(
+            f"{flag}={str(out_dir)!r} holds a {kind}, not a training run: a run's checkpoints"
+            f" would be mixed into it; pick a new folder for the run (load the {kind} with"
+            " --model, or name it as finetune.model / train.init_from)"
+        )
+    make_out_dir(out_dir)
 
 
 def remove_step_dirs(out_dir: str | Path, names: list[str], keep: str) -> None:
@@ -166,7 +185,7 @@ class RunLock:
 
 def _parse_lock(text: str) -> dict[str, Any] | None:
     try:
-        owner = json.loads(text)
+        owner = json_input.loads(text)
     except json.JSONDecodeError:
         return None
     ok = isinstance(owner, dict) and isinstance(owner.get("host"), str)

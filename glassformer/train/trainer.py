@@ -11,7 +11,6 @@ stops the run before the last good checkpoint is overwritten.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -22,11 +21,14 @@ from typing import Any
 import safetensors
 import torch
 
+from glassformer import json_input
 from glassformer.config import ConfigError
 from glassformer.devices import autocast, grad_scaler, half_dtype, resolve_device
-from glassformer.files import atomic_write_text
+from glassformer.files import atomic_write_text, write_kind
 from glassformer.interop.checkpoint import (
+    CONFIG_FILE,
     CheckpointError,
+    checkpoint_folders,
     list_checkpoints,
     load_model_weights,
     resolve_checkpoint,
@@ -41,6 +43,7 @@ from glassformer.train.checkpoint import (
     begin_step_dir,
     commit_step_dir,
     init_matching_weights,
+    remove_leftovers,
     save_checkpoint,
     step_dir_name,
     write_step_files,
@@ -60,19 +63,20 @@ from glassformer.train.guards import (
     ResumePoint,
     check_training_memory,
     config_changes,
-    make_out_dir,
     read_resume_state,
     step_number,
 )
 from glassformer.train.optim import learning_rate, make_optimizer
 from glassformer.train.run_dir import (
     RunLock,
+    check_run_folder,
     checkpoint_nbytes,
     newest_checkpoint,
     previous_run,
     remove_step_dirs,
     save_failed,
 )
+from glassformer.train.signals import StopRequests
 from glassformer.train.steps import evaluate, progress_bar, to_device
 from glassformer.train.tasks import make_task
 from glassformer.train.train_state import (
@@ -126,7 +130,12 @@ class Trainer:
         self.run = run
         self.cfg = run.train
         self.out_dir = Path(self.cfg.out_dir)
-        self.parallel = Parallel.start(self.cfg.strategy, resolve_device(self.cfg.device))
+        self.parallel = Parallel.start(
+            self.cfg.strategy,
+            resolve_device(self.cfg.device),
+            timeout_s=self.cfg.rank_timeout_s,
+            out_dir=self.out_dir,
+        )
         self.parallel.check_same_config(run_config_json(run))
         self.parallel.check_batch_size(self.cfg.batch_size)
         self.progress = progress and self.parallel.is_main
@@ -134,14 +143,25 @@ class Trainer:
             print(f"restart {restart_count()}: resuming from the newest checkpoint")
             resume, overwrite = True, False
         self._check_before_start()
-        make_out_dir(self.out_dir)
+        check_run_folder(self.out_dir, self._sources(), self.out_flag)
         self.lock = RunLock(self.out_dir, enabled=self.parallel.is_main)
         self.lock.acquire()
         try:
+            if self.parallel.is_main:  # what killed saves left: temporary files and folders
+                remove_leftovers(self.out_dir)
             self._prepare(resume, overwrite)
         except BaseException:
             self.lock.release()
             raise
+
+    out_flag = "train.out_dir"  # how the run folder is named to the user, in errors
+    holds = "model"  # what the run's step folders hold (glassformer.json of the run folder)
+
+    def _sources(self) -> list[Path]:
+        """What this run reads from, which its folder must not be, hold or sit inside."""
+        sources = checkpoint_folders(self.cfg.init_from) if self.cfg.init_from else []
+        corpus = Path(self.run.data.corpus)
+        return [*sources, corpus] if corpus.exists() else sources
 
     def _check_before_start(self) -> None:
         # Refuse a bad or impossible [model] before touching the disk or reading the corpus. A
@@ -212,6 +232,12 @@ class Trainer:
     def _resume_point(self) -> ResumePoint | None:
         """The newest checkpoint whose trainer state is intact; a damaged newest step falls
         back to the one before it, with a note naming it."""
+        if (self.out_dir / CONFIG_FILE).exists():
+            raise CheckpointError(
+                f"{self.out_dir} holds a model's config.json at its top, beside the run's steps,"
+                " so the model would be mistaken for a checkpoint: move config.json out of the"
+                " run folder, then resume"
+            )
         newest = newest_checkpoint(self.out_dir)
         if newest is None:
             print(f"no checkpoint in {self.out_dir} to resume from: starting fresh")
@@ -257,7 +283,7 @@ class Trainer:
 
     def _saved_run_config(self) -> dict[str, Any] | None:
         try:
-            saved = json.loads((self.out_dir / RUN_CONFIG_FILE).read_text())
+            saved = json_input.loads((self.out_dir / RUN_CONFIG_FILE).read_text())
         except (OSError, ValueError):
             return None  # nothing to compare against: the checkpoint alone decides
         return saved if isinstance(saved, dict) else None
@@ -296,7 +322,9 @@ class Trainer:
         save_model_files(directory, self.model, self.model_cfg, self.tokenizer)
 
     def _write_run_config(self) -> None:
+        """run_config.json and glassformer.json (the folder is a run) beside the step folders."""
         atomic_write_text(self.out_dir / RUN_CONFIG_FILE, run_config_json(self.run) + "\n")
+        write_kind(self.out_dir, "run", holds=self.holds)
 
     def save(self) -> Path:
         """Write step-NNNNNN and point `latest` at it. Every rank calls it: with FSDP each
@@ -436,13 +464,14 @@ class Trainer:
 
     def fit(self, max_steps: int | None = None) -> TrainResult:
         """Train until max_steps (default: the config's), checkpointing along the way."""
-        with self.lock:  # taken again if an earlier fit() released it; released on any exit
+        # The lock is taken again if an earlier fit() released it, and released on any exit; a
+        # rank that dies or hangs in a step is one RankFailure line, not a traceback.
+        with self.lock, self.parallel.peer_failures():
             return self._fit(max_steps)
 
     def _fit(self, max_steps: int | None) -> TrainResult:
         cfg = self.cfg
         stop = min(max_steps or cfg.max_steps, cfg.max_steps)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         if not self.old_run:  # with --overwrite it is written beside the first new checkpoint
             self._write_run_config()
         n_params = parameter_count(self.model)  # an int8 base's weights too
@@ -453,13 +482,16 @@ class Trainer:
             f" {self.tokenizer.vocab_size} | task {self.task.name}: {self.task.n_train} training"
             " examples"
         )
+        if self.step >= stop:
+            print(f"nothing to train: the run is already at step {self.step} of {stop}")
         bar = progress_bar(self.step, stop, enabled=self.progress)
         self.model.train()
         val_loss = None
         t_start = time.perf_counter()
         tokens_per_s = 0.0
-        with contextlib.closing(bar):
+        with contextlib.closing(bar), StopRequests() as stop_requests:
             while self.step < stop:
+                stop_requests.check()  # a Ctrl-C whose KeyboardInterrupt was swallowed
                 loss = self.train_step()  # .item() inside waits for the device's work
                 elapsed = time.perf_counter() - t_start
                 tokens_per_s = self.tokens_seen / elapsed
@@ -476,7 +508,10 @@ class Trainer:
                         f"{tokens_per_s:,.0f} tok/s"
                     )
                 if self.step % cfg.checkpoint_interval == 0 or last:
-                    self.save()
+                    with stop_requests.deferred():  # a Ctrl-C lets the checkpoint finish
+                        self.save()
+        if val_loss is None:  # a finished run resumed: report where it stands
+            val_loss = evaluate(self.model, self.task, cfg.batch_size, cfg.eval_batches, self.half)
         return TrainResult(
             out_dir=self.out_dir,
             steps=self.step,
@@ -496,4 +531,5 @@ def train(
     try:
         return trainer.fit()
     finally:
+        trainer.close()
         trainer.parallel.close()
