@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from glassformer.cli.stats import format_reply_stats
-from glassformer.detokenize import IncrementalDecoder
+from glassformer.detokenize import IncrementalDecoder, StopStrings
 from glassformer.infer.engine import Engine, GenerationStats, Row
 from glassformer.infer.sampling import SamplingParams
 from glassformer.templates import ChatTemplateError
@@ -127,20 +127,21 @@ class ChatSession:
         row = self.engine.add(prompt, params, keep_cache=True, continues=self._row)
         self._row = row
         tokens = self.engine.follow(row)
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder, stop_strings = IncrementalDecoder(self.tokenizer), StopStrings(params.stop)
         token_ids: list[int] = []
         try:
             for token_id in tokens:
                 if token_id in self.stop_ids:
                     break
                 token_ids.append(token_id)
-                write(decoder.push(token_id))
-            write(decoder.flush())
+                write(stop_strings.push(decoder.push(token_id)))
+            write(stop_strings.push(decoder.flush()) + stop_strings.flush())
             stop_reason = _REASONS.get(row.stop_reason, row.stop_reason)
         except KeyboardInterrupt:
             tokens.close()  # the row stops; its slot keeps the reply so far for the next turn
             stop_reason = "interrupted"
-        reply = self.tokenizer.decode(token_ids)
+        cut = StopStrings(params.stop)  # the reply as written: it ends where a stop string begins
+        reply = cut.push(self.tokenizer.decode(token_ids)) + cut.flush()
         self.messages.append({"role": "assistant", "content": reply})
         return Reply(reply, token_ids, row.stats, stop_reason, prompt)
 

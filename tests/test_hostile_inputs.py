@@ -69,6 +69,9 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *parts: str) -> s
         (["--port", "0"], "argument --port: 0 is not a port"),
         (["--prefix-cache-mb", "-1"], "argument --prefix-cache-mb: -1 must be >= 0"),
         (["--max-batch", "0"], "argument --max-batch: 0 must be >= 1"),
+        (["--request-timeout", "-1"], "argument --request-timeout: -1 must be a finite number"),
+        (["--request-timeout", "nan"], "argument --request-timeout: nan must be a finite number"),
+        (["--request-timeout", "10m"], "argument --request-timeout: '10m' is not a number of"),
         (["--threads", "100000"], "argument --threads: 100000 threads is more than 1024"),
     ],
 )

@@ -8,6 +8,7 @@ text that decodes back to itself, tokens inside the vocabulary). Any other excep
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import typing
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.detokenize import StopStrings
 from glassformer.infer.engine import Engine
 from glassformer.memory import estimated_buffer_numbers, estimated_parameters
 from glassformer.models import build_model
@@ -185,6 +187,57 @@ def test_smollm2_round_trips_what_its_bytes_cover_and_reports_the_rest(
         return
     ids = smol.encode(text, add_special_tokens=False, parse_special=False)
     assert smol.decode(ids) == text
+
+
+# --- stop strings while streaming -----------------------------------------------------------
+
+# A small alphabet, so that stop strings and their prefixes occur in the text often.
+STOP_TEXT = st.text(alphabet="ab, 7", max_size=30)
+
+
+@st.composite
+def chunked_texts(draw) -> list[str]:
+    """A text split into random chunks (some empty), as a detokenizer's pieces arrive."""
+    text = draw(STOP_TEXT)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def could_begin_a_stop(tail: str, stops: list[str]) -> bool:
+    return any(stop.startswith(tail) and stop != tail for stop in stops)
+
+
+@examples(1000)
+@given(chunked_texts(), st.lists(st.text(alphabet="ab, 7", min_size=1, max_size=4), max_size=4))
+def test_streamed_text_with_stop_strings_is_the_text_cut_at_the_first_stop(chunks, stops):
+    """Closed form: generation ends after the first chunk (token) whose text so far contains a
+    stop string; the reply is that text cut where its first stop string begins. Every prefix
+    shown while streaming is a prefix of it (nothing shown is taken back or reaches into the
+    stop), and what is held back is exactly the longest tail that could still begin a stop."""
+    expected, starts = "".join(chunks), []
+    for k in range(len(chunks) + 1):
+        text = "".join(chunks[:k])
+        starts = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        if starts:
+            expected = text[: min(starts)]
+            break
+    stop_strings, shown, seen = StopStrings(stops), "", ""
+    for chunk in chunks:
+        shown += stop_strings.push(chunk)
+        seen += chunk
+        assert expected.startswith(shown)
+        if stop_strings.stopped:
+            assert shown == expected
+            continue
+        assert shown + stop_strings.held == seen
+        longest = max(
+            (n for n in range(1, len(seen) + 1) if could_begin_a_stop(seen[-n:], stops)), default=0
+        )
+        assert len(stop_strings.held) == longest
+    shown += stop_strings.flush()
+    assert shown == expected
+    assert stop_strings.stopped == bool(starts)
 
 
 # --- sampling arguments --------------------------------------------------------------------

@@ -191,6 +191,44 @@ def test_streaming_chat_sends_the_same_text_then_usage_and_done(server):
     assert raw.text.rstrip().endswith("data: [DONE]")
 
 
+def streamed_text(chunks, chat: bool) -> str:
+    if chat:
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+
+def stops_ending_mid_stream(text: str) -> list[str]:
+    """Stop strings that begin in the middle of `text`: one character, and spans that cross
+    the pieces it streamed in, so that a stream must hold back their first characters."""
+    middle = len(text) // 2
+    return [text[middle], text[middle : middle + 3], text[middle - 2 : middle + 4]]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streaming_with_stop_strings_sends_exactly_the_unstreamed_text(server, chat):
+    """A stream holds back text that could still begin a stop string, so its deltas add up to
+    the unstreamed reply: the text cut where the stop string begins (OpenAI's convention)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Count on: 1, 2, 3, 4,"}]
+
+    def reply(stream: bool, **fields) -> str:
+        common = {"model": "tinychat", "temperature": 0, "max_tokens": 16, "stream": stream}
+        if chat:
+            answer = c.chat.completions.create(messages=messages, **common, **fields)
+            return streamed_text(answer, True) if stream else answer.choices[0].message.content
+        answer = c.completions.create(prompt="1, 2, 3, 4,", **common, **fields)
+        return streamed_text(answer, False) if stream else answer.choices[0].text
+
+    text = reply(False)
+    assert len(text) >= 8, text
+    for stop in stops_ending_mid_stream(text):
+        whole = reply(False, stop=[stop])
+        assert whole == text[: text.index(stop)], stop
+        assert reply(True, stop=[stop]) == whole, stop
+    several = stops_ending_mid_stream(text)[1:]
+    assert reply(True, stop=several) == reply(False, stop=several)
+
+
 def test_completion_logprobs_are_the_models_log_softmax(server, reference):
     model, tokenizer, _ = reference
     prompt = tokenizer.encode("The cat sat on the")
@@ -337,6 +375,27 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert generated >= 1
 
 
+def test_a_request_past_request_timeout_gets_a_504_error_streamed_or_not(model_dir):
+    """--request-timeout 0.001 expires every request before its first turn (the engine waits
+    10 ms for company when idle): a 504 with code request_timeout, in a stream an error event
+    (the openai client raises it), and no row left running."""
+    process, url = start_server(["--model", str(model_dir), "--request-timeout", "0.001"])
+    try:
+        api = client(url, max_retries=0)  # the client retries a 504 by default
+        body = {"model": "tinychat", "prompt": "Go on and on", "max_tokens": 50}
+        with pytest.raises(openai.APIStatusError) as caught:
+            api.completions.create(**body)
+        assert caught.value.status_code == 504 and caught.value.code == "request_timeout"
+        assert "--request-timeout" in caught.value.message
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in api.completions.create(**body, stream=True):
+                pass
+        assert streamed.value.code == "request_timeout"
+        assert httpx.get(f"{url}/health").json()["running_rows"] == 0
+    finally:
+        stop_server(process)
+
+
 # --- a second server: --api-key, a queue of one, and embeddings -------------------------------
 
 
@@ -401,3 +460,19 @@ def test_embeddings_are_the_vectors_of_glassformer_embed(guarded):
         c.embeddings.create(model="minilm", input="x", dimensions=8)
     with pytest.raises(openai.NotFoundError):
         c.embeddings.create(model="tinychat", input="x")
+
+
+def test_deeply_nested_json_is_a_400_and_the_connection_stays_usable(server) -> None:
+    # Once a RecursionError: a 500, and the next request on the same keep-alive connection got
+    # ECONNRESET (issue 31, defect 6).
+    deep = '{"model": "m", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with httpx.Client(base_url=server, timeout=30) as http:  # one connection, kept alive
+        reply = http.post(
+            "/v1/completions", content=deep, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 400, reply.text
+        assert "nested" in reply.json()["error"]["message"]
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        again = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] is not None

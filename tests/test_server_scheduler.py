@@ -5,6 +5,7 @@ recompute of the penalties."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -12,7 +13,15 @@ import torch
 import glassformer as gf
 from glassformer.infer.sampling import NO_EOS, SamplingParams, penalize_counts, token_logprobs
 from glassformer.server.metrics import Metrics
-from glassformer.server.scheduler import Failed, Finished, QueueFull, Request, Scheduler, Tokens
+from glassformer.server.scheduler import (
+    Failed,
+    Finished,
+    QueueFull,
+    Request,
+    Scheduler,
+    Stopped,
+    Tokens,
+)
 
 
 def tiny_model() -> torch.nn.Module:
@@ -28,9 +37,11 @@ def tiny_model() -> torch.nn.Module:
     return model.eval()
 
 
-def make_scheduler(model, max_batch=4, max_queue=16, cache_bytes=1 << 30) -> Scheduler:
+def make_scheduler(
+    model, max_batch=4, max_queue=16, cache_bytes=1 << 30, request_timeout_s=None
+) -> Scheduler:
     engine = gf.Engine(model, max_rows=2 * max_batch)
-    return Scheduler(engine, max_batch, max_queue, cache_bytes, Metrics())
+    return Scheduler(engine, max_batch, max_queue, cache_bytes, Metrics(), request_timeout_s)
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -162,6 +173,110 @@ def test_a_prompt_the_engine_refuses_fails_only_its_request(model):
         scheduler.stop()
     assert isinstance(event, Failed) and event.status == 400
     assert len(good[0][0]) == 2
+
+
+def slow_steps(engine: gf.Engine, monkeypatch, seconds: float = 0.01) -> None:
+    """Each decode step takes at least `seconds`, so a 60-token row runs for a while."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+async def failure(request: Request, timeout_s: float = 5) -> Failed:
+    """The request's Failed event, skipping the tokens it got before it."""
+    while True:
+        event = await asyncio.wait_for(request.events.get(), timeout_s)
+        if isinstance(event, Failed):
+            return event
+        assert isinstance(event, Tokens), event
+
+
+def test_an_engine_failure_while_starting_fails_every_job_it_holds(model, monkeypatch):
+    """A RuntimeError while prefilling admitted rows: the running row, the rows taken off the
+    queue with it and the rows still queued all get an error, and the scheduler serves the next
+    request on a clean engine."""
+    scheduler = make_scheduler(model, max_batch=3)
+    engine = scheduler.engine
+    slow_steps(engine, monkeypatch)  # the running row is still running when the others come
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel broke")
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        running = Request([([1, 2, 3], greedy(60))], loop)
+        scheduler.submit(running)
+        await asyncio.wait_for(running.events.get(), 5)  # it runs
+        monkeypatch.setattr(engine, "add", broken)
+        monkeypatch.setattr(engine, "add_many", broken)
+        others = [Request([([4 + i, 5], greedy(4))], loop) for i in range(4)]  # two wait
+        for request in others:
+            scheduler.submit(request)
+        events = [await failure(running)] + [await failure(r) for r in others]
+        monkeypatch.undo()
+        after = await serve(scheduler, [([6, 7], greedy(3))])
+        return events, after
+
+    scheduler.start()
+    try:
+        events, after = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert [e.status for e in events] == [500] * 5
+    assert len(after[0][0]) == 3
+    assert not (scheduler.running or scheduler.waiting or scheduler.starting)
+    assert engine.n_live == 0
+
+
+def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(model, monkeypatch):
+    """--request-timeout: the running row and the row queued behind it both end with a 504
+    (code request_timeout) and the engine runs no rows after."""
+    scheduler = make_scheduler(model, max_batch=1, request_timeout_s=0.2)
+    engine = scheduler.engine
+    slow_steps(engine, monkeypatch)  # 60 tokens take 0.6 s: three times the deadline
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        running, queued = (Request([([1, 2, 3], greedy(60))], loop) for _ in range(2))
+        scheduler.submit(running)
+        scheduler.submit(queued)
+        return [await failure(running), await failure(queued)]
+
+    scheduler.start()
+    try:
+        events = asyncio.run(run())
+        deadline = time.monotonic() + 2
+        while (engine.n_live or scheduler.running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert [(e.status, e.code) for e in events] == [(504, "request_timeout")] * 2
+    assert "--request-timeout" in events[0].message
+    assert engine.n_live == 0 and not scheduler.running and not scheduler.waiting
+
+
+def test_stopping_the_scheduler_fails_what_it_holds(model, monkeypatch):
+    scheduler = make_scheduler(model, max_batch=1)
+    slow_steps(scheduler.engine, monkeypatch)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        running, queued = (Request([([1, 2, 3], greedy(60))], loop) for _ in range(2))
+        scheduler.submit(running)
+        scheduler.submit(queued)
+        await asyncio.wait_for(running.events.get(), 5)  # it runs; the other waits
+        await loop.run_in_executor(None, scheduler.stop)
+        return [await failure(running), await failure(queued)]
+
+    scheduler.start()
+    events = asyncio.run(run())
+    assert [e.status for e in events] == [503] * 2
+    with pytest.raises(Stopped):
+        scheduler.submit(Request([([1], greedy(1))], asyncio.new_event_loop()))
 
 
 # --- the sampling pieces the server uses ----------------------------------------------------

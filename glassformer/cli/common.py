@@ -5,6 +5,7 @@ the chosen device."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable
@@ -77,6 +78,17 @@ def non_negative_int(text: str) -> int:
     value = _whole_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """A duration in seconds, e.g. 600 or 0.5; 0 and above."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 600") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds >= 0")
     return value
 
 

@@ -50,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
     """One prompt: print it, then each piece of text as soon as its tokens are complete."""
-    from glassformer.detokenize import IncrementalDecoder
+    from glassformer.detokenize import IncrementalDecoder, StopStrings
 
     prompt = args.prompt[0]
     stream = engine.stream(
@@ -59,14 +59,14 @@ def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
         **args.thinking,
         on_full_context=args.on_full_context,
     )
-    decoder = IncrementalDecoder(tokenizer)
+    decoder, stop_strings = IncrementalDecoder(tokenizer), StopStrings(args.stop)
     sys.stdout.write(prompt)
     for token_id in stream:
         if token_id == tokenizer.eos_token_id:
             continue  # the end-of-sequence marker is a stop signal, not text
-        sys.stdout.write(decoder.push(token_id))
+        sys.stdout.write(stop_strings.push(decoder.push(token_id)))
         sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.write(stop_strings.push(decoder.flush()) + stop_strings.flush() + "\n")
     sys.stdout.flush()
     if args.stats:
         print(format_stats(stream.stats), file=sys.stderr)

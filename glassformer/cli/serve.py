@@ -21,6 +21,7 @@ from glassformer.cli.common import (
     load_for_decode,
     load_with_tokenizer,
     non_negative_int,
+    non_negative_seconds,
     positive_int,
     tcp_port,
     thinking_options,
@@ -137,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_seq_len=args.max_seq_len,
         prefix_cache_bytes=args.prefix_cache_mb * 2**20,
         thinking_budget=thinking.get("thinking_budget"),
+        request_timeout_s=args.request_timeout or None,
     )
     app = create_app(served, server_options)
     engine = app.state.scheduler.engine
@@ -187,6 +189,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="KV-cache MiB that finished conversations may keep for their next turn (default "
         "256; 0 turns prefix reuse off)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=non_negative_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="the most a request may take, queue included; past it its rows are cancelled and "
+        "the client gets a 504 error (code request_timeout; in a stream, an error event then "
+        "[DONE]). 0 turns the limit off (default 600)",
     )
     p.add_argument(
         "--log-level",

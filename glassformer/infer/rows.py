@@ -15,7 +15,7 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from glassformer.detokenize import IncrementalDecoder
+from glassformer.detokenize import IncrementalDecoder, StopStrings
 from glassformer.infer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -162,7 +162,10 @@ class Row:
         self.slot = -1
         self.keep_cache = False  # park the slot when finished, for a next turn to continue
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        self.text = ""  # the answer (everything outside the thinking segment)
+        # The answer (everything outside the thinking segment) as far as it can be shown: while
+        # generating, a tail that could still begin a stop string waits in `stop_strings`.
+        self.text = ""
+        self.stop_strings = StopStrings(params.stop)
         self.reasoning = ""  # the thinking segment's text, without its markers
         # Thinking or answer (infer/thinking.py): the prompt may open a segment (a template
         # that ends with "<think>\n", as DeepSeek-R1's does), or the reply's first token.
@@ -233,7 +236,7 @@ class Row:
         self._route(token, piece, now)
         if token == self.eos_token_id:
             self.stop("eos")
-        elif token in params.stop_token_ids or (params.stop and self._cut_at_stop_string()):
+        elif token in params.stop_token_ids or self.stop_strings.stopped:
             self.stop("stop")
         elif len(self.tokens) >= params.max_new_tokens:
             self.stop("max_new_tokens")
@@ -243,7 +246,7 @@ class Row:
         own text goes to neither)."""
         kind = self.segments.push(token) if self.segments is not None else "answer"
         if kind == "answer":
-            self.text += piece
+            self.text += self.stop_strings.push(piece)
             return
         self.stats.thinking_tokens += 1
         self.stats.thinking_time_s = now - self.t_start
@@ -251,16 +254,9 @@ class Row:
             self.thought += 1
             self.reasoning += piece
 
-    def _cut_at_stop_string(self) -> bool:
-        """Whether the text now contains a stop string; if so, cut the text where it begins
-        (OpenAI's convention: the stop string is not part of the reply)."""
-        found = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
-        if found:
-            self.text = self.text[: min(found)]
-        return bool(found)
-
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stats.stop_reason = reason
+        self.text += self.stop_strings.flush()  # ended otherwise: the held tail is text
 
     def result(self) -> GenerationResult:
         return GenerationResult(token_ids=list(self.tokens), stats=self.stats)

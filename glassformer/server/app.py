@@ -48,7 +48,7 @@ from glassformer.server.protocol import (
     validate,
 )
 from glassformer.server.responses import Reply, token_bytes_table
-from glassformer.server.scheduler import QueueFull, Scheduler
+from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
 
 log = logging.getLogger("glassformer.server")
@@ -78,6 +78,7 @@ class ServerOptions:
     max_seq_len: int | None = None  # positions per row slot (default: min(context, 2048))
     prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
     thinking_budget: int | None = None  # a thinking model's budget when a request gives none
+    request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
 
 
 def served_name(model_arg: str) -> str:
@@ -96,8 +97,9 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         tokenizer=served.tokenizer,
     )  # fmt: skip
     scheduler = Scheduler(
-        engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics
-    )
+        engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics,
+        options.request_timeout_s,
+    )  # fmt: skip
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -341,6 +343,13 @@ class API:
                 kind="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": "1"},
+            ) from None
+        except Stopped:
+            raise APIError(
+                503,
+                "the engine has stopped (the server is shutting down): retry on a running server",
+                kind="server_error",
+                code="engine_stopped",
             ) from None
         return work
 

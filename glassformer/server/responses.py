@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from glassformer.detokenize import IncrementalDecoder
+from glassformer.detokenize import IncrementalDecoder, StopStrings
 from glassformer.infer.sampling import TokenLogprob
 from glassformer.infer.thinking import Segments
 from glassformer.server.protocol import APIError, SamplingFields
@@ -56,7 +56,10 @@ class Reply:
         self.created = int(time.time())
         tokenizer = api.served.tokenizer
         self.decoders = [IncrementalDecoder(tokenizer) for _ in range(body.n)]
-        self.texts = [""] * body.n  # decoded so far: the answer
+        # The answer decoded so far, as far as it can be shown: a tail that could still begin
+        # a stop string waits in stop_strings (the same rule as the engine's rows).
+        self.texts = [""] * body.n
+        self.stop_strings = [StopStrings(body.stop or ()) for _ in range(body.n)]
         self.sent = [0] * body.n  # characters of texts already streamed
         # A thinking model's reply has two parts: reasoning_content (the thinking segment,
         # without its markers) and content; each token goes to one (infer/thinking.py).
@@ -67,7 +70,6 @@ class Reply:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
         self.rows: list[Any] = [None] * body.n
         self.failed: APIError | None = None
-        self.holdback = max((len(s) for s in body.stop or ()), default=1) - 1
 
     @property
     def done(self) -> bool:
@@ -76,7 +78,9 @@ class Reply:
     def take(self, event, include_usage: bool = False) -> list[dict]:
         """Apply one event; returns the stream chunks it makes."""
         if isinstance(event, Failed):
-            self.failed = APIError(event.status, event.message, kind="server_error")
+            self.failed = APIError(
+                event.status, event.message, kind="server_error", code=event.code
+            )
             return []
         i = event.index
         if isinstance(event, Tokens):
@@ -85,22 +89,22 @@ class Reply:
                 if token_id not in stop_ids:
                     self._add(i, token_id, self.decoders[i].push(token_id))
             self.logprobs[i] += event.logprobs
-            new_logprobs = event.logprobs
-            end = max(self.sent[i], len(self.texts[i]) - self.holdback)
-            return [self._chunk(i, self._take_text(i, end), new_logprobs, None, include_usage)]
-        # Finished: the rest of the text, cut where a stop string begins.
+            return [self._chunk(i, self._take_text(i), event.logprobs, None, include_usage)]
+        # Finished: the rest of the text (a truncated character, the held tail unless a stop
+        # string ended it).
         self.rows[i] = event.row
-        self.texts[i] = _cut_at_stop(self.texts[i] + self.decoders[i].flush(), self.body.stop)
-        text = self._take_text(i, len(self.texts[i]))
+        stop_strings = self.stop_strings[i]
+        self.texts[i] += stop_strings.push(self.decoders[i].flush()) + stop_strings.flush()
+        text = self._take_text(i)
         return [self._chunk(i, text, [], self._finish_reason(i), include_usage)]
 
     def _add(self, i: int, token_id: int, piece: str) -> None:
         segments = self.segments[i]
         kind = segments.push(token_id) if segments is not None else "answer"
         if kind == "answer":
-            if not self.texts[i] and segments is not None:
+            if not self.texts[i] and not self.stop_strings[i].held and segments is not None:
                 piece = piece.lstrip()  # the blank line a model writes after </think>
-            self.texts[i] += piece
+            self.texts[i] += self.stop_strings[i].push(piece)
         elif kind == "thinking":
             self.reasoning[i] += piece if self.reasoning[i] else piece.lstrip()
 
@@ -109,9 +113,9 @@ class Reply:
         self.reasoning_sent[i] = len(self.reasoning[i])
         return piece
 
-    def _take_text(self, i: int, end: int) -> str:
-        piece = self.texts[i][self.sent[i] : end]
-        self.sent[i] = max(self.sent[i], end)
+    def _take_text(self, i: int) -> str:
+        piece = self.texts[i][self.sent[i] :]
+        self.sent[i] = len(self.texts[i])
         return piece
 
     def _finish_reason(self, i: int) -> str:
@@ -240,8 +244,3 @@ class Reply:
     @staticmethod
     def sse(chunks: list[dict]) -> str:
         return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
-
-
-def _cut_at_stop(text: str, stops: list[str] | None) -> str:
-    found = [i for i in (text.find(s) for s in stops or ()) if i >= 0]
-    return text[: min(found)] if found else text

@@ -12,6 +12,10 @@ Conversation prefix reuse: every finished row is parked with its keys/values (ke
 new prompt that extends a parked row's context (a chat's next turn re-renders the history, then
 adds a message) continues that row: only the new tokens are prefilled. Parked rows form an LRU
 bounded in slots and in bytes of keys/values; the oldest are released first.
+
+Every admitted request ends with tokens and Finished, or one Failed: a bad prompt (400), a
+request past --request-timeout (504, its rows cancelled), an engine failure (500, for every row
+the scheduler holds), or the scheduler stopping (503).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Failed:
 
     status: int
     message: str
+    code: str | None = None  # OpenAI's error code, e.g. "request_timeout"
 
 
 # --- a request and its rows ----------------------------------------------------------------------
@@ -88,7 +93,8 @@ class Request:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
+    cancelled: bool = False  # its rows leave at the next turn (the client went, or it failed)
+    failed: Failed | None = None  # the one Failed it was sent
 
     def publish(self, event: Tokens | Finished | Failed) -> None:
         """Hand an event to the handler's event loop (from the engine thread)."""
@@ -102,12 +108,19 @@ class QueueFull(Exception):
     """More rows wait than max_queue allows."""
 
 
+class Stopped(Exception):
+    """The engine thread has stopped: nothing would serve the request."""
+
+
 class Scheduler:
     """The engine thread. submit() queues a Request's rows; cancel() drops them.
 
     max_batch: rows decoded together; max_queue: rows that may wait for a slot;
     prefix_cache_bytes: the most keys/values parked rows may hold (their slots are the
-    engine's rows beyond max_batch).
+    engine's rows beyond max_batch); request_timeout_s: how long a request may take from
+    submit() to its last token, queue included (None: no limit).
+
+    waiting, starting and running are shared with the HTTP side: written under self.wake only.
     """
 
     def __init__(
@@ -117,16 +130,20 @@ class Scheduler:
         max_queue: int,
         prefix_cache_bytes: int,
         metrics: Metrics,
+        request_timeout_s: float | None = None,
     ) -> None:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefix_cache_bytes, self.metrics = prefix_cache_bytes, metrics
+        self.request_timeout_s = request_timeout_s
         self.waiting: deque[Job] = deque()
+        self.starting: list[Job] = []  # taken off the queue, not yet running
         self.running: dict[int, Job] = {}  # id(row) -> job
         self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, oldest first
         self.wake = threading.Condition()
         self.stopping = False
+        self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
 
     # --- the HTTP side --------------------------------------------------------------------------
@@ -141,11 +158,13 @@ class Scheduler:
         self.thread.join(timeout=10)
 
     def submit(self, request: Request) -> None:
-        """Queue every choice of the request, or raise QueueFull (nothing queued)."""
+        """Queue every choice of the request, or raise QueueFull or Stopped (nothing queued)."""
         jobs = [
             Job(request, i, prompt, params) for i, (prompt, params) in enumerate(request.prompts)
         ]
         with self.wake:
+            if self.stopping or self.stopped:
+                raise Stopped
             free = max(0, self.max_batch - len(self.running))  # rows the next turn admits at once
             if len(self.waiting) + len(jobs) > self.max_queue + free:
                 raise QueueFull
@@ -162,37 +181,73 @@ class Scheduler:
     # --- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._turn():
+                pass
+        finally:  # stopping, or something no turn caught: no handler may wait on this thread
             with self.wake:
-                idle = not (self.waiting or self.running)
-                while not (self.stopping or self.waiting or self.running):
-                    self.wake.wait()
-            if idle:  # requests sent together (a client fanning out) arrive a few ms apart:
-                time.sleep(ADMIT_WINDOW_S)  # let them queue, to prefill them as one batch
+                self.stopped = True
+            self._fail_held(Failed(503, "the server is stopping: retry on a running server"))
+
+    def _turn(self) -> bool:
+        """One turn: expire and drop rows, admit waiting ones, one decode step. False: stop."""
+        with self.wake:
+            idle = not (self.waiting or self.running)
+            while not (self.stopping or self.waiting or self.running):
+                self.wake.wait()
+        if idle:  # requests sent together (a client fanning out) arrive a few ms apart:
+            time.sleep(ADMIT_WINDOW_S)  # let them queue, to prefill them as one batch
+        try:
             with self.wake:
                 if self.stopping:
-                    return
-                admitted = []
-                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-                    admitted.append(self.waiting.popleft())
-                queued = len(self.waiting)
-            try:
+                    return False
+                self._expire(time.perf_counter())
                 self._drop_cancelled()
-                self._start_all(admitted)
-                if self.running:
-                    self.engine.step()
-                    self._publish_all()
-            except Exception:  # a bug must not kill the server: fail what runs, start clean
-                log.exception("the engine failed; failing the running requests")
-                self._recover()
-            self._update_gauges(queued)
+                while self.waiting and len(self.running) + len(self.starting) < self.max_batch:
+                    self.starting.append(self.waiting.popleft())
+            self._start_all(list(self.starting))
+            with self.wake:
+                self.starting.clear()
+            if self.running:
+                self.engine.step()
+                self._publish_all()
+            self._update_gauges()
+        except Exception:  # a bug must not kill the server: fail what it holds, start clean
+            log.exception("the engine failed; failing the requests it was serving")
+            self._recover()
+        return True
+
+    def _fail(self, request: Request, event: Failed) -> None:
+        """Send the request its one Failed; its other rows leave at the next turn."""
+        with self.wake:
+            request.cancelled = True
+            if request.failed is None:
+                request.failed = event
+                request.publish(event)
+
+    def _expire(self, now: float) -> None:
+        """Fail the requests past their deadline (their rows are dropped right after)."""
+        limit = self.request_timeout_s
+        if limit is None:
+            return
+        event = Failed(
+            504,
+            f"the request did not finish within the server's --request-timeout of {limit:g} s "
+            "(queue included): ask for fewer tokens (max_tokens), or retry when it is less busy",
+            code="request_timeout",
+        )
+        for job in [*self.waiting, *self.running.values()]:
+            if now - job.request.arrived > limit:
+                self._fail(job.request, event)
 
     def _drop_cancelled(self) -> None:
-        for key, job in list(self.running.items()):
-            if job.request.cancelled:
-                self.engine.cancel(job.row)
-                self.engine.release(job.row)
-                del self.running[key]
+        with self.wake:
+            self.waiting = deque(job for job in self.waiting if not job.request.cancelled)
+            for key, job in list(self.running.items()):
+                if job.request.cancelled:
+                    self.engine.cancel(job.row)
+                    self.engine.release(job.row)
+                    del self.running[key]
 
     def _start_all(self, jobs: list[Job]) -> None:
         """Prefill the admitted jobs: each that continues a parked conversation on its own
@@ -229,7 +284,7 @@ class Scheduler:
         try:
             row = self.engine.add(job.prompt, job.params, keep_cache=True, continues=parked)
         except ValueError as err:  # checked at the edge already; a last line of defence
-            job.request.publish(Failed(400, str(err)))
+            self._fail(job.request, Failed(400, str(err)))
             return
         if parked is not None:
             del self.parked[id(parked)]
@@ -237,7 +292,8 @@ class Scheduler:
 
     def _run(self, job: Job, row: Row) -> None:
         job.row = row
-        self.running[id(row)] = job
+        with self.wake:
+            self.running[id(row)] = job
         self._publish(job)
 
     def _best_parked(self, prompt: list[int]) -> Row | None:
@@ -282,7 +338,8 @@ class Scheduler:
             job.request.publish(Tokens(job.index, list(new), logprobs))
             job.sent, job.last_time = len(row.tokens), now
         if row.finished:
-            self.running.pop(id(row), None)
+            with self.wake:
+                self.running.pop(id(row), None)
             job.request.publish(Finished(job.index, row))
             self._park(row)
 
@@ -300,13 +357,30 @@ class Scheduler:
         return sum(self.engine.cache.row_bytes(row.length) for row in self.parked.values())
 
     def _recover(self) -> None:
-        for job in self.running.values():
-            job.request.publish(Failed(500, "the engine failed on this batch; try again"))
-        self.running.clear()
+        """After an engine failure: fail the rows being started and running (the queued ones
+        start next turn), and free every slot."""
+        failed = Failed(500, "the engine failed on this batch; try again")
+        with self.wake:
+            for job in [*self.starting, *self.running.values()]:
+                if job.row is None or not job.row.finished:
+                    self._fail(job.request, failed)
+            self.starting.clear()
+            self.running.clear()
         self.parked.clear()
         self.engine.rows, self.engine.n_live = [], 0  # every slot free again
 
-    def _update_gauges(self, queued: int) -> None:
+    def _fail_held(self, event: Failed) -> None:
+        """Fail every request the scheduler holds: queued, being started, running."""
+        with self.wake:
+            for job in [*self.waiting, *self.starting, *self.running.values()]:
+                self._fail(job.request, event)
+            self.waiting.clear()
+            self.starting.clear()
+            self.running.clear()
+
+    def _update_gauges(self) -> None:
+        with self.wake:
+            queued = len(self.waiting)
         cache = self.engine.cache
         held = sum(cache.row_bytes(row.length) for row in self.engine.rows) if cache else 0
         self.metrics.set_gauges(
