@@ -19,9 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     process = subprocess.Popen(
         [sys.executable, "-m", "glassformer", "serve", *args, "--port", str(port),
          "--threads", "1", "--log-level", "warning"],

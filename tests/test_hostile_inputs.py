@@ -30,6 +30,7 @@ from glassformer.cli import main
 from glassformer.cli.serve import check_address, check_cache_fits
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.pretrained import resolve
+from glassformer.server.gate import resolve_api_key
 from glassformer.tokenizers import PretrainedTokenizer, TokenizerRegexError, load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Hello there!"}]
@@ -81,6 +82,38 @@ def test_bad_serve_flags_exit_2_naming_the_value(capsys, flags, message):
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_serve_api_key_errors_are_one_line_naming_the_source(capsys, tmp_path, monkeypatch):
+    empty, blank = tmp_path / "empty", tmp_path / "blank"
+    empty.write_text("")
+    blank.write_text("  \n\n")
+    cases = [
+        (["--api-key", " "], {}, "--api-key is empty"),
+        (["--api-key-file", str(tmp_path / "absent")], {}, "cannot be read (No such file"),
+        (["--api-key-file", str(tmp_path)], {}, "cannot be read (Is a directory)"),
+        (["--api-key-file", str(empty)], {}, "is empty: write the key on its first line"),
+        (["--api-key-file", str(blank)], {}, "is empty"),
+        (["--api-key", "k", "--api-key-file", str(empty)], {}, "both set: give one of them"),
+        ([], {"GLASSFORMER_API_KEY": ""}, "GLASSFORMER_API_KEY is set but empty"),
+    ]
+    for flags, environ, message in cases:
+        monkeypatch.delenv("GLASSFORMER_API_KEY", raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        assert main(["serve", "--model", "nowhere", *flags]) == 2, flags
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_the_api_key_comes_from_the_flag_the_file_or_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    environ = {"GLASSFORMER_API_KEY": " from-env\n"}
+    assert resolve_api_key("from-flag", None, environ) == "from-flag"
+    assert resolve_api_key(None, str(key_file), environ) == "from-file"
+    assert resolve_api_key(None, None, environ) == "from-env"
+    assert resolve_api_key(None, None, {}) is None
 
 
 @pytest.mark.slow

@@ -97,6 +97,56 @@ def test_models_lists_the_served_model_and_health_answers(server):
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
 
 
+def test_models_retrieve_returns_the_card_and_an_unknown_id_is_a_404_error(server):
+    card = client(server).models.retrieve("tinychat")
+    assert (card.id, card.object, card.owned_by) == ("tinychat", "model", "glassformer")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client(server).models.retrieve("gpt-4o")
+    error = caught.value.body
+    assert (error["code"], error["param"], error["type"]) == (
+        "model_not_found", "model", "invalid_request_error",
+    )  # fmt: skip
+    assert "'gpt-4o'" in error["message"] and "'tinychat'" in error["message"]
+
+
+def test_openai_fields_that_cannot_change_the_output_are_accepted_and_named(server, reference):
+    messages = [{"role": "user", "content": "Tell me about the cat."}]
+    raw = client(server).chat.completions.with_raw_response.create(
+        model="tinychat", messages=messages, temperature=0, max_tokens=6, store=False,
+        metadata={"a": "b"}, user="u", service_tier="auto", parallel_tool_calls=False,
+    )  # fmt: skip
+    ignored = "user, store, metadata, service_tier, parallel_tool_calls"
+    assert raw.headers["x-glassformer-ignored-fields"] == ignored
+    reply = raw.parse().choices[0].message.content
+    assert reply == library_reply(reference, chat_ids(reference, messages), 6, temperature=0.0)
+    plain = client(server).chat.completions.with_raw_response.create(
+        model="tinychat", messages=messages, temperature=0, max_tokens=6
+    )
+    assert "x-glassformer-ignored-fields" not in plain.headers
+    # streamed too: the header comes with the stream's first bytes
+    with httpx.stream("POST", f"{server}/v1/completions", json={
+        "model": "tinychat", "prompt": "x", "max_tokens": 2, "stream": True, "store": True,
+    }) as response:  # fmt: skip
+        assert response.headers["x-glassformer-ignored-fields"] == "store"
+        assert response.read().endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"),
+     ("tools", [{"type": "function", "function": {"name": "f"}}])],
+)  # fmt: skip
+def test_an_unimplemented_field_that_changes_the_output_is_still_a_400(server, field, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).chat.completions.create(
+            model="tinychat", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+            store=False, extra_body={field: value},
+        )  # fmt: skip
+    error = caught.value.body
+    assert (error["param"], error["code"]) == (field, "unsupported_field")
+    assert repr(field) in error["message"]
+
+
 def test_greedy_chat_equals_the_library_generate(server, reference):
     messages = [{"role": "user", "content": "Tell me about the cat."}]
     response = client(server).chat.completions.create(
@@ -375,6 +425,42 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert generated >= 1
 
 
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_rows(server):
+    # Eight rows of 250 tokens decode for ~3 s here; the disconnect check once ran only when no
+    # token came for 0.25 s, so these rows ran those 3 s out after their client left (issue 31,
+    # defect 4).
+    body = {
+        "model": "tinychat", "prompt": "Go on and on", "max_tokens": 250, "n": 8,
+        "temperature": 1.0, "seed": 2,
+    }  # fmt: skip
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=0.5)
+    left = time.monotonic()
+    while httpx.get(f"{server}/health").json()["running_rows"] and time.monotonic() < left + 1:
+        time.sleep(0.02)
+    assert httpx.get(f"{server}/health").json()["running_rows"] == 0
+
+
+def test_a_body_over_max_body_mb_is_a_413_before_it_is_parsed(server):
+    limit = 16 * 2**20  # serve's default --max-body-mb 16
+    chunk = b"x" * 2**20
+
+    def chunked():  # no Content-Length: the limit is counted as the body arrives
+        yield from [chunk] * 20
+
+    for content in (chunk * 20, chunked()):
+        start = time.monotonic()
+        response = httpx.post(f"{server}/v1/completions", content=content, timeout=10)
+        assert response.status_code == 413 and time.monotonic() - start < 1, response.text
+        error = response.json()["error"]
+        assert str(limit) in error["message"] and "--max-body-mb" in error["message"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert httpx.get(f"{server}/health").status_code == 200
+    just_under = b'{"model": "nope", "prompt": "' + b"x" * (limit - 100) + b'"}'
+    response = httpx.post(f"{server}/v1/completions", content=just_under, timeout=10)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
 def test_a_request_past_request_timeout_gets_a_504_error_streamed_or_not(model_dir):
     """--request-timeout 0.001 expires every request before its first turn (the engine waits
     10 ms for company when idle): a 504 with code request_timeout, in a stream an error event
@@ -396,16 +482,30 @@ def test_a_request_past_request_timeout_gets_a_504_error_streamed_or_not(model_d
         stop_server(process)
 
 
-# --- a second server: --api-key, a queue of one, and embeddings -------------------------------
+# --- a second server: the key from GLASSFORMER_API_KEY, a queue of one, and embeddings ---------
 
 
 @pytest.fixture(scope="module")
-def guarded(model_dir):
+def guarded_process(model_dir):
     args = ["--model", str(model_dir), "--embed-model", "minilm", "--max-batch", "1",
-            "--max-queue", "1", "--api-key", API_KEY]  # fmt: skip
-    process, url = start_server(args)
-    yield url
+            "--max-queue", "1"]  # fmt: skip
+    process, url = start_server(args, env={"GLASSFORMER_API_KEY": API_KEY})
+    yield process, url
     stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def guarded(guarded_process):
+    return guarded_process[1]
+
+
+def test_a_key_from_the_environment_stays_out_of_the_command_line(guarded_process):
+    process, url = guarded_process
+    command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+    assert b"serve" in command_line and API_KEY.encode() not in command_line
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    authorized = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{url}/v1/models", headers=authorized).status_code == 200
 
 
 def test_api_key_is_required_on_the_api_but_not_on_health(guarded):

@@ -112,9 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from glassformer.server.app import Served, ServerOptions, create_app, served_name
+    from glassformer.server.gate import resolve_api_key
 
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty: give a key, or drop the flag to serve without one")
+    api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
     check_address(args.host, args.port)
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "serve needs one to encode text")
@@ -134,11 +134,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server_options = ServerOptions(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
-        api_key=args.api_key,
+        api_key=api_key,
         max_seq_len=args.max_seq_len,
         prefix_cache_bytes=args.prefix_cache_mb * 2**20,
         thinking_budget=thinking.get("thinking_budget"),
         request_timeout_s=args.request_timeout or None,
+        max_body_bytes=args.max_body_mb * 2**20,
     )
     app = create_app(served, server_options)
     engine = app.state.scheduler.engine
@@ -176,7 +177,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: open)",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: open; the "
+        "key shows in ps: prefer --api-key-file or GLASSFORMER_API_KEY)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="read the API key from the first line of PATH (default: $GLASSFORMER_API_KEY if "
+        "set, else open)",
     )
     p.add_argument(
         "--max-seq-len",
@@ -198,6 +206,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the most a request may take, queue included; past it its rows are cancelled and "
         "the client gets a 504 error (code request_timeout; in a stream, an error event then "
         "[DONE]). 0 turns the limit off (default 600)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=positive_int,
+        default=16,
+        metavar="MIB",
+        help="the largest request body read, in MiB; a larger one gets a 413 before it is "
+        "parsed (default 16: twice the largest real request, 2048 embedding inputs of 512 "
+        "token ids; a 2048-token prompt is well under 1 MiB)",
     )
     p.add_argument(
         "--log-level",

@@ -34,6 +34,7 @@ from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
+from glassformer.server.body_limit import BodyLimit
 from glassformer.server.gate import Gate, api_error, http_error, server_error
 from glassformer.server.lab import mount_static
 from glassformer.server.lab import router as lab_router
@@ -54,7 +55,6 @@ from glassformer.server.scheduler import Request as Work
 log = logging.getLogger("glassformer.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
 
 @dataclass
@@ -79,6 +79,7 @@ class ServerOptions:
     prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
     thinking_budget: int | None = None  # a thinking model's budget when a request gives none
     request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
+    max_body_bytes: int = 16 * 2**20  # a larger request body gets a 413, unparsed
 
 
 def served_name(model_arg: str) -> str:
@@ -110,6 +111,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
 
     app = FastAPI(title="glassformer", version=glassformer.__version__, lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.scheduler = served, metrics, scheduler
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)  # inside Gate: counted
     app.add_middleware(Gate, api_key=options.api_key, metrics=metrics)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -117,6 +119,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
@@ -130,6 +133,13 @@ def _warm_up(engine: Engine) -> None:
     kernels are built on first use): the browser lab's first chat turn waited 2.8 s for its
     first token without it, 0.41 s with it (tests/test_browser_lab.py's screenshot)."""
     engine.generate([0], max_new_tokens=2, temperature=0.0, eos_token_id=NO_EOS)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects: once the body is read, the ASGI receive channel's
+    next message is http.disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # --- the routes ---------------------------------------------------------------------------------
@@ -176,17 +186,30 @@ class API:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> dict:
-        names = [self.served.name] + ([self.served.embed_name] if self.served.embed_name else [])
-        data = [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "glassformer"}
-            for name in names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [self._model_card(name) for name in self._names()]}
+
+    async def model(self, model_id: str) -> dict:
+        if model_id not in self._names():
+            served = ", ".join(repr(name) for name in self._names())
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here: the models are {served} (GET /v1/models)",
+                "model",
+                code="model_not_found",
+            )
+        return self._model_card(model_id)
+
+    def _names(self) -> list[str]:
+        return [self.served.name] + ([self.served.embed_name] if self.served.embed_name else [])
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "glassformer"}
 
     # --- completions ----------------------------------------------------------------------------
 
     async def completions(self, request: Request):
         body = validate(CompletionRequest, parse_json(await request.body()))
+        request.state.ignored_fields = body.ignored_fields
         self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt = self._encode(lambda: self.served.tokenizer.encode(body.prompt), "prompt")
@@ -201,6 +224,7 @@ class API:
 
     async def chat_completions(self, request: Request):
         body = validate(ChatRequest, parse_json(await request.body()))
+        request.state.ignored_fields = body.ignored_fields
         self._check_model(body.model)
         tokenizer = self.served.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -360,17 +384,23 @@ class API:
             return StreamingResponse(stream, media_type="text/event-stream")
         if body.stream_options is not None:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
-        try:
+
+        # The client's leaving is watched beside the events, not between them: a poll that ran
+        # only when no token came for a while let a left request decode to its max_tokens.
+        async def consume() -> None:
             while not reply.done:
-                try:
-                    event = await asyncio.wait_for(work.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        self.scheduler.cancel(work)
-                        return JSONResponse({}, status_code=499)
-                    continue
-                reply.take(event)
+                reply.take(await work.events.get())
+
+        consumer = asyncio.create_task(consume())
+        gone = asyncio.create_task(_client_gone(request))
+        try:
+            await asyncio.wait((consumer, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not consumer.done():
+                return JSONResponse({}, status_code=499)
+            consumer.result()  # its error, if it failed
         finally:
+            consumer.cancel()
+            gone.cancel()
             if not reply.done:
                 self.scheduler.cancel(work)
         return reply.whole()
@@ -399,6 +429,7 @@ class API:
 
     async def embeddings(self, request: Request) -> dict:
         body = validate(EmbeddingRequest, parse_json(await request.body()))
+        request.state.ignored_fields = body.ignored_fields
         served = self.served
         if served.embed_model is None:
             raise APIError(

@@ -3,8 +3,10 @@ validated before anything reaches the engine, and the OpenAI-style error object 
 that does not fit.
 
 Every request model forbids fields it does not know, so a parameter this server does not
-implement (logit_bias, tools, echo, ...) is a 400 that names it, never silently ignored.
-Values are checked strictly (a temperature of "0.7" or an n of 1.5 is refused, not cast).
+implement (logit_bias, tools, echo, ...) is a 400 that names it, never silently ignored. The
+fields of OpenAI's schema that cannot change the output here (store, metadata, user, ...) are
+accepted, type-checked, and listed back as ignored (Ignorable). Values are checked strictly (a
+temperature of "0.7" or an n of 1.5 is refused, not cast).
 """
 
 from __future__ import annotations
@@ -102,6 +104,25 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class Ignorable(Strict):
+    """Fields of OpenAI's request schema that clients send by default and that cannot change
+    the output of this server: accepted, and named in the reply's x-glassformer-ignored-fields
+    header (gate.py) so no one believes they took effect."""
+
+    user: str | None = None  # an end-user id (OpenAI records it for abuse checks)
+    safety_identifier: str | None = None  # user's successor in OpenAI's schema
+    store: bool | None = None  # keep the completion on OpenAI's side for distillation/evals
+    metadata: dict[str, str] | None = None  # tags for stored completions
+    service_tier: str | None = None  # OpenAI's processing tier: this server has one
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache here needs none
+    parallel_tool_calls: bool | None = None  # tools are not implemented (a 400), so no effect
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The ignorable fields this request set, in the order of the schema."""
+        return [name for name in Ignorable.model_fields if name in self.model_fields_set]
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -118,7 +139,7 @@ def _stop_list(value: Any) -> list[str] | None:
     return entries
 
 
-class SamplingFields(Strict):
+class SamplingFields(Ignorable):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str
@@ -134,7 +155,6 @@ class SamplingFields(Strict):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    user: str | None = None  # an end-user id (recorded by OpenAI for abuse checks); no effect
 
     _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
 
@@ -202,11 +222,10 @@ class ChatRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class EmbeddingRequest(Strict):
+class EmbeddingRequest(Ignorable):
     model: str
     input: Any
     encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
 
     @field_validator("input", mode="before")
     @classmethod
