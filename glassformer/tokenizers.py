@@ -65,7 +65,9 @@ def _hf_encode(
     surrogate, which is what undecodable bytes become in argv or with errors='surrogateescape'),
     and for a regex in the file (source) that gives up on the text."""
     try:
-        return hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL, so a server thread
+        # tokenizing a 10 MB prompt (6 s) does not stall the event loop beside it.
+        return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     except TypeError:
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}") from None

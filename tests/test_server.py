@@ -23,6 +23,7 @@ from serving import start_server, stop_server
 
 import glassformer as gf
 from glassformer.chat import END_OF_TURN_TOKENS
+from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained, resolve
@@ -212,6 +213,43 @@ def test_eight_concurrent_requests_equal_each_served_alone(server, reference):
             temperature=float(sampling["temperature"]), seed=sampling.get("seed"),
         )  # fmt: skip
         assert text == expected
+
+
+def slowest_health_during(server: str, send) -> tuple[float, httpx.Response]:
+    """The longest /health round trip while `send()` runs in another thread, and its reply."""
+    latencies = []
+    done = threading.Event()
+    reply = []
+    sender = threading.Thread(target=lambda: (reply.append(send()), done.set()))
+    sender.start()
+    with httpx.Client(timeout=30) as poller:
+        while not done.is_set():
+            start = time.perf_counter()
+            poller.get(f"{server}/health")
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    sender.join()
+    return max(latencies), reply[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_ten_megabyte_prompt_does_not_stall_health(server, route):
+    """Parsing and tokenizing a 10 MB body runs off the event loop: /health keeps answering
+    (it stalled for seconds when the tokenizer ran on the loop)."""
+    text = "word " * 2_000_000
+    body = {"model": "tinychat", "max_tokens": 1}
+    if route == "completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    slowest, reply = slowest_health_during(
+        server, lambda: httpx.post(f"{server}/v1/{route}", json=body, timeout=120)
+    )
+    assert reply.status_code == 400, reply.text  # longer than the context
+    # 16-190 ms now (the GIL hands the loop a turn every 5 ms; building the 2M-id list holds it
+    # longest), 6.2 s before; 0.5 s leaves room for a loaded 2-core machine.
+    assert slowest < 0.5, f"/health took {slowest * 1000:.0f} ms during the big request"
 
 
 def test_streaming_chat_sends_the_same_text_then_usage_and_done(server):
@@ -576,3 +614,89 @@ def test_deeply_nested_json_is_a_400_and_the_connection_stays_usable(server) -> 
         again = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] is not None
+
+
+# --- vLLM's and llama.cpp's extras, /tokenize and /detokenize -------------------------------------
+
+
+def free_run(reference, prompt_ids: list[int], max_tokens: int, **sampling) -> list[int]:
+    """Engine.generate's greedy tokens with no end-of-sequence or end-of-turn stop."""
+    result = gf.Engine(reference[0]).generate(
+        prompt_ids, max_tokens, temperature=0.0, eos_token_id=NO_EOS, **sampling
+    )
+    return list(result.token_ids)
+
+
+def test_repetition_penalty_equals_the_library_generate(server, reference):
+    messages = [{"role": "user", "content": "Say the same word again and again."}]
+    response = client(server).chat.completions.create(
+        model="tinychat", messages=messages, temperature=0, max_tokens=16,
+        extra_body={"repetition_penalty": 1.8},
+    )  # fmt: skip
+    expected = library_reply(
+        reference, chat_ids(reference, messages), 16, temperature=0.0, repetition_penalty=1.8
+    )
+    assert response.choices[0].message.content == expected
+
+
+def test_ignore_eos_generates_exactly_max_tokens_and_stop_token_ids_stop_there(server, reference):
+    tokenizer = reference[1]
+    prompt = "The cat sat on the"
+    ids = tokenizer.encode(prompt)
+    free = free_run(reference, ids, 20)
+    c = client(server)
+    full = c.completions.create(
+        model="tinychat", prompt=prompt, temperature=0, max_tokens=20,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    assert full.choices[0].text == tokenizer.decode(free)
+    at = next(i for i in range(3, 20) if free[i] not in free[:i])
+    stopped = c.completions.create(
+        model="tinychat", prompt=prompt, temperature=0, max_tokens=20,
+        extra_body={"ignore_eos": True, "stop_token_ids": [free[at]]},
+    )  # fmt: skip
+    expected = free_run(reference, ids, 20, stop_token_ids=(free[at],))
+    assert expected[-1] == free[at] and len(expected) == at + 1
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == tokenizer.decode(expected[:-1])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repetition_penalty", 0), ("repetition_penalty", 11), ("repetition_penalty", "1.2"),
+     ("stop_token_ids", [-1]), ("stop_token_ids", [10**9]), ("stop_token_ids", 5),
+     ("ignore_eos", "yes"), ("min_tokens", 4), ("logit_bias", {"5": 100})],
+)  # fmt: skip
+def test_out_of_range_extras_are_a_400_naming_the_field(server, field, value):
+    for route, prompt in (("completions", {"prompt": "x"}), ("chat/completions", {
+        "messages": [{"role": "user", "content": "x"}]
+    })):  # fmt: skip
+        body = {"model": "tinychat", "max_tokens": 2, **prompt, field: value}
+        response = httpx.post(f"{server}/v1/{route}", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"].startswith(field) and error["type"] == "invalid_request_error"
+        assert field in error["message"] or "vocabulary" in error["message"]
+
+
+def test_tokenize_then_detokenize_round_trips_and_a_bad_id_is_a_400(server, reference):
+    tokenizer = reference[1]
+    text = "The animal didn't cross the street. 猫坐在垫子上。"
+    tokens = httpx.post(f"{server}/tokenize", json={"model": "tinychat", "prompt": text}).json()
+    assert tokens["tokens"] == tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == httpx.get(f"{server}/health").json()["context"]
+    back = httpx.post(
+        f"{server}/detokenize", json={"model": "tinychat", "tokens": tokens["tokens"]}
+    )
+    assert back.json() == {"prompt": text}
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(f"{server}/tokenize", json={"model": "tinychat", "messages": messages})
+    assert chat.json()["tokens"] == chat_ids(reference, messages)
+    vocab = reference[0].cfg.vocab_size
+    bad = httpx.post(f"{server}/detokenize", json={"model": "tinychat", "tokens": [1, vocab]})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["param"] == "tokens" and str(vocab) in error["message"]
+    neither = httpx.post(f"{server}/tokenize", json={"model": "tinychat"})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch import nn
 
@@ -43,8 +45,10 @@ from glassformer.server.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     SamplingFields,
+    TokenizeRequest,
     parse_json,
     validate,
 )
@@ -123,6 +127,8 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.include_router(lab_router)  # the browser lab: /lab/api/* and the page at /
     mount_static(app)
     return app
@@ -133,6 +139,19 @@ def _warm_up(engine: Engine) -> None:
     kernels are built on first use): the browser lab's first chat turn waited 2.8 s for its
     first token without it, 0.41 s with it (tests/test_browser_lab.py's screenshot)."""
     engine.generate([0], max_new_tokens=2, temperature=0.0, eos_token_id=NO_EOS)
+
+
+# Bodies above this are parsed in a worker thread: a 10 MB prompt took seconds of JSON, validation
+# and tokenizing, and on the event loop that stalled /health and every running stream.
+BIG_BODY_BYTES = 256 * 1024
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body parsed and validated as `model`, a large one off the event loop."""
+    raw = await request.body()
+    if len(raw) < BIG_BODY_BYTES:
+        return validate(model, parse_json(raw))
+    return await run_in_threadpool(lambda: validate(model, parse_json(raw)))
 
 
 async def _client_gone(request: Request) -> None:
@@ -208,11 +227,12 @@ class API:
     # --- completions ----------------------------------------------------------------------------
 
     async def completions(self, request: Request):
-        body = validate(CompletionRequest, parse_json(await request.body()))
+        body = await read_body(request, CompletionRequest)
         request.state.ignored_fields = body.ignored_fields
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = self._encode(lambda: self.served.tokenizer.encode(body.prompt), "prompt")
+            encode = partial(self.served.tokenizer.encode, body.prompt)
+            prompt = await run_in_threadpool(self._encode, encode, "prompt")
         else:
             prompt = self._check_ids(body.prompt, "prompt")
         limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -223,7 +243,7 @@ class API:
         return await self._respond(request, body, work, reply)
 
     async def chat_completions(self, request: Request):
-        body = validate(ChatRequest, parse_json(await request.body()))
+        body = await read_body(request, ChatRequest)
         request.state.ignored_fields = body.ignored_fields
         self._check_model(body.model)
         tokenizer = self.served.tokenizer
@@ -269,7 +289,7 @@ class API:
             suffix = no_think_suffix(self.markers) if no_think else []
             return ids + suffix if suffix and suffix[-1] not in ids[-4:] else ids
 
-        prompt = self._encode(encode, "messages")
+        prompt = await run_in_threadpool(self._encode, encode, "messages")
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         work = self._work(
@@ -338,6 +358,8 @@ class API:
             )
         if body.n > self.scheduler.max_batch:
             raise APIError(400, f"n={body.n} exceeds --max-batch {self.scheduler.max_batch}", "n")
+        extra_stops = tuple(self._check_ids(body.stop_token_ids or [], "stop_token_ids"))
+        stops = extra_stops if body.ignore_eos else tuple(sorted({*self.stop_ids, *extra_stops}))
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
@@ -349,7 +371,9 @@ class API:
                 seed=seed,
                 max_new_tokens=limit,
                 stop=tuple(body.stop or ()),
-                stop_token_ids=self.stop_ids,
+                stop_token_ids=stops,
+                eos_token_id=NO_EOS if body.ignore_eos else None,
+                repetition_penalty=body.repetition_penalty,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logprobs=n_top,
@@ -425,10 +449,45 @@ class API:
             if not reply.done:
                 self.scheduler.cancel(work)
 
+    # --- tokenize / detokenize (vLLM's) -------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> dict:
+        body = await read_body(request, TokenizeRequest)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give one of prompt or messages", "prompt")
+        tokenizer = self.served.tokenizer
+        if body.messages is not None and not getattr(tokenizer, "chat_template", None):
+            raise APIError(
+                400, f"{self.served.name} has no chat template: send a prompt", "messages"
+            )
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in body.messages or []
+        ]
+
+        def encode() -> list[int]:
+            if body.prompt is not None:
+                return tokenizer.encode(body.prompt)
+            return tokenizer.encode_chat(messages)
+
+        try:
+            ids = await run_in_threadpool(encode)
+        except ValueError as err:
+            param = "prompt" if body.prompt is not None else "messages"
+            raise APIError(400, str(err), param) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.slot_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = await read_body(request, DetokenizeRequest)
+        self._check_model(body.model)
+        ids = self._check_ids(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(self.served.tokenizer.decode, ids)}
+
     # --- embeddings -----------------------------------------------------------------------------
 
     async def embeddings(self, request: Request) -> dict:
-        body = validate(EmbeddingRequest, parse_json(await request.body()))
+        body = await read_body(request, EmbeddingRequest)
         request.state.ignored_fields = body.ignored_fields
         served = self.served
         if served.embed_model is None:
@@ -447,25 +506,31 @@ class API:
                 code="model_not_found",
             )
         limit, vocab = served.embed_model.cfg.max_seq_len, served.embed_model.cfg.vocab_size
-        sequences = []
-        for i, item in enumerate(body.input):
-            param = f"input.{i}" if len(body.input) > 1 else "input"
-            if isinstance(item, str):
-                ids = self._encode(lambda item=item: served.embed_tokenizer.encode(item), param)
-            else:
-                ids = item
-                if any(not 0 <= t < vocab for t in ids):
+
+        def tokenize() -> list[list[int]]:  # in a worker thread: a 5 MB input took seconds
+            sequences = []
+            for i, item in enumerate(body.input):
+                param = f"input.{i}" if len(body.input) > 1 else "input"
+                if isinstance(item, str):
+                    ids = self._encode(partial(served.embed_tokenizer.encode, item), param)
+                else:
+                    ids = item
+                    if any(not 0 <= t < vocab for t in ids):
+                        raise APIError(
+                            400, f"a token id is outside the vocabulary 0..{vocab - 1}", param
+                        )
+                if len(ids) > limit:
                     raise APIError(
-                        400, f"a token id is outside the vocabulary 0..{vocab - 1}", param
+                        400,
+                        f"{param} is {len(ids)} tokens; {body.model} reads at most {limit}: "
+                        "shorten it",
+                        param,
+                        code="context_length_exceeded",
                     )
-            if len(ids) > limit:
-                raise APIError(
-                    400,
-                    f"{param} is {len(ids)} tokens; {body.model} reads at most {limit}: shorten it",
-                    param,
-                    code="context_length_exceeded",
-                )
-            sequences.append(ids)
+                sequences.append(ids)
+            return sequences
+
+        sequences = await run_in_threadpool(tokenize)
 
         def run() -> torch.Tensor:
             with self.embed_lock:

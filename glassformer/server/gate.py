@@ -39,10 +39,11 @@ async def server_error(request: Request, err: Exception) -> JSONResponse:
 
 IGNORED_FIELDS_HEADER = "x-glassformer-ignored-fields"
 
-PROTECTED = ("/v1/", "/metrics", "/lab/api/")  # the page itself (/, /lab/static) stays open
+# the page itself (/, /lab/static) stays open
+PROTECTED = ("/v1/", "/metrics", "/lab/api/", "/tokenize", "/detokenize")
 ENDPOINTS = (
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
-    "/metrics",
+    "/metrics", "/tokenize", "/detokenize",
 )  # fmt: skip
 MODEL_ENDPOINT = "/v1/models/{id}"  # one series for every id, not one per name asked for
 

@@ -3,16 +3,16 @@ validated before anything reaches the engine, and the OpenAI-style error object 
 that does not fit.
 
 Every request model forbids fields it does not know, so a parameter this server does not
-implement (logit_bias, tools, echo, ...) is a 400 that names it, never silently ignored. The
-fields of OpenAI's schema that cannot change the output here (store, metadata, user, ...) are
-accepted, type-checked, and listed back as ignored (Ignorable). Values are checked strictly (a
-temperature of "0.7" or an n of 1.5 is refused, not cast).
+implement (logit_bias, min_tokens, tools, echo, ...) is a 400 that names it, never silently
+ignored. The fields of OpenAI's schema that cannot change the output here (store, metadata,
+user, ...) are accepted, type-checked, and listed back as ignored (Ignorable). Values are
+checked strictly (a temperature of "0.7" or an n of 1.5 is refused, not cast).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -155,6 +155,11 @@ class SamplingFields(Ignorable):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # vLLM's and llama.cpp's extras (the CLI's flags of the same names); stop_token_ids are
+    # checked against the vocabulary by the route, which knows it.
+    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False  # generate all max_tokens: no end-of-sequence or end-of-turn stop
 
     _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
 
@@ -220,6 +225,19 @@ class ChatRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a prompt, or a conversation formatted by the chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(Strict):
+    model: str
+    tokens: list[int]
 
 
 class EmbeddingRequest(Ignorable):

@@ -70,6 +70,9 @@ class Reply:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(body.n)]
         self.rows: list[Any] = [None] * body.n
         self.failed: APIError | None = None
+        # A stop token (the server's end-of-turn ids, or the request's stop_token_ids) ends the
+        # text without showing in it, as vLLM's stop_token_ids do.
+        self.stop_ids = {*api.stop_ids, *(body.stop_token_ids or ())}
 
     @property
     def done(self) -> bool:
@@ -84,9 +87,8 @@ class Reply:
             return []
         i = event.index
         if isinstance(event, Tokens):
-            stop_ids = self.api.stop_ids
             for token_id in event.token_ids:
-                if token_id not in stop_ids:
+                if token_id not in self.stop_ids:
                     self._add(i, token_id, self.decoders[i].push(token_id))
             self.logprobs[i] += event.logprobs
             return [self._chunk(i, self._take_text(i), event.logprobs, None, include_usage)]
