@@ -23,7 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.files import KIND_FILE, atomic_write_text, fsync_dir, fsync_tree
+from glassformer.files import (
+    KIND_FILE,
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_dir,
+    fsync_tree,
+)
 from glassformer.interop.checkpoint import (  # noqa: F401  (re-exported: the format's names)
     CONFIG_FILE,
     LATEST_FILE,
@@ -219,6 +225,21 @@ def commit_step_dir(out_dir: str | Path, step: int, tmp: Path, keep_last: int | 
     if keep_last is not None:
         _prune(out_dir, keep_last, final)
     return final
+
+
+def publish_adapter(step_dir: Path, out_dir: Path) -> None:
+    """Copy the step's adapter to the run folder, where peft looks for it. Each file is replaced
+    atomically; a config that changes (a run started over with another rank) is removed first,
+    so a reader never pairs the new weights with the old config: it finds the old adapter, no
+    adapter, or the new one."""
+    weights, config = ((step_dir / name).read_bytes() for name in ADAPTER_FILES)
+    published = out_dir / ADAPTER_FILES[1]
+    if published.is_file() and published.read_bytes() != config:
+        published.unlink()
+        fsync_dir(out_dir)
+    atomic_write_bytes(out_dir / ADAPTER_FILES[0], weights)
+    if not published.is_file():
+        atomic_write_bytes(published, config)
 
 
 # --- reading the trainer's state --------------------------------------------------------------

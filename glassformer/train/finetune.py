@@ -40,7 +40,6 @@ from glassformer.data.folio_chat import (  # noqa: F401  (re-exported: the task'
     folio_chat_records,
     write_folio_jsonl,
 )
-from glassformer.files import atomic_write_bytes, fsync_dir
 from glassformer.interop.checkpoint import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -52,7 +51,7 @@ from glassformer.interop.peft import write_adapter_files
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.nn.lora import apply_lora, trainable_fraction
 from glassformer.tokenizers import longest_token_chars
-from glassformer.train.checkpoint import ADAPTER_FILES
+from glassformer.train.checkpoint import publish_adapter
 from glassformer.train.config import FOLIO_DATA, FinetuneConfig, FinetuneRunConfig
 from glassformer.train.tasks import Task
 from glassformer.train.trainer import ResumePoint, Trainer, TrainResult, evaluate
@@ -336,21 +335,6 @@ def load_examples(
 
 
 # --- the run --------------------------------------------------------------------------------------
-
-
-def publish_adapter(step_dir: Path, out_dir: Path) -> None:
-    """Copy the step's adapter to the run folder, where peft looks for it. Each file is replaced
-    atomically; a config that changes (a run started over with another rank) is removed first,
-    so a reader never pairs the new weights with the old config: it finds the old adapter, no
-    adapter, or the new one."""
-    weights, config = ((step_dir / name).read_bytes() for name in ADAPTER_FILES)
-    published = out_dir / ADAPTER_FILES[1]
-    if published.is_file() and published.read_bytes() != config:
-        published.unlink()
-        fsync_dir(out_dir)
-    atomic_write_bytes(out_dir / ADAPTER_FILES[0], weights)
-    if not published.is_file():
-        atomic_write_bytes(published, config)
 
 
 DEFAULT_MAX_SEQ_LEN = 512
