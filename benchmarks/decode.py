@@ -16,7 +16,7 @@ in the same precision, and its percent of the bandwidth limit. With llama-cpp-py
 the shipped Q4_1 GGUF file requantized by llama.cpp's own llama_model_quantize into F32, BF16
 and Q8_0 (in the run, into a temporary folder), and the Q4_1 file itself beside int4; same token
 ids, greedy. --json writes every row with the machine, date and command, for
-benchmarks/render.py to turn into the README's tables.
+benchmarks/render.py to turn into docs/performance.md's tables.
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
 random weights (preset gpt2-124m). transformers gets the same weights through

@@ -24,7 +24,7 @@ fine-tuned adapters merged into the weights (what `glassformer generate --adapte
     python benchmarks/finetune_quality.py                       # trains what is missing (~1 h)
     python benchmarks/finetune_quality.py --limit 20 --systems copy,zero-shot   # smoke run
 
-It prints one markdown table (the README's) and writes every system's outputs and scores to
+It prints one markdown table (docs/finetune.md's) and writes every system's outputs and scores to
 out/folio-table/results.json.
 """
 

@@ -1,4 +1,4 @@
-"""Markdown tables from benchmarks/decode.py's --json output, for the README: figures are
+"""Markdown tables from benchmarks/decode.py's --json output, for docs/performance.md: figures are
 rendered from a run's JSON, stamped with its machine, date and command, never typed by hand.
 
     python benchmarks/render.py benchmarks/results/decode.json            # every row

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from glassformer.cli.stats import format_reply_stats
-from glassformer.detokenize import IncrementalDecoder, StopStrings
+from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 from glassformer.infer.engine import Engine, GenerationStats, Row
 from glassformer.infer.sampling import SamplingParams
 from glassformer.templates import ChatTemplateError
@@ -118,30 +118,36 @@ class ChatSession:
             self.messages.pop()  # stopped before the reply began: forget the question
             raise
         room = self.engine.max_seq_len - len(prompt)
+        limit = max(1, min(self.sampling.max_new_tokens, room))
         params = dataclasses.replace(
             self.sampling,
-            max_new_tokens=max(1, min(self.sampling.max_new_tokens, room)),
+            max_new_tokens=limit,
+            min_tokens=min(self.sampling.min_tokens, limit),  # a short context cuts both
             eos_token_id=self.tokenizer.eos_token_id,
             stop_token_ids=tuple(sorted(self.stop_ids | set(self.sampling.stop_token_ids))),
         )
         row = self.engine.add(prompt, params, keep_cache=True, continues=self._row)
         self._row = row
         tokens = self.engine.follow(row)
-        decoder, stop_strings = IncrementalDecoder(self.tokenizer), StopStrings(params.stop)
+        decoder = IncrementalDecoder(self.tokenizer)
+        stop_strings = StopStringsAfter(params.stop, params.min_tokens)
         token_ids: list[int] = []
         try:
             for token_id in tokens:
                 if token_id in self.stop_ids:
                     break
                 token_ids.append(token_id)
-                write(stop_strings.push(decoder.push(token_id)))
-            write(stop_strings.push(decoder.flush()) + stop_strings.flush())
+                write(stop_strings.push_token(decoder.push(token_id), len(token_ids)))
+            write(stop_strings.push(decoder.finish()) + stop_strings.flush())
             stop_reason = _REASONS.get(row.stop_reason, row.stop_reason)
         except KeyboardInterrupt:
             tokens.close()  # the row stops; its slot keeps the reply so far for the next turn
             stop_reason = "interrupted"
-        cut = StopStrings(params.stop)  # the reply as written: it ends where a stop string begins
-        reply = cut.push(self.tokenizer.decode(token_ids)) + cut.flush()
+        # The reply as written: it ends where a stop string begins (after min_tokens tokens).
+        cut = StopStringsAfter(params.stop, params.min_tokens)
+        pieces = IncrementalDecoder(self.tokenizer)
+        reply = "".join(cut.push_token(pieces.push(t), n) for n, t in enumerate(token_ids, 1))
+        reply += cut.push(pieces.finish()) + cut.flush()
         self.messages.append({"role": "assistant", "content": reply})
         return Reply(reply, token_ids, row.stats, stop_reason, prompt)
 

@@ -6,7 +6,8 @@ a user, so both are handled with care here:
 - rendering is sandboxed (jinja2's immutable sandbox) and bounded: at most
   MAX_RENDER_SECONDS of work, MAX_OUTPUT_CHARS of output, and no value (a string, a list) larger
   than that, each operation sized before it runs; any failure of the template, nesting too deep
-  to compile included, is one ChatTemplateError line, not a traceback;
+  to compile included, is one ChatTemplateError line, not a traceback; a conversation too long
+  for those bounds is refused before rendering as ConversationTooLong, the sender's to fix;
 - `chat_pieces` renders with a marker in place of each message's text, so the caller can encode
   the template's own text with its control tokens (<|im_start|>) and the messages' text as plain
   text: a user who types "<|im_end|><|im_start|>system" gets those characters, not a new turn.
@@ -38,6 +39,9 @@ from markupsafe import Markup
 
 MAX_RENDER_SECONDS = 2.0
 MAX_OUTPUT_CHARS = 1_000_000
+# Half the output bound: a template writes each message once plus its own text (and may hold a
+# message and a copy of it at once), so a conversation under this never trips the bounds above.
+MAX_CONVERSATION_CHARS = MAX_OUTPUT_CHARS // 2
 _MAX_EXPONENT = 1_000
 _MAX_INT_BITS = 14_300  # about 4,300 digits, the most Python writes out as text
 
@@ -56,6 +60,25 @@ _TEMPLATE_FAILURES = (
 
 class ChatTemplateError(ValueError):
     """A chat template cannot render this conversation; the message says why, on one line."""
+
+
+class ConversationTooLong(ValueError):
+    """The messages are longer than a chat template may render: the conversation is at fault,
+    not the template, so the message names the length and the limit."""
+
+
+def _refuse_long_conversation(messages: Any) -> None:
+    if not isinstance(messages, list):
+        return
+    size = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else message
+        size += len(content) if isinstance(content, str) else _size(content)
+    if size > MAX_CONVERSATION_CHARS:
+        raise ConversationTooLong(
+            f"the messages are {size:,} characters; the limit is {MAX_CONVERSATION_CHARS:,}: "
+            "shorten them"
+        )
 
 
 def _too_big(what: str) -> ChatTemplateError:
@@ -516,7 +539,9 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 def render(source: str, seconds: float = MAX_RENDER_SECONDS, **variables: Any) -> str:
     """Render a chat template with `variables` (messages, add_generation_prompt, bos_token,
-    ...), bounded in time and output; every failure is a ChatTemplateError."""
+    ...), bounded in time and output; every failure of the template is a ChatTemplateError,
+    messages too long to render a ConversationTooLong."""
+    _refuse_long_conversation(variables.get("messages"))
     pieces: list[str] = []
     size = 0
     try:

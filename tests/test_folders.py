@@ -324,6 +324,8 @@ def test_a_killed_runs_temporary_files_are_removed_when_it_resumes(
     for name in junk:
         (run / name).write_text("half")
     (run / ".tmp-step-000006-abcd").mkdir()
+    (run / ".pruned-step-000001-abcd").mkdir()  # killed while deleting a pruned step
+    (run / ".pruned-step-000001-abcd" / "config.json").write_text("{}")
     step4 = run / "step-000004"
     os.rename(step4, run / ".old-step-000004-1234abcd")  # died between a save's two renames
     before = tree(run)
@@ -359,3 +361,38 @@ def test_resume_of_a_run_with_a_config_json_at_its_top_is_one_line(
     capsys.readouterr()
     assert main(["train", "--config", str(config), "--no-progress", "--resume"]) == 2
     assert "holds a model's config.json at its top" in one_error_line(capsys)
+
+
+def test_a_kill_while_pruning_an_old_step_never_leaves_a_half_deleted_step(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # The CI failure of 2026-12-03: a kill -9 inside rmtree of a pruned step left step-NNNNNN
+    # with some files gone. An old step leaves sight with one rename before it is deleted.
+    import shutil
+
+    from glassformer.train import checkpoint
+
+    def save(step: int) -> None:
+        tmp = checkpoint.begin_step_dir(tmp_path, step)
+        for name in ("config.json", "model.safetensors", "adapter_model.safetensors"):
+            (tmp / name).write_text(f"{name} {step}")
+        checkpoint.commit_step_dir(tmp_path, step, tmp, keep_last=2)
+
+    save(1)
+    save(2)
+    real_rmtree = shutil.rmtree
+
+    def killed_halfway(path, *args, **kwargs):  # deletes one file, then the process "dies"
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        save(3)  # prunes step 1
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    for step in tmp_path.glob("step-*"):  # whatever a reader sees is a whole step
+        assert sorted(p.name for p in step.iterdir()) == [
+            "adapter_model.safetensors", "config.json", "model.safetensors"
+        ], step  # fmt: skip
+    checkpoint.remove_leftovers(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000003"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import glassformer as gf
+from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams, penalize_counts, token_logprobs
 from glassformer.server.metrics import Metrics
 from glassformer.server.scheduler import (
@@ -38,10 +39,18 @@ def tiny_model() -> torch.nn.Module:
 
 
 def make_scheduler(
-    model, max_batch=4, max_queue=16, cache_bytes=1 << 30, request_timeout_s=None
+    model,
+    max_batch=4,
+    max_queue=16,
+    cache_bytes=1 << 30,
+    request_timeout_s=None,
+    prefill_chunk=PREFILL_CHUNK,
 ) -> Scheduler:
     engine = gf.Engine(model, max_rows=2 * max_batch)
-    return Scheduler(engine, max_batch, max_queue, cache_bytes, Metrics(), request_timeout_s)
+    metrics = Metrics()
+    return Scheduler(
+        engine, max_batch, max_queue, cache_bytes, metrics, request_timeout_s, prefill_chunk
+    )
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -74,11 +83,12 @@ def model():
     return tiny_model()
 
 
-def test_concurrent_rows_equal_engine_generate_alone(model):
+@pytest.mark.parametrize("prefill_chunk", [None, 2, PREFILL_CHUNK])
+def test_concurrent_rows_equal_engine_generate_alone(model, prefill_chunk):
     prompts = [[3, 14, 15, 9, 2, 6], [1], [7, 7, 8, 20, 21, 22, 23, 24, 25], [30, 2, 5], [4, 4]]
     params = [greedy(6 + 3 * i) for i in range(len(prompts))]
     params[1] = SamplingParams(temperature=0.9, seed=5, max_new_tokens=9, eos_token_id=NO_EOS)
-    scheduler = make_scheduler(model, max_batch=3)  # five requests: two wait for a slot
+    scheduler = make_scheduler(model, max_batch=3, prefill_chunk=prefill_chunk)  # two wait
     scheduler.start()
     try:
         results = asyncio.run(serve(scheduler, list(zip(prompts, params, strict=True))))
@@ -92,8 +102,9 @@ def test_concurrent_rows_equal_engine_generate_alone(model):
     assert max(row.stats.batch_size for _, row in results) == 3
 
 
-def test_a_prompt_extending_a_parked_row_prefills_only_the_new_part(model):
-    scheduler = make_scheduler(model)
+@pytest.mark.parametrize("prefill_chunk", [None, 2])
+def test_a_prompt_extending_a_parked_row_prefills_only_the_new_part(model, prefill_chunk):
+    scheduler = make_scheduler(model, prefill_chunk=prefill_chunk)
     scheduler.start()
     try:
         [(first, _)] = asyncio.run(serve(scheduler, [([3, 14, 15, 9], greedy(5))]))
@@ -106,6 +117,48 @@ def test_a_prompt_extending_a_parked_row_prefills_only_the_new_part(model):
         second
         == gf.Engine(model).generate(follow_up, 5, temperature=0.0, eos_token_id=NO_EOS).token_ids
     )
+
+
+def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled_in_chunks(model):
+    """A 30-token prompt joins a running stream with a budget of 4 tokens a turn: it takes 8
+    turns to its first token, and in each of them the running row gets its token; both
+    produce what Engine.generate gives alone."""
+    scheduler = make_scheduler(model, prefill_chunk=4)
+    engine = scheduler.engine
+    long_prompt = [(5 * i) % 40 for i in range(1, 31)]
+    turns = []  # after each step: (running row's tokens, long row's tokens or None)
+    step = engine.step
+
+    def recorded_step():
+        time.sleep(0.005)  # the running row lasts while the long prompt arrives
+        got = step()
+        by_prompt = {len(row.prompt): len(row.tokens) for row in engine.rows[: engine.n_held]}
+        turns.append((by_prompt.get(3), by_prompt.get(30)))
+        return got
+
+    engine.step = recorded_step
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        running = Request([([1, 2, 3], greedy(40))], loop)
+        scheduler.submit(running)
+        await asyncio.wait_for(running.events.get(), 5)  # it streams
+        collected = serve(scheduler, [(long_prompt, greedy(3))])
+        return await collected
+
+    scheduler.start()
+    try:
+        [(tokens, _)] = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    prefilling = [i for i, (_, long) in enumerate(turns) if long == 0]
+    assert len(prefilling) == 7  # chunks 1-7 of 8: the 8th gives the first token
+    first_of_long = prefilling[-1] + 1
+    assert turns[first_of_long][1] == 1
+    for before, after in zip(prefilling, [*prefilling[1:], first_of_long], strict=True):
+        assert turns[after][0] == turns[before][0] + 1  # the running row kept its pace
+    alone = gf.Engine(model).generate(long_prompt, 3, temperature=0.0, eos_token_id=NO_EOS)
+    assert tokens == alone.token_ids
 
 
 def test_parked_rows_stay_within_their_byte_budget(model):
@@ -137,7 +190,7 @@ def test_a_cancelled_request_frees_its_slot(model):
         assert asyncio.run(run()) == 3
     finally:
         scheduler.stop()
-    assert scheduler.engine.n_live == 0
+    assert scheduler.engine.n_held == 0
 
 
 def test_a_full_queue_refuses_and_queues_nothing(model):
@@ -229,7 +282,7 @@ def test_an_engine_failure_while_starting_fails_every_job_it_holds(model, monkey
     assert [e.status for e in events] == [500] * 5
     assert len(after[0][0]) == 3
     assert not (scheduler.running or scheduler.waiting or scheduler.starting)
-    assert engine.n_live == 0
+    assert engine.n_held == 0
 
 
 def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(model, monkeypatch):
@@ -250,13 +303,13 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(model, monkeypa
     try:
         events = asyncio.run(run())
         deadline = time.monotonic() + 2
-        while (engine.n_live or scheduler.running) and time.monotonic() < deadline:
+        while (engine.n_held or scheduler.running) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         scheduler.stop()
     assert [(e.status, e.code) for e in events] == [(504, "request_timeout")] * 2
     assert "--request-timeout" in events[0].message
-    assert engine.n_live == 0 and not scheduler.running and not scheduler.waiting
+    assert engine.n_held == 0 and not scheduler.running and not scheduler.waiting
 
 
 def test_stopping_the_scheduler_fails_what_it_holds(model, monkeypatch):

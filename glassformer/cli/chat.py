@@ -28,12 +28,13 @@ def cmd_chat(args: argparse.Namespace) -> None:
     """
     from glassformer.chat import ChatSession, run_chat
     from glassformer.infer.engine import Engine
-    from glassformer.infer.sampling import SamplingParams
+    from glassformer.infer.sampling import SamplingParams, check_logit_bias_ids
 
     options = DecodeOptions.from_args(args)
     model, tokenizer = load_for_decode(args.model, options, "chat needs one with a chat template")
     thinking, suffix = thinking_options(args, tokenizer, args.model)
     sampling = SamplingParams(**sampling_kwargs(args, eos_token_id=None), **thinking)
+    check_logit_bias_ids(sampling.logit_bias, model.cfg.vocab_size)  # before any turn starts
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")

@@ -92,6 +92,21 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
+def logit_bias_entries(text: str) -> list[tuple[int, float]]:
+    """--logit-bias ID=BIAS[,ID=BIAS...]: (token id, bias) pairs; SamplingParams checks the
+    ranges and the whole set."""
+    pairs = []
+    for entry in text.split(","):
+        token, _, bias = entry.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{entry.strip()!r} is not ID=BIAS: give a token id and a bias, e.g. 50256=-100"
+            ) from None
+    return pairs
+
+
 def seed(text: str) -> int:
     """A seed as torch takes it: a whole number in 0..2**64-1."""
     value = _whole_number(text)
@@ -180,6 +195,24 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
         help="stop once the generated text contains TEXT (repeat the flag for several)",
     )
     p.add_argument("--seed", type=seed, help="seed for reproducible sampling")
+    p.add_argument(
+        "--min-tokens",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="generate at least N tokens: until then the end-of-sequence and stop tokens cannot "
+        "be sampled and --stop strings do not match (vLLM's min_tokens; default 0)",
+    )
+    p.add_argument(
+        "--logit-bias",
+        type=logit_bias_entries,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit before sampling, greedy too: -100 bans "
+        "the token, 100 all but forces it (OpenAI's logit_bias); repeat the flag or separate "
+        "entries with commas, e.g. 13=-100,50256=5",
+    )
 
 
 def add_thinking_flags(p: argparse.ArgumentParser) -> None:
@@ -238,6 +271,8 @@ def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
         "stop": tuple(args.stop),
         "seed": args.seed,
         "eos_token_id": eos_token_id,
+        "min_tokens": args.min_tokens,
+        "logit_bias": [pair for entries in args.logit_bias for pair in entries],
     }
 
 

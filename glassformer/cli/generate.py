@@ -31,9 +31,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     when all are done.
     """
     from glassformer.infer.engine import Engine
+    from glassformer.infer.sampling import check_logit_bias_ids
 
     options = DecodeOptions.from_args(args, compile=args.compile)
     model, tokenizer = load_for_decode(args.model, options, "generate needs one to encode text")
+    check_logit_bias_ids(sampling_kwargs(args, None)["logit_bias"], model.cfg.vocab_size)
     if args.show_top and (len(args.prompt) > 1 or args.compile):
         raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
     args.thinking, args.prompt_suffix = thinking_options(args, tokenizer, args.model)
@@ -50,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
     """One prompt: print it, then each piece of text as soon as its tokens are complete."""
-    from glassformer.detokenize import IncrementalDecoder, StopStrings
+    from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 
     prompt = args.prompt[0]
     stream = engine.stream(
@@ -59,14 +61,16 @@ def _generate_stream(args: argparse.Namespace, engine, tokenizer) -> None:
         **args.thinking,
         on_full_context=args.on_full_context,
     )
-    decoder, stop_strings = IncrementalDecoder(tokenizer), StopStrings(args.stop)
+    # The engine's rule for the printed text: stop strings match after --min-tokens tokens.
+    decoder = IncrementalDecoder(tokenizer)
+    stop_strings = StopStringsAfter(args.stop, args.min_tokens)
     sys.stdout.write(prompt)
-    for token_id in stream:
+    for n_generated, token_id in enumerate(stream, start=1):
         if token_id == tokenizer.eos_token_id:
             continue  # the end-of-sequence marker is a stop signal, not text
-        sys.stdout.write(stop_strings.push(decoder.push(token_id)))
+        sys.stdout.write(stop_strings.push_token(decoder.push(token_id), n_generated))
         sys.stdout.flush()
-    sys.stdout.write(stop_strings.push(decoder.flush()) + stop_strings.flush() + "\n")
+    sys.stdout.write(stop_strings.push(decoder.finish()) + stop_strings.flush() + "\n")
     sys.stdout.flush()
     if args.stats:
         print(format_stats(stream.stats), file=sys.stderr)

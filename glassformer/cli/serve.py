@@ -26,6 +26,7 @@ from glassformer.cli.common import (
     tcp_port,
     thinking_options,
 )
+from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.memory import available_memory_bytes
 
 _ADDRESS_HINT = "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
@@ -140,6 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         thinking_budget=thinking.get("thinking_budget"),
         request_timeout_s=args.request_timeout or None,
         max_body_bytes=args.max_body_mb * 2**20,
+        prefill_chunk=args.prefill_chunk or None,
     )
     app = create_app(served, server_options)
     engine = app.state.scheduler.engine
@@ -197,6 +199,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="KV-cache MiB that finished conversations may keep for their next turn (default "
         "256; 0 turns prefix reuse off)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=non_negative_int,
+        default=PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="the most prompt tokens one engine step prefills, beside decoding the running "
+        "requests: a long prompt, or many at once, is prefilled in chunks across steps, so "
+        "running streams keep their pace (vLLM's max_num_batched_tokens, llama.cpp's "
+        f"--batch-size). 0 prefills each new prompt whole, running streams waiting (default "
+        f"{PREFILL_CHUNK})",
     )
     p.add_argument(
         "--request-timeout",

@@ -5,15 +5,19 @@ The engine owns a cache of R row slots. `add` puts a prompt into a free slot (it
 at once, its first token is sampled); `step` decodes one token for every active row in one
 batched forward, each row at its own position with its own SamplingParams and generator; a
 row that stops (eos, stop token or string, max_new_tokens, full context, cancel) leaves and
-its slot is free for the next `add`. This is continuous batching (vLLM's scheduler in
-miniature): a row that joins while others are mid-generation produces exactly the tokens it
-produces alone. `generate`, `stream` and `generate_batch` are thin loops over add and step;
-CompiledDecoder (infer/compiled.py) is this engine with a compiled decode forward, and
-SpeculativeDecoder (infer/speculative.py) with a speculative round as its step.
+its slot is free for the next `add`. With a prefill_chunk budget (infer/prefill.py) `add`
+only takes the slot: each `step` then decodes the live rows and prefills at most that many
+prompt tokens, so a long prompt, or many at once, never stalls the rows already decoding.
+This is continuous batching (vLLM's scheduler in miniature): a row that joins while others
+are mid-generation produces exactly the tokens it produces alone. `generate`, `stream` and
+`generate_batch` are thin loops over add and step (infer/loops.py); CompiledDecoder
+(infer/compiled.py) is this engine with a compiled decode forward, and SpeculativeDecoder
+(infer/speculative.py) with a speculative round as its step.
 
-Live rows always fill the first slots, so a step reads one contiguous block of the cache. A
-row added with keep_cache=True is parked when it finishes (its slot keeps its keys/values)
-and the next turn of a conversation continues it, prefilling only the new tokens.
+Live rows always fill the first slots, so a step reads one contiguous block of the cache; rows
+still prefilling come next, parked rows last. A row added with keep_cache=True is parked when
+it finishes (its slot keeps its keys/values) and the next turn of a conversation continues
+it, prefilling only the new tokens.
 
 The engine knows token ids, not text: given a tokenizer it also follows each row's text, for
 stop strings. Every row reports time to first token, decode tokens/s and KV-cache bytes.
@@ -22,13 +26,15 @@ stop strings. Every row reports time to first token, decode tokens/s and KV-cach
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from glassformer import kernels
 from glassformer.infer.fused import FusedStep
+from glassformer.infer.loops import Loops
+from glassformer.infer.prefill import Chunk, Pending, check_budget, forwards, plan
 from glassformer.infer.rows import (
     GenerationResult,
     GenerationStats,
@@ -39,7 +45,7 @@ from glassformer.infer.rows import (
     common_prefix_length,
     prompt_tensor,
 )
-from glassformer.infer.sampling import MAX_SEED, SamplingParams, resolve_eos
+from glassformer.infer.sampling import SamplingParams, check_logit_bias_ids, resolve_eos
 from glassformer.nn.kv_cache import KVCache
 
 __all__ = [
@@ -55,7 +61,7 @@ __all__ = [
 ON_FULL_CONTEXT = ("stop", "shift")
 
 
-class Engine:
+class Engine(Loops):
     """Generates from any model that offers `new_cache(batch_size, max_seq_len)` (a cache with
     rows/move_row/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
@@ -67,6 +73,10 @@ class Engine:
         runs everything through the torch modules, the reference the fast path is tested against.
         Build the Engine after changing the model (quantizing, casting, swapping modules): the
         fused step reads the weights it saw.
+    prefill_chunk: the most prompt tokens one step prefills (vLLM's max_num_batched_tokens,
+        llama.cpp's n_batch); then add/add_many only take slots and the prompts are prefilled,
+        oldest first, across the next steps, beside the live rows' decoding. None (the
+        default): each prompt is prefilled whole in add/add_many, its first token sampled there.
     """
 
     def __init__(
@@ -76,6 +86,7 @@ class Engine:
         max_seq_len: int | None = None,
         tokenizer=None,
         fast: bool = True,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.fused = FusedStep.for_model(model) if fast else None
@@ -92,8 +103,23 @@ class Engine:
         )
         self.tokenizer = tokenizer
         self.cache = None
-        self.rows: list[Row] = []  # by slot: live rows first, then parked ones
+        self.rows: list[Row] = []  # by slot: live rows, then pending ones, then parked ones
         self.n_live = 0
+        self.pending: list[Pending] = []  # rows still prefilling, oldest first
+        self.prefill_chunk = prefill_chunk
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self._prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int | None) -> None:
+        self._prefill_chunk = check_budget(value)
+
+    @property
+    def n_held(self) -> int:
+        """Slots of rows not parked: live ones, then those still prefilling."""
+        return self.n_live + len(self.pending)
 
     # --- slots --------------------------------------------------------------------------------
 
@@ -116,11 +142,12 @@ class Engine:
         self.rows[slot], row.slot = row, slot
 
     def _swap(self, a: int, b: int) -> None:
-        """Exchange two slots' rows and their keys/values."""
+        """Exchange two slots' rows and their keys/values: len(context) positions, one more than
+        a live row holds, as a row whose prompt was just prefilled holds all of it."""
         if a == b:
             return
         row_a, row_b = self.rows[a], self.rows[b]
-        self.cache.swap_rows(a, b, max(row_a.length, row_b.length))
+        self.cache.swap_rows(a, b, max(len(row_a.context), len(row_b.context)))
         self._place(row_a, b)
         self._place(row_b, a)
 
@@ -129,12 +156,13 @@ class Engine:
         last_live = self.n_live - 1
         self._swap(row.slot, last_live)  # now the last live slot; live rows stay contiguous
         self.n_live -= 1
+        self._swap(row.slot, self.n_held)  # behind the rows still prefilling
         if not row.keep_cache:
             self.release(row)
 
     def release(self, row: Row) -> None:
         """Free a parked row's slot (a conversation that will not continue)."""
-        if row not in self.rows[self.n_live :]:
+        if row not in self.rows[self.n_held :]:
             return
         last = len(self.rows) - 1
         self._swap(row.slot, last)
@@ -152,7 +180,8 @@ class Engine:
         keep_cache: bool = False,
         continues: Row | None = None,
     ) -> Row:
-        """Prefill a prompt into a free slot and sample its first token; returns its Row.
+        """Prefill a prompt into a free slot and sample its first token; returns its Row. With
+        a prefill_chunk budget the row only takes its slot: step() prefills it.
 
         keep_cache: when the row finishes, park its slot with its keys/values for a next turn.
         continues: such a parked Row whose conversation the prompt continues: only the
@@ -167,9 +196,9 @@ class Engine:
             self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
             cached = 0
         row.stats.cached_prompt_tokens = cached
-        with torch.inference_mode():
-            logits = self._prefill(row, row.prompt[cached:], cached)
-        self._first_token(row, logits)
+        self.pending.append(Pending(row, cached))
+        if self.prefill_chunk is None:
+            self._prefill_pending()
         return row
 
     def add_many(
@@ -187,7 +216,9 @@ class Engine:
         keys/values past a row's end, which the causal mask hides and the row's own decode
         steps overwrite; caches that could not hide them (a sliding window's ring overwrites
         keys still in the window, a recurrent state folds every token in) prefill one row at
-        a time instead. Rows continuing a conversation go through add(continues=...)."""
+        a time instead. Rows continuing a conversation go through add(continues=...). With a
+        prefill_chunk budget the rows only take their slots: step() prefills them, several
+        short prompts still in one forward."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: one each")
         rows = [
@@ -209,13 +240,9 @@ class Engine:
             )
         for row in rows:
             self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
-        with torch.inference_mode():
-            if len(rows) > 1 and type(self.cache) is KVCache:
-                logits = self._prefill_many(rows)
-            else:
-                logits = torch.cat([self._prefill(row, row.prompt, 0) for row in rows])
-        for row, row_logits in zip(rows, logits, strict=True):
-            self._first_token(row, row_logits[None])
+            self.pending.append(Pending(row, 0))
+        if self.prefill_chunk is None:
+            self._prefill_pending()
         return rows
 
     def _new_row(
@@ -237,6 +264,7 @@ class Engine:
             )
         prompt = checked_prompt(self.model, prompt_ids)
         eos = resolve_eos(params.eos_token_id, self.model.cfg)
+        check_logit_bias_ids(params.logit_bias, self.model.cfg.vocab_size)  # before a slot
         row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
         row.stats = self.new_stats(len(prompt))
         row.keep_cache = keep_cache
@@ -256,7 +284,8 @@ class Engine:
         return GenerationStats(prompt_tokens=prompt_tokens)
 
     def _take_slot(self, row: Row, wanted: int) -> None:
-        """Put a new row into the first free slot (right after the live ones)."""
+        """Put a new row into the first free slot (right after the live and pending ones); the
+        caller queues it in self.pending."""
         if self.max_rows is not None:
             self.reserve(self.max_rows, self.slot_len)
         elif not self.rows:
@@ -265,7 +294,8 @@ class Engine:
         if len(self.rows) >= cache.batch_size:
             raise ValueError(
                 f"all {cache.batch_size} row slots are busy ({self.n_live} generating, "
-                f"{len(self.rows) - self.n_live} parked): step() until a row finishes, "
+                f"{len(self.pending)} prefilling, {len(self.rows) - self.n_held} parked): "
+                "step() until a row finishes, "
                 "release() a parked one, or create the Engine with a larger max_rows"
             )
         if len(row.prompt) > cache.max_seq_len:
@@ -276,8 +306,7 @@ class Engine:
             )
         self.rows.append(row)
         row.slot = len(self.rows) - 1
-        self._swap(row.slot, self.n_live)  # the first parked row (if any) moves behind it
-        self.n_live += 1
+        self._swap(row.slot, self.n_held)  # the first parked row (if any) moves behind it
 
     def _resume(self, row: Row, parked: Row) -> int:
         """Hand a parked row's slot to the row continuing it; returns how many of its prompt's
@@ -285,7 +314,7 @@ class Engine:
         may render the last reply in other tokens than were sampled), always leaving one
         token to prefill. A ring or recurrent cache cannot forget its newest positions, so
         it keeps them only when the prompt continues all of them."""
-        if parked not in self.rows[self.n_live :]:
+        if parked not in self.rows[self.n_held :]:
             raise ValueError(
                 "continues= must be a finished row added with keep_cache=True whose slot is "
                 "still parked: add the whole conversation as a new row instead"
@@ -299,11 +328,31 @@ class Engine:
                 f"the prompt has {len(row.prompt)} tokens but a row slot holds "
                 f"{self.cache.max_seq_len} positions: shorten the prompt"
             )
-        self._swap(parked.slot, self.n_live)
-        self._place(row, self.n_live)
+        self._swap(parked.slot, self.n_held)  # the first parked slot, behind the pending rows
+        self._place(row, self.n_held)
         parked.slot = -1
-        self.n_live += 1
         return shared
+
+    def _prefill_pending(self) -> list[Row]:
+        """Prefill this step's chunks of the pending prompts (all of every prompt without a
+        budget); a row whose prompt is then whole samples its first token and joins the live
+        rows. Returns those rows."""
+        chunks = plan(self.pending, self.prefill_chunk)
+        whole: list[tuple[Row, Tensor]] = []
+        with torch.inference_mode():
+            for group in forwards(chunks, batched=type(self.cache) is KVCache):
+                logits = self._prefill_chunks(group)  # (n, V)
+                for chunk, row_logits in zip(group, logits, strict=True):
+                    if chunk.last:
+                        whole.append((chunk.row, row_logits[None]))
+        for waiting, chunk in zip(self.pending, chunks, strict=False):  # chunks follow pending
+            waiting.done = chunk.stop
+        for row, logits in whole:
+            self.pending = [waiting for waiting in self.pending if waiting.row is not row]
+            self._swap(row.slot, self.n_live)  # the first pending slot: now the last live one
+            self.n_live += 1
+            self._first_token(row, logits)
+        return [row for row, _ in whole]
 
     def _prefill(self, row: Row, new_ids: list[int], start: int) -> Tensor:
         """Run a row's new tokens (positions start..) through its slot -> logits (1, V)."""
@@ -315,30 +364,37 @@ class Engine:
         with self._linears():
             return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
 
-    def _prefill_many(self, rows: list[Row]) -> Tensor:
-        """New rows in consecutive slots, prefilled in one forward -> logits (n, V), in the
-        order of `rows`: the prompts right-padded (token 0) to the longest, all at positions
-        0..T-1, each row's logits read at its own last prompt token."""
-        slots = sorted(row.slot for row in rows)
-        first = slots[0]
-        assert slots == list(range(first, first + len(rows))), "new rows fill consecutive slots"
-        view = self.cache.rows(first, first + len(rows))
-        view.reset()
+    def _prefill_chunks(self, group: list[Chunk]) -> Tensor:
+        """Chunks of rows in consecutive slots, all from one position, in one forward -> the
+        logits (n, V) at each chunk's last token: the chunks right-padded (token 0) to the
+        longest (a single chunk is _prefill's)."""
+        if len(group) == 1:
+            (chunk,) = group
+            return self._prefill(chunk.row, chunk.ids, chunk.start)
+        first, start = group[0].row.slot, group[0].start
+        view = self.cache.rows(first, first + len(group))
+        if start == 0:
+            view.reset()
         device = self.model.device
-        longest = max(len(row.prompt) for row in rows)
-        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=device)  # (n, T)
-        for row in rows:
-            ids[row.slot - first, : len(row.prompt)] = torch.tensor(row.prompt, device=device)
-        positions = torch.arange(longest, device=device)
+        longest = max(len(chunk.ids) for chunk in group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long, device=device)  # (n, T)
+        for i, chunk in enumerate(group):
+            ids[i, : len(chunk.ids)] = torch.tensor(chunk.ids, device=device)
+        positions = torch.arange(start, start + longest, device=device)
         with self._linears():
             hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
-        last = torch.tensor([len(row.prompt) - 1 for row in rows], device=device)
-        in_slot_order = torch.tensor([row.slot - first for row in rows], device=device)
-        return self.model.lm_head(hidden[in_slot_order, last])  # (n, V)
+        last = torch.tensor([len(chunk.ids) - 1 for chunk in group], device=device)
+        return self.model.lm_head(hidden[torch.arange(len(group), device=device), last])
 
     def step(self) -> list[Row]:
-        """Decode one token for every live row; returns the rows that got one (rows that
-        finish leave their slots before step returns)."""
+        """Decode one token for every live row, then prefill this step's chunks of the pending
+        prompts (a row whose prompt is then whole gets its first token and decodes from the
+        next step). Returns the rows that got a token (rows that finish leave their slots
+        before step returns)."""
+        decoded = self._decode_live()
+        return decoded + (self._prefill_pending() if self.pending else [])
+
+    def _decode_live(self) -> list[Row]:
         for row in self.rows[: self.n_live]:
             if row.length >= self.cache.max_seq_len and row.on_full_context == "stop":
                 row.stop("context_full")
@@ -390,111 +446,20 @@ class Engine:
         row.stats.kv_cache_bytes = self.cache.row_bytes(row.length)
 
     def cancel(self, row: Row) -> None:
-        """Stop a live row now (a client went away); its slot is free at once."""
-        if not row.finished and row in self.rows[: self.n_live]:
+        """Stop a live or pending row now (a client went away); its slot is free at once (a
+        pending row's is freed, never parked: its prompt is only partly in it)."""
+        if row.finished:
+            return
+        if row in self.rows[: self.n_live]:
             row.stop("cancelled")
             self._leave(row)
+        elif any(waiting.row is row for waiting in self.pending):
+            row.stop("cancelled")
+            self.pending = [waiting for waiting in self.pending if waiting.row is not row]
+            self._swap(row.slot, self.n_held)  # behind the pending rows: among the parked
+            self.release(row)
 
-    # --- thin uses: one prompt, or a batch, from start to finish ------------------------------
-
-    def stream(
-        self,
-        prompt_ids: Sequence[int] | Tensor,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
-        on_full_context: str = "stop",
-        **sampling,
-    ) -> TokenStream:
-        """Yield new token ids one by one as they are sampled. Further keywords are
-        SamplingParams fields (min_p, repetition_penalty, stop, stop_token_ids)."""
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **sampling,
-        )  # fmt: skip
-        row = self.add(prompt_ids, params, on_full_context=on_full_context)
-        return TokenStream(self.follow(row), row.stats)
-
-    def follow(self, row: Row) -> Iterator[int]:
-        """A row's tokens as they come, stepping the engine while the row is live. Inference
-        mode is entered per step, never across a yield, and an abandoned stream cancels its row
-        (closing the generator runs the finally)."""
-        try:
-            sent = 0
-            while True:
-                while sent < len(row.tokens):
-                    sent += 1
-                    yield row.tokens[sent - 1]
-                if row.finished:
-                    return
-                self.step()
-        finally:
-            self.cancel(row)
-
-    def generate(
-        self, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int = 64, *args, **kwargs
-    ) -> GenerationResult:
-        """Generate up to max_new_tokens; temperature 0 means greedy. The other arguments are
-        stream's."""
-        stream = self.stream(prompt_ids, max_new_tokens, *args, **kwargs)
-        return GenerationResult(token_ids=list(stream), stats=stream.stats)
-
-    def generate_batch(
-        self,
-        prompts: Sequence[Sequence[int] | Tensor],
-        max_new_tokens: int = 64,
-        *,
-        seed: int | None = None,
-        on_full_context: str = "stop",
-        **kwargs,
-    ) -> list[GenerationResult]:
-        """Generate for several prompts at once; one result per prompt, in order.
-
-        Every prompt is a row of its own (its own slot, positions and stop), so each produces
-        exactly what it would alone. Row i samples with seed + i, so the rows draw differently
-        and a seed repeats the batch. The other keywords are SamplingParams fields.
-        """
-        rows = self._batch_prompts(prompts)
-        SamplingParams(max_new_tokens=max_new_tokens, seed=seed, **kwargs)  # all checked first
-        longest = max(len(row) for row in rows)
-        if self.max_rows is None and not self.rows:
-            self.reserve(len(rows), min(self.slot_len, longest + max_new_tokens))
-        # More prompts than free slots: each waits for a row to finish (continuous batching).
-        waiting, added = list(enumerate(rows)), []
-        while waiting or any(not row.finished for row in added):
-            while waiting and (self.cache is None or len(self.rows) < self.cache.batch_size):
-                i, prompt = waiting.pop(0)
-                row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
-                params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
-                added.append(self.add(prompt, params, on_full_context=on_full_context))
-            if not self.step() and waiting and len(self.rows) >= self.cache.batch_size:
-                self.add(waiting[0][1])  # no slot will free up (parked rows): the clear error
-        return [row.result() for row in added]
-
-    def _batch_prompts(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
-        """Check every prompt like `add`; errors name the prompt's number (from 1)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Tensor) and prompts.dim() != 2):
-            raise ValueError(
-                "prompts must be a list of prompts, each a list of token ids: encode text "
-                "with the tokenizer, and wrap a single prompt as [prompt_ids]"
-            )
-        rows = list(prompts)
-        if not rows:
-            raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
-        if any(isinstance(row, int) for row in rows):
-            raise ValueError(
-                "prompts is one flat list of token ids: generate_batch takes a list of prompts, "
-                "so wrap a single prompt as [prompt_ids]"
-            )
-        checked = []
-        for number, row in enumerate(rows, start=1):
-            try:
-                if isinstance(row, str):
-                    raise ValueError("got text: encode it with the tokenizer first")
-                checked.append(checked_prompt(self.model, row))
-            except ValueError as error:
-                raise ValueError(f"prompt {number} of {len(rows)}: {error}") from None
-        return checked
+    def clear(self) -> None:
+        """Forget every row and free every slot (after a forward failed midway, no slot's
+        keys/values can be trusted)."""
+        self.rows, self.n_live, self.pending = [], 0, []

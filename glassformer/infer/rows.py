@@ -15,11 +15,14 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from glassformer.detokenize import IncrementalDecoder, StopStrings
+from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 from glassformer.infer.sampling import (
     SamplingParams,
     TokenLogprob,
+    ban_tokens,
+    bias_logits,
     check_finite_logits,
+    check_logit_bias_ids,
     make_generator,
     penalize_counts,
     penalize_repetition,
@@ -165,13 +168,19 @@ class Row:
         # The answer (everything outside the thinking segment) as far as it can be shown: while
         # generating, a tail that could still begin a stop string waits in `stop_strings`.
         self.text = ""
-        self.stop_strings = StopStrings(params.stop)
+        self.stop_strings = StopStringsAfter(params.stop, params.min_tokens)
         self.reasoning = ""  # the thinking segment's text, without its markers
         # Thinking or answer (infer/thinking.py): the prompt may open a segment (a template
         # that ends with "<think>\n", as DeepSeek-R1's does), or the reply's first token.
         think_ids = params.think_ids
         self.segments = Segments(think_ids, prompt) if think_ids is not None else None
         self.thought = 0  # tokens inside the current segment, markers not counted
+        # The logits processors' fixed tensors, made once: logit_bias's ids and biases, and
+        # (on the first step, when the vocabulary is known) the end ids min_tokens bans.
+        bias = params.logit_bias
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+        self.bias_values = torch.tensor([b for _, b in bias], device=device)
+        self.end_ids: Tensor | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
         self.t_start = time.perf_counter()
         self.t_first = 0.0
@@ -194,14 +203,36 @@ class Row:
         record its log-probability and the top candidates (row.logprobs)."""
         check_finite_logits(logits, f"the model's logits at step {len(self.tokens) + 1}")
         params = self.params
+        logits = self.process(logits)
         budget = params.thinking_budget
         if self.thinking and budget is not None and self.thought >= budget:
             # The budget is spent: close the segment now, the model answers from here on.
             self.stats.thinking_forced_end = True
             token = params.think_ids[1]
-            if params.logprobs is not None:
-                self.logprobs.append(token_logprobs(logits, token, params.logprobs))
-            return token
+        else:
+            token = int(sample(logits, params, self.generator))
+        if params.logprobs is not None:
+            # Logprobs of the processed logits (bias, ban, penalties), before temperature and
+            # the cuts: the distribution a temperature-1 row draws from, so a greedy pick is
+            # the top candidate and a banned end token is never listed. vLLM's default
+            # (logprobs_mode="raw_logprobs") reports the logits before every processor instead.
+            self.logprobs.append(token_logprobs(logits, token, params.logprobs))
+        return token
+
+    def process(self, logits: Tensor) -> Tensor:
+        """The logits processors on logits (1, V), in vLLM's order: logit_bias and the
+        min_tokens ban on the end tokens first, then the repetition, presence and frequency
+        penalties (a banned -inf stays -inf under each). Sampling filters come after, in
+        `sample`, so a bias moves greedy picks too."""
+        params = self.params
+        vocab_size = logits.shape[-1]
+        if params.logit_bias:
+            check_logit_bias_ids(params.logit_bias[-1:], vocab_size)  # sorted: the largest id
+            logits = bias_logits(logits, self.bias_ids, self.bias_values)
+        if len(self.tokens) < params.min_tokens:
+            ends = self._end_ids(vocab_size, logits.device)
+            if ends.numel():
+                logits = ban_tokens(logits, ends)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor([self.context], device=logits.device)
             logits = penalize_repetition(logits, seen, params.repetition_penalty)
@@ -210,10 +241,16 @@ class Row:
             logits = penalize_counts(
                 logits, generated, params.presence_penalty, params.frequency_penalty
             )
-        token = int(sample(logits, params, self.generator))
-        if params.logprobs is not None:
-            self.logprobs.append(token_logprobs(logits, token, params.logprobs))
-        return token
+        return logits
+
+    def _end_ids(self, vocab_size: int, device: torch.device) -> Tensor:
+        """The ids that would end this row: its end-of-sequence id and stop token ids (those
+        inside the vocabulary; one outside can never be sampled anyway)."""
+        if self.end_ids is None:
+            ends = {self.eos_token_id, *self.params.stop_token_ids}
+            ids = sorted(i for i in ends if i is not None and 0 <= i < vocab_size)
+            self.end_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        return self.end_ids
 
     def accept(self, token: int, rows_in_step: int) -> None:
         """Append a sampled token, update the statistics and apply every stop rule."""
@@ -246,7 +283,7 @@ class Row:
         own text goes to neither)."""
         kind = self.segments.push(token) if self.segments is not None else "answer"
         if kind == "answer":
-            self.text += self.stop_strings.push(piece)
+            self.text += self.stop_strings.push_token(piece, len(self.tokens))
             return
         self.stats.thinking_tokens += 1
         self.stats.thinking_time_s = now - self.t_start

@@ -2,12 +2,15 @@
 
 Step ⑥ of the seed's pipeline: temperature reshapes the distribution, top-k and top-p cut its
 tail, then one token is drawn. Temperature 0 is greedy ("temperature=0 就是每步都选分数最高的词").
-Shapes: B batch, V vocab.
+Before that the logits processors move single logits: logit_bias, the min_tokens ban on the end
+tokens, and the repetition penalties (infer/rows.py applies them per row).
+Shapes: B batch, V vocab, N the token ids a processor touches.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +143,74 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(entries)
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries per request
+
+
+def normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias (a mapping {token id: bias}, or (id, bias) pairs) as (id, bias) pairs sorted
+    by id, so the frozen SamplingParams stays hashable and equal params compare equal. The
+    ids are checked against a vocabulary where one is known (check_logit_bias_ids)."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs
+    ):
+        raise ValueError(
+            f"logit_bias={bias!r} is not allowed: give a mapping from token id to bias, e.g. "
+            "{50256: -100}"
+        )
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias has {len(pairs)} entries: at most {MAX_LOGIT_BIAS_ENTRIES} are allowed "
+            "(OpenAI's limit); bias fewer tokens"
+        )
+    checked: dict[int, float] = {}
+    for token, value in pairs:
+        if not (_whole(token) and token >= 0):
+            raise ValueError(
+                f"logit_bias key {token!r} is not a token id: use whole numbers >= 0 from the "
+                "tokenizer"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS  # NaN fails this too
+        ):
+            raise ValueError(
+                f"logit_bias gives token {token} the bias {value!r}: use a number in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (-100 bans the token, 100 all but "
+                "forces it, 0 is off)"
+            )
+        if token in checked:
+            raise ValueError(f"logit_bias gives token {token} two biases: give each id once")
+        checked[token] = float(value)
+    return tuple(sorted(checked.items()))
+
+
+def check_logit_bias_ids(logit_bias: Mapping[int, float] | tuple, vocab_size: int) -> None:
+    """Every logit_bias id inside the vocabulary: a bias on an id the model cannot produce
+    would silently do nothing (and index past the logits)."""
+    ids = logit_bias.keys() if isinstance(logit_bias, Mapping) else [t for t, _ in logit_bias]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias names token {bad[0]}, outside the vocabulary of {vocab_size} tokens "
+            f"(ids 0..{vocab_size - 1}): use ids from the model's tokenizer"
+        )
+
+
+def _check_min_tokens(min_tokens: object, max_new_tokens: int) -> None:
+    if not (_whole(min_tokens) and min_tokens >= 0):
+        raise ValueError(
+            f"min_tokens={min_tokens!r} is not allowed: use a whole number >= 0 (0 = off)"
+        )
+    if min_tokens > max_new_tokens:
+        raise ValueError(
+            f"min_tokens={min_tokens} exceeds max_new_tokens={max_new_tokens}: the row could "
+            "never generate that many; lower min_tokens or raise max_new_tokens"
+        )
+
+
 def _stop_token_ids(ids: object) -> tuple[int, ...]:
     entries = (ids,) if _whole(ids) else ids
     if not isinstance(entries, (list, tuple)) or not all(_whole(i) and i >= 0 for i in entries):
@@ -159,12 +230,17 @@ class SamplingParams:
     stops at its end-of-sequence id (eos_token_id: None for the model's own, NO_EOS for none),
     at any of stop_token_ids, once its text contains a stop string (needs the Engine's
     tokenizer), or after max_new_tokens.
+    min_tokens: vLLM's: neither the end-of-sequence id nor any stop token id can be sampled
+    (their logits are -inf) until min_tokens tokens are generated, and stop strings match only
+    in the text after them; at most max_new_tokens.
+    logit_bias: OpenAI's {token id: bias}, bias in [-100, 100] added to the token's logit
+    before the penalties and every sampling cut, greedy included (stored as sorted pairs).
     seed: the row's own generator, so its draws do not depend on the rows beside it.
     presence_penalty / frequency_penalty: OpenAI's penalties, subtracted from the logit of each
     token already generated (once, or once per time it was generated); see penalize_counts.
     logprobs: record each new token's log-probability and that many top candidates (0: the
-    chosen token's only), under the model's distribution after the penalties and before
-    temperature and the cuts (what the model thinks; see token_logprobs).
+    chosen token's only), under the distribution after the logits processors (logit_bias, the
+    min_tokens ban, the penalties) and before temperature and the cuts; see token_logprobs.
     think_ids: (start, end) ids of the model's thinking markers (<think>, </think>; see
     infer/thinking.py): the row then tells thinking tokens from answer tokens.
     thinking_budget: at most this many tokens inside a thinking segment; when they are spent
@@ -186,6 +262,8 @@ class SamplingParams:
     logprobs: int | None = None
     think_ids: tuple[int, int] | None = None
     thinking_budget: int | None = None
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -203,6 +281,7 @@ class SamplingParams:
                 "1.1-1.3 discourages repeats)"
             )
         check_max_new_tokens(self.max_new_tokens)
+        _check_min_tokens(self.min_tokens, self.max_new_tokens)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -218,12 +297,24 @@ class SamplingParams:
         make_generator(self.seed)  # checks the seed
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         # Below GREEDY_BELOW every logit gap over 0.001 is scaled past exp()'s float32 range,
         # and a subnormal temperature is 0 in float32 (0/0 = NaN): both are argmax.
         return self.temperature < GREEDY_BELOW
+
+
+def bias_logits(logits: Tensor, ids: Tensor, biases: Tensor) -> Tensor:
+    """OpenAI's logit_bias: add biases (N,) to the logits (B, V) of the token ids (N,)."""
+    return logits.index_add(-1, ids, biases.to(logits.dtype).expand(logits.shape[0], -1))
+
+
+def ban_tokens(logits: Tensor, ids: Tensor) -> Tensor:
+    """Make the token ids (N,) impossible: their logits (B, V) become -inf (min_tokens bans the
+    end tokens so; softmax gives them probability 0 and argmax never picks them)."""
+    return logits.index_fill(-1, ids, float("-inf"))
 
 
 def penalize_repetition(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -258,9 +349,11 @@ class TokenLogprob:
 
 def token_logprobs(logits: Tensor, token_id: int, n_top: int) -> TokenLogprob:
     """The log-probability of token_id under softmax(logits (1, V)), and the n_top most likely
-    tokens with theirs (the model's own distribution: no temperature, no cuts)."""
+    tokens with theirs (no temperature, no cuts). A token a processor banned (-inf) is no
+    candidate, so fewer than n_top come back when fewer are possible."""
     logp = torch.log_softmax(logits.float(), dim=-1)[0]  # (V,)
-    top = torch.topk(logp, min(n_top, logp.shape[-1])) if n_top else None
+    n_top = min(n_top, int(torch.isfinite(logp).sum()))
+    top = torch.topk(logp, n_top) if n_top else None
     pairs = (
         () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
     )

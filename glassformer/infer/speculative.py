@@ -189,7 +189,8 @@ class SpeculativeDecoder(Engine):
         """Engine.add, refusing what a speculative round does not apply: the draft proposes
         from plain logits, so penalties would make its tokens differ from the target's rule."""
         for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                          ("frequency_penalty", 0.0), ("logprobs", None)):  # fmt: skip
+                          ("frequency_penalty", 0.0), ("logprobs", None),
+                          ("min_tokens", 0), ("logit_bias", ())):  # fmt: skip
             value = getattr(params, name, off)
             if value != off:
                 raise ValueError(

@@ -14,7 +14,7 @@ two ends, LoRA on q,v and every weight, 40 steps, one seed):
 Quality is chrF (sacrebleu) of greedy modernisations of held-out Macbeth speeches against the
 modern edition, beside the untrained model (zero-shot) and copying the Folio text unchanged
 (the bar a model must clear to have learned any spelling change). Each fine-tune is repeated
-over seeds (batch order, adapter initialisation, dropout). The README's table
+over seeds (batch order, adapter initialisation, dropout). docs/finetune.md's table
 (benchmarks/finetune_quality.py) is the full-length run of the same comparison, with few-shot
 prompting, the int8 base and the from-scratch encoder-decoder beside it.
 """

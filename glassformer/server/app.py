@@ -25,15 +25,17 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch import nn
 
 import glassformer
 from glassformer.chat import end_of_turn_ids
+from glassformer.detokenize import TokenBytes
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
+from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
 from glassformer.server.body_limit import BodyLimit
@@ -52,9 +54,10 @@ from glassformer.server.protocol import (
     parse_json,
     validate,
 )
-from glassformer.server.responses import Reply, token_bytes_table
+from glassformer.server.responses import Reply
 from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
+from glassformer.templates import ConversationTooLong
 
 log = logging.getLogger("glassformer.server")
 
@@ -83,6 +86,7 @@ class ServerOptions:
     prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
     thinking_budget: int | None = None  # a thinking model's budget when a request gives none
     request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
+    prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens one engine turn prefills (None: all)
     max_body_bytes: int = 16 * 2**20  # a larger request body gets a 413, unparsed
 
 
@@ -103,7 +107,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     )  # fmt: skip
     scheduler = Scheduler(
         engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics,
-        options.request_timeout_s,
+        options.request_timeout_s, options.prefill_chunk,
     )  # fmt: skip
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
@@ -115,6 +119,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
 
     app = FastAPI(title="glassformer", version=glassformer.__version__, lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.scheduler = served, metrics, scheduler
+    app.state.embed_lock = api.embed_lock  # the lab's forwards of the embedding model take it too
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)  # inside Gate: counted
     app.add_middleware(Gate, api_key=options.api_key, metrics=metrics)
     app.add_exception_handler(APIError, api_error)
@@ -187,22 +192,28 @@ class API:
         self.stop_ids = tuple(sorted(i for i in stops if i is not None))
         self.markers = thinking_markers(tokenizer)  # None: the model does not think
         self.thinking_budget = thinking_budget  # serve --thinking-budget / --no-think (0)
-        self.token_bytes = token_bytes_table(tokenizer)
+        self.token_bytes = TokenBytes(tokenizer)  # logprobs and the decoders read them
         self.embed_lock = threading.Lock()
 
-    async def health(self) -> dict:
-        engine = self.scheduler.engine
-        return {
-            "status": "ok",
+    async def health(self) -> JSONResponse:
+        """200 while the engine thread serves; 503 once it has stopped or died, since every
+        request would then fail: a load balancer or orchestrator must see that here."""
+        scheduler = self.scheduler
+        serving = scheduler.thread.is_alive() and not (scheduler.stopped or scheduler.stopping)
+        body = {
+            "status": "ok" if serving else "engine stopped",
             "model": self.served.name,
             "embed_model": self.served.embed_name,
-            "running_rows": engine.n_live,
-            "max_batch": self.scheduler.max_batch,
+            "running_rows": scheduler.engine.n_held,  # rows still prefilling included
+            "max_batch": scheduler.max_batch,
             "context": self.slot_len,
         }
+        return JSONResponse(body, status_code=200 if serving else 503)
 
-    async def metrics_text(self) -> PlainTextResponse:
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus' text format, or OpenMetrics when the scraper's Accept header asks."""
+        body, content_type = self.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def models(self) -> dict:
         return {"object": "list", "data": [self._model_card(name) for name in self._names()]}
@@ -239,7 +250,7 @@ class API:
         default = body.max_tokens is None
         n_top = body.logprobs
         work = self._work(request, body, prompt, limit, default, "max_tokens", n_top)
-        reply = Reply(self, "text_completion", "cmpl", body, prompt, n_top)
+        reply = Reply(self, "text_completion", "cmpl", body, prompt, n_top, work.arrived)
         return await self._respond(request, body, work, reply)
 
     async def chat_completions(self, request: Request):
@@ -296,7 +307,7 @@ class API:
             request, body, prompt, body.token_limit, body.token_limit is None, param, n_top,
             thinking_budget=budget,
         )  # fmt: skip
-        reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top)
+        reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top, work.arrived)
         return await self._respond(request, body, work, reply)
 
     def _check_model(self, name: str) -> None:
@@ -311,6 +322,8 @@ class API:
     def _encode(self, encode, param: str) -> list[int]:
         try:
             ids = encode()
+        except ConversationTooLong as err:  # too long to render: a length error, as a prompt's
+            raise APIError(400, str(err), param, code="context_length_exceeded") from None
         except ValueError as err:  # uncodable bytes, a template that refuses the conversation
             raise APIError(400, str(err), param) from None
         if not ids:
@@ -360,6 +373,19 @@ class API:
             raise APIError(400, f"n={body.n} exceeds --max-batch {self.scheduler.max_batch}", "n")
         extra_stops = tuple(self._check_ids(body.stop_token_ids or [], "stop_token_ids"))
         stops = extra_stops if body.ignore_eos else tuple(sorted({*self.stop_ids, *extra_stops}))
+        logit_bias = body.logit_bias or {}
+        self._check_ids(sorted(logit_bias), "logit_bias")
+        if body.min_tokens > limit:
+            if default_limit and limit == room:
+                cap = f"the {room} tokens the context leaves after the prompt"
+                fix = "lower min_tokens or shorten the prompt"
+            else:
+                cap = f"{limit_param}={limit}" + (" (the default)" if default_limit else "")
+                fix = f"lower min_tokens or raise {limit_param}"
+            raise APIError(
+                400, f"min_tokens={body.min_tokens} exceeds {cap}: {fix}", "min_tokens",
+                code="invalid_value",
+            )  # fmt: skip
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
@@ -379,6 +405,8 @@ class API:
                 logprobs=n_top,
                 think_ids=self.markers.ids if self.markers else None,
                 thinking_budget=thinking_budget,
+                min_tokens=body.min_tokens,
+                logit_bias=logit_bias,
             )
             choices.append((prompt, params))
         work = Work(choices, asyncio.get_running_loop())

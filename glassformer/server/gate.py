@@ -24,8 +24,6 @@ async def api_error(request: Request, err: APIError) -> JSONResponse:
 
 
 async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    if request.url.path.startswith("/lab/"):  # the lab's page reads FastAPI's own {"detail"}
-        return JSONResponse({"detail": err.detail}, status_code=err.status_code)
     kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {err.detail}"
     return await api_error(request, APIError(err.status_code, message, kind=kind))

@@ -12,64 +12,55 @@ computes:
 
 The models come from `request.app.state.served` (model, tokenizer, name, embed_model,
 embed_tokenizer, embed_name); the app factory includes `router` and calls `mount_static(app)`.
+Bodies, limits and errors are /v1's (server/lab_checks.py): a 400 with OpenAI's error object.
+
+Every forward of the served model runs on the engine thread, between two decode steps
+(Scheduler.call): a capture sets weights sinks and hooks on the very modules the engine decodes
+with, so a step beside it would land in the capture (another user's prompt in the view), and a
+plain forward beside a capture would land there too. The embedding model's capture holds
+app.state.embed_lock, the lock /v1/embeddings holds around its forwards.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from fastapi import APIRouter, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from glassformer import numpy_ref
 from glassformer.calc import kv_bytes_per_token, kv_cache_bytes
-from glassformer.infer.sampling import (
-    SamplingParams,
-    make_generator,
-    sample,
-    sampling_distribution,
-)
 from glassformer.inspect import attention_view
-from glassformer.tokenize import (
-    available_vocabularies,
-    load_vocabulary,
-    model_vocabulary,
-    piece_label,
-    tokenize,
+from glassformer.inspect.capture import _encode as encode_for_view
+from glassformer.server import lab_sampling
+from glassformer.server.lab_edge import (
+    LabBody,
+    bad,
+    check_context,
+    finite,
+    on_engine_thread,
+    read_body,
+    served_context,
+    served_models,
+    worked_attention,
 )
+from glassformer.server.lab_tokens import kinds_note, token_kinds
+from glassformer.tokenize import available_vocabularies, load_vocabulary, model_vocabulary, tokenize
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_TEXT_CHARS = 20_000  # the token counter; more is a paste accident, not a question
 MAX_ATTENTION_TOKENS = 64  # a grid of L x H matrices of T x T numbers has to reach the page
-MAX_CANDIDATES = 50
 WORKED_EXAMPLE_TOKENS = ("猫", "累", "它")  # seed 002: the Keys and Values of cat, tired, it
 
 router = APIRouter(prefix="/lab/api", tags=["lab"])
-# The lab's forwards run one at a time: attention capture switches the modules' weights sink on,
-# and two captures of one model must not overlap (capture refuses to nest).
-_model_lock = threading.Lock()
-_logits_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (model id, ids) -> (V,)
-LOGITS_CACHE_SIZE = 16  # a slider drag reshapes the same logits: one forward, many redraws
-
-
-def _bad(message: str) -> HTTPException:
-    return HTTPException(status_code=400, detail=message)
-
-
-def _served(request: Request) -> Any:
-    served = getattr(request.app.state, "served", None)
-    if served is None:
-        raise HTTPException(503, "no model is loaded: start the server with --model")
-    return served
 
 
 def _kv_dtype(model: torch.nn.Module) -> str:
@@ -101,7 +92,7 @@ def _describe(model: torch.nn.Module | None, tokenizer: Any, name: str | None) -
 @router.get("/info")
 def info(request: Request) -> dict:
     """The loaded models (shape, KV bytes per token) and the vocabularies the counter has."""
-    served = _served(request)
+    served = served_models(request)
     return {
         "model": _describe(served.model, served.tokenizer, served.name),
         "embed_model": _describe(
@@ -116,31 +107,41 @@ def info(request: Request) -> dict:
 # --- chat: what a turn holds in the KV cache -------------------------------------------------
 
 
-class Message(BaseModel):
+class Message(LabBody):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class TurnCost(BaseModel):
+class TurnCost(LabBody):
     messages: list[Message] = Field(min_length=1)
     completion_tokens: int = Field(ge=0)
     prompt_tokens: int | None = Field(default=None, ge=0)
 
 
 @router.post("/turn_cost")
-def turn_cost(body: TurnCost, request: Request) -> dict:
+async def turn_cost(request: Request) -> dict:
     """The KV-cache bytes a chat turn leaves: (prompt + completion tokens) x bytes per token,
     by calc.kv_cache_bytes. prompt_tokens: the API's usage figure; if absent, the prompt is
-    encoded here with the model's chat template."""
-    served = _served(request)
+    encoded here with the model's chat template. A turn past the context could not be cached."""
+    served = served_models(request)
+    body = await read_body(request, TurnCost)
     model, tokenizer = served.model, served.tokenizer
     prompt = body.prompt_tokens
     if prompt is None:
         if not getattr(tokenizer, "chat_template", None):
-            raise _bad("this model has no chat template: give prompt_tokens (the API's usage)")
+            raise bad(
+                "this model has no chat template: give prompt_tokens (the API's usage)",
+                "prompt_tokens",
+            )
         messages = [m.model_dump() for m in body.messages]
-        prompt = len(tokenizer.encode_chat(messages, add_generation_prompt=True))
+        ids = await run_in_threadpool(
+            partial(tokenizer.encode_chat, messages, add_generation_prompt=True)
+        )
+        prompt = len(ids)
     total = prompt + body.completion_tokens
+    context = served_context(request)
+    check_context(prompt, context, "messages" if body.prompt_tokens is None else "prompt_tokens")
+    check_context(total, context, "completion_tokens", "the turn (prompt + completion)")
     dtype = _kv_dtype(model)
     return {
         "prompt_tokens": prompt,
@@ -155,157 +156,93 @@ def turn_cost(body: TurnCost, request: Request) -> dict:
 # --- the sampling layer ------------------------------------------------------------------------
 
 
-class NextTokens(BaseModel):
-    prompt: str
-    chat: bool = Field(True, description="wrap the prompt in the model's chat template")
-    ids: list[int] = Field(default_factory=list, description="tokens chosen so far")
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    k: int = Field(10, ge=1, le=MAX_CANDIDATES, description="candidates to list")
-    seed: int | None = None
-
-
-def _params(body: NextTokens) -> SamplingParams:
-    try:  # SamplingParams checks every value and says what is allowed
-        return SamplingParams(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            seed=body.seed,
-        )  # fmt: skip
-    except ValueError as err:
-        raise _bad(str(err)) from None
-
-
-def _prompt_ids(body: NextTokens, model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    if body.chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.encode_chat([{"role": "user", "content": body.prompt}])
-    elif hasattr(tokenizer, "chat_template"):
-        ids = tokenizer.encode(body.prompt, parse_special=False)
-    else:
-        ids = tokenizer.encode(body.prompt)
-    vocab = model.cfg.vocab_size
-    bad = [i for i in body.ids if not 0 <= i < vocab]
-    if bad:
-        raise _bad(f"ids: {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-    ids = list(ids) + body.ids
-    if not ids:
-        raise _bad("prompt: the text encodes to no tokens; type something")
-    if len(ids) > model.cfg.max_seq_len:
-        raise _bad(
-            f"prompt + ids: {len(ids)} tokens exceed the model's context of "
-            f"{model.cfg.max_seq_len}; shorten the prompt or reset the steps"
-        )
-    return ids
-
-
-@torch.inference_mode()
-def _next_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """The model's logits (V,) for the token after `ids` (cached: sliders reuse them)."""
-    key = (id(model), tuple(ids))
-    with _model_lock:
-        if key in _logits_cache:
-            _logits_cache.move_to_end(key)
-            return _logits_cache[key]
-        device = next(model.parameters()).device
-        logits = model(torch.tensor([ids], device=device), last_token_only=True)[0, -1]
-        logits = logits.float().cpu()
-        _logits_cache[key] = logits
-        while len(_logits_cache) > LOGITS_CACHE_SIZE:
-            _logits_cache.popitem(last=False)
-        return logits
-
-
-def _piece(tokenizer: Any, token_id: int) -> str:
-    """The token's text, or its bytes in hex when it is part of a character ("<e6 99>")."""
-    return piece_label(model_vocabulary(tokenizer, "model").token_bytes(token_id))
-
-
-@router.post("/next_tokens")
-def next_tokens(body: NextTokens, request: Request) -> dict:
-    """The top-k candidates for the next token: the model's own probabilities (temperature 1,
-    no cut) and the distribution the sampler draws from under the given settings
-    (infer.sampling.sampling_distribution), with its entropy in nats."""
-    served = _served(request)
-    model, tokenizer = served.model, served.tokenizer
-    params = _params(body)
-    ids = _prompt_ids(body, model, tokenizer)
-    logits = _next_logits(model, ids)
-    model_probs = torch.softmax(logits, dim=-1)  # (V,)
-    probs = sampling_distribution(logits[None], params)[0]  # (V,)
-    order = torch.argsort(logits, descending=True)[: body.k]  # by the model's own ranking
-    kept = probs > 0
-    entropy = -(probs[kept] * probs[kept].log()).sum().item()
-    return {
-        "prompt_tokens": len(ids) - len(body.ids),
-        "continuation": tokenizer.decode(body.ids) if body.ids else "",
-        "candidates": [
-            {
-                "id": int(i),
-                "piece": _piece(tokenizer, int(i)),
-                "model_prob": float(model_probs[i]),
-                "prob": float(probs[i]),
-            }
-            for i in order
-        ],
-        "entropy": entropy,
-        "top_prob": float(probs.max()),
-        "kept": int(kept.sum()),
-        "vocab_size": int(probs.numel()),
-    }
-
-
-@router.post("/sample")
-def sample_next(body: NextTokens, request: Request) -> dict:
-    """Draw one token the way the engine does (infer.sampling.sample), with `seed` if given."""
-    served = _served(request)
-    model, tokenizer = served.model, served.tokenizer
-    params = _params(body)
-    ids = _prompt_ids(body, model, tokenizer)
-    logits = _next_logits(model, ids)
-    token = int(sample(logits[None], params, make_generator(body.seed))[0])
-    return {"id": token, "piece": _piece(tokenizer, token)}
+router.add_api_route("/next_tokens", lab_sampling.next_tokens, methods=["POST"])
+router.add_api_route("/sample", lab_sampling.sample_next, methods=["POST"])
 
 
 # --- the attention explorer --------------------------------------------------------------------
 
 
-class AttentionRequest(BaseModel):
+class AttentionRequest(LabBody):
     text: str = Field(min_length=1, max_length=2000)
     which: Literal["model", "embed_model"] = "embed_model"
 
 
-@router.post("/attention")
-def attention(body: AttentionRequest, request: Request) -> dict:
-    """Every layer's and head's attention weights for `text` (inspect.attention_view), rounded
-    to 5 decimals: weights[layer][head][query][key]."""
-    served = _served(request)
-    model = getattr(served, body.which, None)
-    tokenizer = getattr(served, "tokenizer" if body.which == "model" else "embed_tokenizer", None)
-    if model is None:
-        flag = "--model" if body.which == "model" else "--embed-model"
-        raise _bad(f"which: no {body.which} is loaded; start the server with {flag}")
+def _attention_ids(model: torch.nn.Module, tokenizer: Any, text: str, context: int) -> list:
+    """The ids attention_view reads for `text` (its own encoder), within /v1's context."""
     try:
-        with _model_lock:
-            view = attention_view(model, tokenizer, body.text, max_tokens=MAX_ATTENTION_TOKENS)
+        ids = encode_for_view(model, tokenizer, text)
+    except ValueError as err:  # a character the vocabulary cannot encode
+        raise bad(f"text: {err}", "text") from None
+    check_context(len(ids), context, "text", "the text")
+    return ids
+
+
+def _view(model: torch.nn.Module, tokenizer: Any, text: str) -> Any:
+    try:
+        return attention_view(model, tokenizer, text, max_tokens=MAX_ATTENTION_TOKENS)
     except ValueError as err:
-        raise _bad(f"text: {err}") from None
+        raise bad(f"text: {err}", "text") from None
+
+
+@router.post("/attention")
+async def attention(request: Request) -> JSONResponse:
+    """Every layer's and head's attention weights for `text` (inspect.attention_view), rounded
+    to 5 decimals: weights[layer][head][query][key]; token_kinds[i] says whether tokens[i] is
+    a piece of text ("token"), the unknown token ("unk") or part of a character ("byte"), and
+    note explains the unk and byte pieces (null when there are none)."""
+    served = served_models(request)
+    body = await read_body(request, AttentionRequest)
+    embed = body.which == "embed_model"
+    model = getattr(served, body.which, None)
+    tokenizer = getattr(served, "embed_tokenizer" if embed else "tokenizer", None)
+    name = getattr(served, "embed_name" if embed else "name", None) or body.which
+    if model is None:
+        flag = "--embed-model" if embed else "--model"
+        raise bad(f"which: no {body.which} is loaded; start the server with {flag}", "which")
+    context = model.cfg.max_seq_len if embed else served_context(request)
+    ids = await run_in_threadpool(_attention_ids, model, tokenizer, body.text, context)
+    work = partial(_view, model, tokenizer, body.text)
+    if embed:
+        view = await run_in_threadpool(_holding, request.app.state.embed_lock, work)
+    else:  # the engine decodes with this model: capture it between two of its steps
+        view = await on_engine_thread(request, work)
+    # Some 300,000 numbers: checked and rendered to JSON in a worker thread (FastAPI's own
+    # encoder took 0.5 s of the event loop for MiniLM's 6 x 12 x 64 x 64).
+    reply = partial(_attention_reply, model, tokenizer, name, body.text, view, ids)
+    return await run_in_threadpool(lambda: JSONResponse(reply()))
+
+
+def _attention_reply(
+    model: torch.nn.Module, tokenizer: Any, name: str, text: str, view: Any, ids: list
+) -> dict:
     weights = torch.stack(view.weights)  # (L, H, T, T)
-    return {
-        "name": getattr(served, "name" if body.which == "model" else "embed_name", None),
-        "family": model.cfg.family,
-        "tokens": view.query_tokens,
-        "notes": view.notes,
-        "n_layers": weights.shape[0],
-        "n_heads": weights.shape[1],
-        "weights": np.round(weights.cpu().numpy().astype(np.float64), 5).tolist(),
-    }
+    kinds = token_kinds(tokenizer, ids[: len(view.query_tokens)])
+    return finite(
+        {
+            "name": name,
+            "family": model.cfg.family,
+            "tokens": view.query_tokens,
+            "token_kinds": kinds,
+            "note": kinds_note(tokenizer, name, text, view.query_tokens, kinds),
+            "notes": view.notes,
+            "n_layers": weights.shape[0],
+            "n_heads": weights.shape[1],
+            "weights": np.round(weights.cpu().numpy().astype(np.float64), 5).tolist(),
+        }
+    )
+
+
+def _holding(lock: Any, work: Any) -> Any:
+    """work() under `lock` (the embedding model's: /v1/embeddings holds it for its forwards)."""
+    with lock:
+        return work()
 
 
 # --- the 猫/累/它 worked example -------------------------------------------------------------
 
 
-class WorkedExample(BaseModel):
+class WorkedExample(LabBody):
     q: list[float] = Field(min_length=1, max_length=64, description="the Query of 它")
     K: list[list[float]] = Field(min_length=1, max_length=16, description="one Key per token")
     V: list[list[float]] = Field(min_length=1, max_length=16, description="one Value per token")
@@ -331,47 +268,43 @@ def worked_example_defaults() -> dict:
 
 
 @router.post("/worked_example")
-def worked_example(body: WorkedExample) -> dict:
+async def worked_example(request: Request) -> dict:
     """The worked example with edited vectors: numpy_ref.attention, the function
     numpy_ref.worked_example calls; divide_by_sqrt_d=False drops the 1/√d (scale 1), key_scale
-    multiplies every Key (×10 pushes the softmax into saturation)."""
+    multiplies every Key (×10 pushes the softmax into saturation). Numbers so large that a
+    score or an output overflows float64 are a 400 naming the one to make smaller."""
+    body = await read_body(request, WorkedExample)
     d = len(body.q)
     for name, rows in (("K", body.K), ("V", body.V)):
         for n, row in enumerate(rows):
             if len(row) != d:
-                raise _bad(f"{name}[{n}] has {len(row)} numbers: every row needs d={d}, as q")
+                raise bad(f"{name}[{n}] has {len(row)} numbers: every row needs d={d}, as q",
+                          f"{name}.{n}")  # fmt: skip
     if len(body.K) != len(body.V):
-        raise _bad(f"K has {len(body.K)} rows and V {len(body.V)}: one Key and Value per token")
-    values = [body.key_scale, *body.q, *(x for row in body.K + body.V for x in row)]
-    if not all(math.isfinite(x) for x in values):
-        raise _bad("q, K, V and key_scale must be finite numbers")
-    q = np.array(body.q)[None]  # (1, D): the one query, 它
-    K = np.array(body.K) * body.key_scale  # (Tk, D)
-    result = numpy_ref.attention(
-        q, K, np.array(body.V), scale=None if body.divide_by_sqrt_d else 1.0
+        raise bad(f"K has {len(body.K)} rows and V {len(body.V)}: one Key and Value per token", "V")
+    scale = 1 / math.sqrt(d) if body.divide_by_sqrt_d else 1.0
+    result = worked_attention(body.q, body.K, body.V, body.key_scale, scale)
+    return finite(
+        {
+            "weights": result.weights[0].tolist(),
+            "output": result.output[0].tolist(),
+            "scores": result.scores[0].tolist(),
+            "scale": scale,
+        }
     )
-    return {
-        "weights": result.weights[0].tolist(),
-        "output": result.output[0].tolist(),
-        "scores": result.scores[0].tolist(),
-        "scale": 1 / math.sqrt(d) if body.divide_by_sqrt_d else 1.0,
-    }
 
 
 # --- the token counter ------------------------------------------------------------------------
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(LabBody):
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
 _cached_vocabulary = lru_cache(maxsize=None)(load_vocabulary)
 
 
-@router.post("/tokenize")
-def tokenize_text(body: TokenizeRequest, request: Request) -> dict:
-    """The text's pieces and count under the loaded models' tokenizers, Qwen's and cl100k's."""
-    served = _served(request)
+def _count(text: str, served: Any) -> dict:
     vocabularies = []
     for which, tok, name in (
         ("model", served.tokenizer, served.name),
@@ -387,7 +320,7 @@ def tokenize_text(body: TokenizeRequest, request: Request) -> dict:
     results = []
     for vocabulary in vocabularies:
         try:
-            result = tokenize(body.text, vocabulary)
+            result = tokenize(text, vocabulary)
         except ValueError as err:  # e.g. a byte this vocabulary cannot encode
             results.append({"vocabulary": vocabulary.name, "error": str(err)})
             continue
@@ -395,7 +328,15 @@ def tokenize_text(body: TokenizeRequest, request: Request) -> dict:
             {"vocabulary": result.vocabulary, "count": result.count, "ids": result.ids,
              "pieces": result.pieces}
         )  # fmt: skip
-    return {"characters": len(body.text), "results": results}
+    return {"characters": len(text), "results": results}
+
+
+@router.post("/tokenize")
+async def tokenize_text(request: Request) -> dict:
+    """The text's pieces and count under the loaded models' tokenizers, Qwen's and cl100k's."""
+    served = served_models(request)
+    body = await read_body(request, TokenizeRequest)
+    return await run_in_threadpool(_count, body.text, served)
 
 
 # --- the page --------------------------------------------------------------------------------

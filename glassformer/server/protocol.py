@@ -3,7 +3,7 @@ validated before anything reaches the engine, and the OpenAI-style error object 
 that does not fit.
 
 Every request model forbids fields it does not know, so a parameter this server does not
-implement (logit_bias, min_tokens, tools, echo, ...) is a 400 that names it, never silently
+implement (tools, echo, prediction, ...) is a 400 that names it, never silently
 ignored. The fields of OpenAI's schema that cannot change the output here (store, metadata,
 user, ...) are accepted, type-checked, and listed back as ignored (Ignorable). Values are
 checked strictly (a temperature of "0.7" or an n of 1.5 is refused, not cast).
@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from glassformer import json_input
+from glassformer.infer.sampling import normalize_logit_bias
 
 # --- errors -------------------------------------------------------------------------------------
 
@@ -139,6 +140,22 @@ def _stop_list(value: Any) -> list[str] | None:
     return entries
 
 
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias}. JSON keys are strings, so each must spell a
+    whole number; the biases and the entry count follow SamplingParams' own rule (sampling.py),
+    and the route checks the ids against the vocabulary."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError('give an object from token ids to biases, e.g. {"50256": -100}')
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f'the key {key!r} is not a token id: use whole numbers, e.g. "50256"')
+        pairs.append((int(key), bias))
+    return dict(normalize_logit_bias(pairs))
+
+
 class SamplingFields(Ignorable):
     """The fields /v1/completions and /v1/chat/completions share."""
 
@@ -160,8 +177,13 @@ class SamplingFields(Ignorable):
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False  # generate all max_tokens: no end-of-sequence or end-of-turn stop
+    # vLLM's min_tokens: no end-of-sequence, stop token or stop string before this many tokens
+    # (the route checks it against max_tokens); OpenAI's logit_bias, biases in [-100, 100].
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[int, float] | None = None
 
     _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
+    _check_bias = field_validator("logit_bias", mode="before")(lambda cls, v: _logit_bias(v))
 
 
 class CompletionRequest(SamplingFields):

@@ -1,37 +1,27 @@
 """One OpenAI response as the engine's events arrive (server/app.py's routes build one per
-request): each choice's text decoded incrementally with stop strings held back while streaming,
-logprobs in OpenAI's shape (with each token's exact bytes for byte-level BPE vocabularies),
-finish_reason, usage, and the server-sent-event chunks of a stream.
+request): each choice's text decoded incrementally with stop strings held back while streaming
+(and never half a character: a reply cut mid-character ends before it), logprobs in OpenAI's
+shape (with each token's exact bytes), finish_reason, usage, the server-sent-event chunks of a
+stream, and the request's latency and sizes for /metrics once it finishes.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from glassformer.detokenize import IncrementalDecoder, StopStrings
+from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 from glassformer.infer.sampling import TokenLogprob
 from glassformer.infer.thinking import Segments
 from glassformer.server.protocol import APIError, SamplingFields
 from glassformer.server.scheduler import Failed, Tokens
-from glassformer.tokenizers import byte_level_chars
 
 if TYPE_CHECKING:
     from glassformer.server.app import API
-
-
-def token_bytes_table(tokenizer) -> dict[str, int] | None:
-    """For a byte-level BPE: the map from a vocabulary character to its byte, so a token's
-    exact bytes can be reported (`bytes` in logprobs); None for other tokenizers."""
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None or type(hf.decoder).__name__ != "ByteLevel":
-        return None
-    return {char: byte for byte, char in byte_level_chars().items()}
 
 
 # --- one response ---------------------------------------------------------------------------------
@@ -49,17 +39,23 @@ class Reply:
         body: SamplingFields,
         prompt: list[int],
         n_top: int | None,
+        arrived: float | None = None,
     ) -> None:
         self.api, self.kind, self.body, self.prompt, self.n_top = api, kind, body, prompt, n_top
+        self.arrived = time.perf_counter() if arrived is None else arrived  # for the latency
         self.chat = kind == "chat.completion"
         self.id = f"{id_prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         tokenizer = api.served.tokenizer
-        self.decoders = [IncrementalDecoder(tokenizer) for _ in range(body.n)]
+        self.decoders = [IncrementalDecoder(tokenizer, api.token_bytes) for _ in range(body.n)]
         # The answer decoded so far, as far as it can be shown: a tail that could still begin
-        # a stop string waits in stop_strings (the same rule as the engine's rows).
+        # a stop string waits in stop_strings (the same rule as the engine's rows: none matches
+        # in the first min_tokens tokens).
         self.texts = [""] * body.n
-        self.stop_strings = [StopStrings(body.stop or ()) for _ in range(body.n)]
+        self.stop_strings = [
+            StopStringsAfter(body.stop or (), body.min_tokens) for _ in range(body.n)
+        ]
+        self.n_tokens = [0] * body.n  # tokens generated per choice, stop tokens included
         self.sent = [0] * body.n  # characters of texts already streamed
         # A thinking model's reply has two parts: reasoning_content (the thinking segment,
         # without its markers) and content; each token goes to one (infer/thinking.py).
@@ -88,17 +84,25 @@ class Reply:
         i = event.index
         if isinstance(event, Tokens):
             for token_id in event.token_ids:
+                self.n_tokens[i] += 1
                 if token_id not in self.stop_ids:
                     self._add(i, token_id, self.decoders[i].push(token_id))
             self.logprobs[i] += event.logprobs
             return [self._chunk(i, self._take_text(i), event.logprobs, None, include_usage)]
-        # Finished: the rest of the text (a truncated character, the held tail unless a stop
-        # string ended it).
+        # Finished: the rest of the text (the held tail unless a stop string ended it; not a
+        # character the reply was cut in the middle of).
         self.rows[i] = event.row
         stop_strings = self.stop_strings[i]
-        self.texts[i] += stop_strings.push(self.decoders[i].flush()) + stop_strings.flush()
+        self.texts[i] += stop_strings.push(self.decoders[i].finish()) + stop_strings.flush()
         text = self._take_text(i)
+        if self.done:
+            self._count_finished()
         return [self._chunk(i, text, [], self._finish_reason(i), include_usage)]
+
+    def _count_finished(self) -> None:
+        generated = sum(len(row.tokens) for row in self.rows)  # usage's completion_tokens
+        seconds = time.perf_counter() - self.arrived
+        self.api.metrics.request_finished(seconds, len(self.prompt), generated)
 
     def _add(self, i: int, token_id: int, piece: str) -> None:
         segments = self.segments[i]
@@ -106,7 +110,7 @@ class Reply:
         if kind == "answer":
             if not self.texts[i] and not self.stop_strings[i].held and segments is not None:
                 piece = piece.lstrip()  # the blank line a model writes after </think>
-            self.texts[i] += self.stop_strings[i].push(piece)
+            self.texts[i] += self.stop_strings[i].push_token(piece, self.n_tokens[i])
         elif kind == "thinking":
             self.reasoning[i] += piece if self.reasoning[i] else piece.lstrip()
 
@@ -204,9 +208,12 @@ class Reply:
         return {**self._header(False), "choices": choices, "usage": self.usage()}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        """Chat's `content` entries carry each token's bytes; the legacy completions format has
+        no such field, so a token that is part of a character is written "bytes:\\xe4\\xb8"
+        there (OpenAI's spelling), and text_offset counts whole characters."""
         if self.n_top is None:
             return None
-        piece = self._piece
+        text = self.api.token_bytes.text
         if self.chat:
             content = [
                 {
@@ -216,32 +223,30 @@ class Reply:
                 for e in entries
             ]
             return {"content": content, "refusal": None}
-        tokens = [piece(e.token_id) for e in entries]
-        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
         return {
-            "tokens": tokens,
+            "tokens": [text(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets,  # characters from the start of the completion
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": self._text_offsets(entries),
         }
-
-    def _piece(self, token_id: int) -> str:
-        return self.api.served.tokenizer.decode([token_id])
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         return {
-            "token": self._piece(token_id),
+            "token": self.api.token_bytes.text(token_id),
             "logprob": logprob if math.isfinite(logprob) else -9999.0,
-            "bytes": self._bytes(token_id),
+            "bytes": list(self.api.token_bytes(token_id)),
         }
 
-    def _bytes(self, token_id: int) -> list[int]:
-        table, tokenizer = self.api.token_bytes, self.api.served.tokenizer
-        if table is not None:
-            spelled = tokenizer.hf.id_to_token(token_id)
-            if spelled is not None and all(c in table for c in spelled):
-                return [table[c] for c in spelled]
-        return list(self._piece(token_id).encode("utf-8"))
+    def _text_offsets(self, entries: list[TokenLogprob]) -> list[int]:
+        """Where each token starts in the completion, in characters: the characters its
+        predecessors' bytes complete (a token that ends mid-character moves the next one on by
+        nothing, the token that completes it by the whole character)."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offsets, written = [], 0
+        for entry in entries:
+            offsets.append(written)
+            written += len(decoder.decode(self.api.token_bytes(entry.token_id)))
+        return offsets
 
     @staticmethod
     def sse(chunks: list[dict]) -> str:

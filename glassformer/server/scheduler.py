@@ -2,9 +2,13 @@
 engine thread owns the Engine and runs its loop; HTTP handlers only queue work and read events.
 
 Each turn of the loop: drop the rows whose clients went away (their slots free at once), admit
-waiting rows while fewer than max_batch are running (new prompts prefilled together by
-Engine.add_many, a next turn by Engine.add continuing its parked row; all join the next step),
-then one Engine.step decodes a token for every running row. New tokens go back
+waiting rows while fewer than max_batch are running (new prompts by Engine.add_many, a next
+turn by Engine.add continuing its parked row), then one Engine.step: a token for every running
+row, then at most prefill_chunk tokens of the admitted prompts, oldest first, several short
+ones in one forward (vLLM's chunked prefill, llama.cpp's n_batch). So a long prompt, or many
+at once, is prefilled across turns and the running streams keep their pace meanwhile; a row
+gets its first token in the turn its last chunk runs. prefill_chunk=None prefills every
+admitted prompt whole before the step (the running rows wait for it). New tokens go back
 to each request's asyncio queue through its event loop (call_soon_threadsafe), so the engine
 never waits for a client.
 
@@ -16,6 +20,10 @@ bounded in slots and in bytes of keys/values; the oldest are released first.
 Every admitted request ends with tokens and Finished, or one Failed: a bad prompt (400), a
 request past --request-timeout (504, its rows cancelled), an engine failure (500, for every row
 the scheduler holds), or the scheduler stopping (503).
+
+Other work on the served model (the lab's attention capture, which hooks its modules) is handed
+to the engine thread with call(): it runs between two steps, so no other request's forward can
+reach the hooks, and its answer comes back through a Future.
 """
 
 from __future__ import annotations
@@ -25,9 +33,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from glassformer.infer.engine import Engine, Row
+from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.infer.rows import common_prefix_length
 from glassformer.infer.sampling import SamplingParams, TokenLogprob
 from glassformer.server.metrics import Metrics
@@ -118,7 +130,8 @@ class Scheduler:
     max_batch: rows decoded together; max_queue: rows that may wait for a slot;
     prefix_cache_bytes: the most keys/values parked rows may hold (their slots are the
     engine's rows beyond max_batch); request_timeout_s: how long a request may take from
-    submit() to its last token, queue included (None: no limit).
+    submit() to its last token, queue included (None: no limit); prefill_chunk: the most
+    prompt tokens a turn prefills (set on the engine; None: every admitted prompt whole).
 
     waiting, starting and running are shared with the HTTP side: written under self.wake only.
     """
@@ -131,9 +144,11 @@ class Scheduler:
         prefix_cache_bytes: int,
         metrics: Metrics,
         request_timeout_s: float | None = None,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ) -> None:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
+        engine.prefill_chunk = prefill_chunk  # checked there; the engine thread owns the engine
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefix_cache_bytes, self.metrics = prefix_cache_bytes, metrics
         self.request_timeout_s = request_timeout_s
@@ -141,6 +156,7 @@ class Scheduler:
         self.starting: list[Job] = []  # taken off the queue, not yet running
         self.running: dict[int, Job] = {}  # id(row) -> job
         self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, oldest first
+        self.calls: deque[tuple[Callable[[], Any], Future]] = deque()  # work for between steps
         self.wake = threading.Condition()
         self.stopping = False
         self.stopped = False
@@ -172,6 +188,29 @@ class Scheduler:
             self.metrics.set_gauges(queued_rows=len(self.waiting))
             self.wake.notify()
 
+    def call(self, work: Callable[[], Any]) -> Future:
+        """Run `work()` on the engine thread between two steps, where no decode step can overlap
+        it; the Future holds its result or its exception. Raises Stopped if the scheduler is
+        stopping (a Future still pending then gets Stopped as its exception)."""
+        future: Future = Future()
+        with self.wake:
+            if self.stopping or self.stopped:
+                raise Stopped
+            self.calls.append((work, future))
+            self.wake.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        with self.wake:
+            calls, self.calls = list(self.calls), deque()
+        for work, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except Exception as err:  # the caller re-raises it; the engine goes on
+                future.set_exception(err)
+
     def cancel(self, request: Request) -> None:
         """The client went away: its rows leave at the start of the next loop turn."""
         with self.wake:
@@ -187,14 +226,20 @@ class Scheduler:
         finally:  # stopping, or something no turn caught: no handler may wait on this thread
             with self.wake:
                 self.stopped = True
+                calls, self.calls = list(self.calls), deque()
+            for _, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(Stopped())
             self._fail_held(Failed(503, "the server is stopping: retry on a running server"))
 
     def _turn(self) -> bool:
-        """One turn: expire and drop rows, admit waiting ones, one decode step. False: stop."""
+        """One turn: expire and drop rows, admit waiting ones, one engine step (decode, then a
+        budget of prefill). False: stop."""
         with self.wake:
             idle = not (self.waiting or self.running)
-            while not (self.stopping or self.waiting or self.running):
+            while not (self.stopping or self.waiting or self.running or self.calls):
                 self.wake.wait()
+        self._run_calls()
         if idle:  # requests sent together (a client fanning out) arrive a few ms apart:
             time.sleep(ADMIT_WINDOW_S)  # let them queue, to prefill them as one batch
         try:
@@ -250,9 +295,10 @@ class Scheduler:
                     del self.running[key]
 
     def _start_all(self, jobs: list[Job]) -> None:
-        """Prefill the admitted jobs: each that continues a parked conversation on its own
-        (only its new tokens), the new ones together in one batched forward (Engine.add_many),
-        so the last of them waits one pass for its first token, not a queue of passes."""
+        """Give the admitted jobs their rows: each that continues a parked conversation on its
+        own (only its new tokens are prefilled), the new ones together (Engine.add_many), so
+        their prompts share forwards: one pass for all without a prefill budget, else the
+        budget's chunks over the next steps."""
         new = []
         for job in jobs:
             if job.request.cancelled:
@@ -278,7 +324,7 @@ class Scheduler:
             self._start(job, None)
 
     def _start(self, job: Job, parked: Row | None) -> None:
-        """Prefill a job's prompt into a slot (continuing `parked`, a conversation it extends)."""
+        """Put a job's prompt into a slot (continuing `parked`, a conversation it extends)."""
         if parked is None:
             self._make_room()
         try:
@@ -345,7 +391,7 @@ class Scheduler:
 
     def _park(self, row: Row) -> None:
         """Keep a finished row's slot for a next turn, within the LRU's bytes."""
-        if row not in self.engine.rows[self.engine.n_live :]:
+        if row not in self.engine.rows[self.engine.n_held :]:
             return
         self.parked[id(row)] = row
         while self.parked and self._parked_bytes() > self.prefix_cache_bytes:
@@ -367,7 +413,7 @@ class Scheduler:
             self.starting.clear()
             self.running.clear()
         self.parked.clear()
-        self.engine.rows, self.engine.n_live = [], 0  # every slot free again
+        self.engine.clear()  # every slot free again
 
     def _fail_held(self, event: Failed) -> None:
         """Fail every request the scheduler holds: queued, being started, running."""
@@ -384,7 +430,7 @@ class Scheduler:
         cache = self.engine.cache
         held = sum(cache.row_bytes(row.length) for row in self.engine.rows) if cache else 0
         self.metrics.set_gauges(
-            running_rows=self.engine.n_live,
+            running_rows=self.engine.n_held,  # decoding or still prefilling
             queued_rows=queued,
             parked_rows=len(self.parked),
             kv_cache_bytes=held,

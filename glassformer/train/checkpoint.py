@@ -115,7 +115,7 @@ def remove_leftovers(out_dir: Path) -> None:
     died between its two renames) or deleted if the step is there."""
     for child in out_dir.iterdir():
         name = child.name
-        if child.is_dir() and name.startswith(".tmp-step-"):
+        if child.is_dir() and name.startswith((".tmp-step-", ".pruned-step-")):
             shutil.rmtree(child, ignore_errors=True)
         elif child.is_dir() and name.startswith(".old-step-"):
             step = out_dir / name.removeprefix(".old-").rsplit("-", 1)[0]
@@ -138,7 +138,11 @@ def _prune(out_dir: Path, keep_last: int, just_written: Path) -> None:
             older.append((int(match.group(1)), child))
     older.sort()
     for _, path in older[: max(len(older) - (keep_last - 1), 0)]:
-        shutil.rmtree(path)
+        # Renamed out of sight first: a kill during rmtree must not leave a half-deleted
+        # step-NNNNNN that looks like a checkpoint. remove_leftovers finishes the job.
+        doomed = out_dir / f".pruned-{path.name}-{secrets.token_hex(4)}"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
 
 
 def save_checkpoint(

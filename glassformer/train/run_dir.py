@@ -43,7 +43,7 @@ def previous_run(out_dir: str | Path) -> list[str]:
         child.name
         for child in out_dir.iterdir()
         if STEP_DIR_RE.match(child.name)
-        or child.name.startswith((".tmp-step-", ".old-step-"))
+        or child.name.startswith((".tmp-step-", ".old-step-", ".pruned-step-"))
         or child.name in (LATEST_FILE, RUN_CONFIG_FILE)
     )
 
