@@ -4,6 +4,7 @@ against made-up numbers, the JSON, the report and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,9 @@ EXPECTED = {
     "rmsnorm-cost", "prefill-decode", "seq2seq-bottleneck", "attention-dilution",
     "in-context-learning", "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge",
     "embedding-distances", "polysemy", "exercise-match-key", "exercise-temperature",
-    "lora-works", "thinking-budget",
+    "lora-works", "thinking-budget", "previous-token-heads", "causal-mask-copying",
+    "usage-billing", "streaming-ttft", "moe-balance",
+    "data-vs-params", "lora-targets",
 }  # fmt: skip
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
@@ -47,10 +50,11 @@ FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-
         "head-split-cost", "position-geometry", "rmsnorm-cost", "prefill-decode",
         "seq2seq-bottleneck", "attention-dilution", "in-context-learning",
         "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge", "exercise-match-key",
-        "exercise-temperature", "thinking-budget"]  # fmt: skip
+        "exercise-temperature", "thinking-budget", "causal-mask-copying", "moe-balance",
+        "data-vs-params", "lora-works", "lora-targets"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
         "lost-in-the-middle", "context-lengths", "embedding-distances", "polysemy",
-        "lora-works"]  # fmt: skip
+        "previous-token-heads", "usage-billing", "streaming-ttft"]  # fmt: skip
 
 
 def test_discovery_finds_every_exp_module() -> None:
@@ -216,7 +220,8 @@ def test_chinese_report_gives_the_same_verdicts(tmp_path: Path) -> None:
     text = write_report_zh(out, tmp_path / "claims.zh.md").read_text()
     assert "## 1. " in text and "## 3. " in text
     assert "0.503 0.237 0.260" in text  # the claim, quoted in the original
-    assert "**结论：部分成立。**" in text and "**结论：成立。**" in text
+    assert re.search(r"\*\*结论：部分成立：\d+ 项检验中 \d+ 项通过。\*\*", text)
+    assert re.search(r"\*\*结论：成立：(\d+) 项检验中 \1 项通过。\*\*", text)
     assert "未通过" in text.split("## 1. ")[1].split("## 3. ")[0]  # 0.498 is not the prose's 0.60
     assert "共 2 条论断：成立 1 条，部分成立 1 条" in text
     # a JSON whose checks do not give its verdict is refused, not reported

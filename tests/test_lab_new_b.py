@@ -144,37 +144,62 @@ def test_parameter_digest_sees_a_changed_weight() -> None:
 def test_twins_differ_only_in_the_mask() -> None:
     cfg = ModelConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, max_seq_len=9,
                       norm_position="pre")  # fmt: skip
-    models = classify.twin_classifiers(cfg, seed=0)
+    models = classify.twin_taggers(cfg, seed=0)
     gpt, bert = models["GPT (causal)"].eval(), models["BERT (bidirectional)"].eval()
     gpt_state, bert_state = gpt.state_dict(), bert.state_dict()
     assert set(gpt_state) - {"body.lm_head.weight"} == set(bert_state)
     assert all(torch.equal(bert_state[k], gpt_state[k]) for k in bert_state)
     ids = torch.randint(0, 20, (3, 9))
     with torch.no_grad():
-        # one token: no future to hide, the same network gives the same logits
+        # one token: no future to hide, the same network tags it the same
         torch.testing.assert_close(gpt(ids[:, :1]), bert(ids[:, :1]))
-        # causal: GPT's position 3 is the same whether later tokens follow or not; BERT's
-        # position 0 changes when they are dropped (it reads both sides)
-        gpt_hidden = gpt.body.hidden_states(ids)
-        torch.testing.assert_close(gpt.body.hidden_states(ids[:, :4])[:, -1], gpt_hidden[:, 3])
-        assert not torch.allclose(bert.body(ids[:, :4])[:, 0], bert.body(ids)[:, 0])
+        # causal: GPT's tag of position 3 is the same whether later characters follow or not;
+        # BERT's tag of position 0 changes when they are dropped (it reads both sides)
+        torch.testing.assert_close(gpt(ids[:, :4])[:, -1], gpt(ids)[:, 3])
+        assert not torch.allclose(bert(ids[:, :4])[:, 0], bert(ids)[:, 0])
 
 
-def test_windows_come_from_their_labels_text() -> None:
-    text = {"modern": "love have self " * 20, "folio": "loue haue selfe " * 20}
-    tokenizer = CharTokenizer.from_text("".join(text.values()) + classify.CLS)
-    data = {k: torch.tensor(tokenizer.encode(v)) for k, v in text.items()}
-    cls_id = tokenizer.encode(classify.CLS)[0]
-    batch = classify.window_batch(data, cls_id, 16, 10, torch.Generator().manual_seed(0))
-    assert (batch["input_ids"][:, -1] == cls_id).all()
-    for row, label in zip(batch["input_ids"], batch["labels"].tolist(), strict=True):
-        assert tokenizer.decode(row[:-1].tolist()) in text[classify.LABELS[label]]
+def test_names_are_headers_never_written_in_lower_case() -> None:
+    plays = ["HELENA.\nI love Helena and the king.\n\nKING.\nAway, [Exit HELENA.] Helena!"]
+    names = classify.speaker_names(plays)
+    assert names == frozenset({"Helena"})  # "king" is written in lower case: a role
+    text = classify.dialogue(plays[0])
+    assert text == "I love Helena and the king. Away, Helena!"
+    expected = [0] * len(text)
+    for start in (7, 34):  # "I love |Helena| and the king. Away, |Helena|!"
+        expected[start : start + 6] = [1] * 6
+    assert classify.name_tags(text, names) == expected
 
 
-def test_head_and_tail_split_every_text() -> None:
-    head, tail = classify.head_and_tail(["a" * 10 + "B" * 10, "c" * 5 + "D" * 5], 0.5)
-    assert head == "a" * 10 + " " + "c" * 5 and tail == "B" * 10 + " " + "D" * 5
-    assert classify.collapse_whitespace("a \n\n  b\tc") == "a b c"
+def test_f1_and_the_three_readings_by_hand() -> None:
+    gold = torch.tensor([True, True, False, False])
+    assert classify.f1(torch.tensor([True, False, True, False]), gold) == 2 * 1 / (2 + 2)
+    assert classify.f1(torch.zeros(4, dtype=torch.bool), gold) == 0.0
+    # one window of 6 characters, words [0, 3) and [3, 6): logits favour "name" at 0 and at 5
+    logits = torch.tensor([[0.0, 3], [2, 0], [2, 0], [2, 0], [2, 0], [0, 3]])
+    words = torch.tensor([[0, 3], [3, 6]])
+    predicted, kept = classify.readings(logits, words, length=6)
+    assert kept.tolist() == words.tolist()
+    assert predicted["first character"].tolist() == [True, False]
+    assert predicted["last character"].tolist() == [False, True]
+    # means: word 0 (3 - 4) / 3 vs 4 / 3 -> not a name; word 1 likewise
+    assert predicted["mean over the word"].tolist() == [False, False]
+
+
+def test_name_windows_hold_a_name_and_their_tags() -> None:
+    text = "I love Helena and the king. " * 40
+    names = frozenset({"Helena"})
+    tokenizer = CharTokenizer.from_text(text)
+    split = classify.Split(torch.tensor(tokenizer.encode(text)),
+                           torch.tensor(classify.name_tags(text, names)),
+                           classify.word_spans(text))  # fmt: skip
+    batch = classify.window_batch(split, 64, 24, torch.Generator().manual_seed(0))
+    for ids, targets in zip(batch["input_ids"], batch["targets"], strict=True):
+        window = tokenizer.decode(ids.tolist())
+        assert window in text
+        at = text.index(window)
+        assert targets.tolist() == classify.name_tags(text, names)[at : at + len(window)]
+    assert (batch["targets"].sum(dim=1) > 0).float().mean() >= 0.3  # NAME_SHARE places names
 
 
 # --- 31 regurgitation ---------------------------------------------------------------------------

@@ -29,16 +29,18 @@ def cmd_lab_run(args: argparse.Namespace) -> None:
 
     if bool(args.name) == bool(args.all):
         raise ValueError("give one experiment NAME or --all (glassformer lab list shows them)")
+    if args.full + args.quick + args.tiny > 1:
+        raise ValueError("give one of --full, --quick and --tiny (full is the default)")
     ctx = RunContext(out_dir=args.out, quick=args.quick, tiny=args.tiny, threads=args.threads,
                      seed=args.seed)  # fmt: skip
     if ctx.mode == "full":
         print(
-            "full mode: the sizes the claims deserve, 3 seeds per training experiment; on 2 CPU "
-            f"cores {'--all takes hours' if args.all else 'one experiment can take an hour'} "
-            "(--quick: the whole lab in under 20 minutes)",
+            "full mode: the sizes the claims deserve, at least 3 seeds per training experiment; "
+            f"on 2 CPU cores {'--all takes hours' if args.all else 'up to about 15 minutes'} "
+            "(--resume skips results that are current; --quick: the whole lab in under 25 min)",
             flush=True,
         )
-    records = run_many(None if args.all else [args.name], ctx)
+    records = run_many(None if args.all else [args.name], ctx, resume=args.resume)
     if len(records) > 1:
         for rec in records:
             print(f"{rec['name']:<24} {rec['verdict']:<20} {rec['seconds']:>7} s")
@@ -48,11 +50,16 @@ def cmd_lab_report(args: argparse.Namespace) -> None:
     """write docs/claims.md and docs/claims.zh.md from the results folder"""
     from pathlib import Path
 
-    from glassformer.lab.report import write_report, write_report_zh
+    from glassformer.lab.report import load_records, update_readme, write_report, write_report_zh
 
     english = Path(args.to)
     print(f"wrote {write_report(args.out, english)}")
     print(f"wrote {write_report_zh(args.out, english.with_suffix('.zh.md'))}")
+    # The README of the tree the report is written into (docs/claims.md -> ./README.md), so a
+    # report written elsewhere never rewrites the README of the folder it was run from.
+    readme = english.resolve().parent.parent / "README.md" if args.readme is None else args.readme
+    if readme and Path(readme).is_file() and update_readme(load_records(args.out), readme):
+        print(f"updated the lab summary in {readme}")
 
 
 GROUP_HELP = """the claims lab: run the tutorials' checkable claims (lab list | run | report)
@@ -69,7 +76,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("name", nargs="?", metavar="NAME", help="an experiment (see lab list)")
     q.add_argument("--all", action="store_true", help="run every experiment")
     q.add_argument(
-        "--quick", action="store_true", help="small sizes, 2 seeds: --all under 20 min on 2 cores"
+        "--full", action="store_true", help="the published sizes, >= 3 seeds (the default)"
+    )
+    q.add_argument(
+        "--quick", action="store_true", help="small sizes, 2 seeds: --all under 25 min on 2 cores"
+    )
+    q.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip experiments whose result in --out is current (same code, mode and seed)",
     )
     q.add_argument("--tiny", action="store_true", help="smallest sizes (what the tests run)")
     q.add_argument("--out", default="docs/lab", help="results folder (default docs/lab)")
@@ -82,4 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="docs/claims.md",
         help="markdown file (default docs/claims.md; the Chinese report goes beside it as "
         "NAME.zh.md)",
+    )
+    q.add_argument(
+        "--readme",
+        default=None,
+        help="README whose LAB SUMMARY block is rewritten from the same results (default: the "
+        "README.md one folder above --to's, as docs/claims.md -> README.md; '' for none)",
     )

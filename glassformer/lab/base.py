@@ -142,6 +142,21 @@ def precondition(check: Check) -> Check:
     return replace(check, role="precondition")
 
 
+def converged(what: str, losses: Sequence[float], window: int, tolerance: float) -> Check:
+    """Precondition: a training run reached its plateau. measured: the relative drop of the
+    mean loss of its last `window` steps from the mean of the `window` before, at most
+    `tolerance` (0.02: a loss still falling by more than 2% means the model is still learning,
+    and its numbers say nothing yet about a trained model). Name it for what it shows:
+    ctx.say("loss drop over the last 100 steps (baseline)", "...")."""
+    if len(losses) < 2 * window:
+        raise ValueError(f"{what}: {len(losses)} losses cannot show a plateau of {window}: "
+                         f"log at least {2 * window}")  # fmt: skip
+    last = sum(losses[-window:]) / window
+    before = sum(losses[-2 * window : -window]) / window
+    drop = (before - last) / abs(before) if before else 0.0
+    return Check(what, drop, "<=", tolerance, role="precondition")
+
+
 def evidence_groups(checks: Sequence[Check]) -> dict[str, list[Check]]:
     """The evidence checks by group, in the order the groups first appear."""
     groups: dict[str, list[Check]] = {}
@@ -197,9 +212,23 @@ class RunContext:
     tiny: bool = False
     threads: int | None = None
     seed: int = 0
+    # The Chinese report's words: each English string an experiment shows (a table header, a
+    # check's name and group, a note) with its Chinese, as ctx.say recorded them.
+    zh: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
+
+    def say(self, en: str, zh: str) -> str:
+        """en, remembering zh as its Chinese for the report: rows[ctx.say("loss", "损失")],
+        lab.at_least(ctx.say(f"gain at d={d}", f"d={d} 时的增益"), ...)."""
+        if not zh.strip():
+            raise ValueError(f"the Chinese for {en!r} is empty: give its translation")
+        known = self.zh.get(en)
+        if known is not None and known != zh:
+            raise ValueError(f"{en!r} is said in Chinese both as {known!r} and as {zh!r}: pick one")
+        self.zh[en] = zh
+        return en
 
     @property
     def mode(self) -> str:
@@ -416,4 +445,4 @@ def trailing_mean(values: Sequence[float], window: int) -> list[float]:
 def save_figure(fig, path: Path) -> Path:
     from glassformer.inspect.plots import save
 
-    return save(fig, path, dpi=80)  # small PNGs: they live in the tree
+    return save(fig, path, dpi=120)  # legible ticks; the PNGs live in the tree, so no more

@@ -18,6 +18,7 @@ from glassformer.models import build_model
 
 BACKENDS = ("sdpa", "eager")
 FACTORS = ("batch B", "length T", "width d", "layers")
+FACTOR_ZH = {"batch B": "批大小 B", "length T": "长度 T", "width d": "宽度 d", "layers": "层数"}
 # Threshold: the seed's "≈" is a proportion, so doubling one factor should double the bytes; 10%
 # slack admits the terms that do not scale with that factor (the head's logits, the final norm),
 # while a T² term (eager: H x T weights per token) or a term independent of the factor (ratio
@@ -79,60 +80,86 @@ def run(ctx: lab.RunContext) -> lab.Result:
                            max_seq_len=2 * seq_len, attention_backend=backend)  # fmt: skip
         ref = measure(base, batch, seq_len, ctx.seed)
         points.append((f"{backend} base", ref))
-        rows.append(_row(backend, f"base B={batch} T={seq_len} d={d} layers={layers}", ref, 1.0))
+        rows.append(
+            _row(ctx, backend, f"base B={batch} T={seq_len} d={d} layers={layers}", ref, 1.0)
+        )
         for factor in FACTORS:
             cfg, b, t = doubled(base, batch, seq_len, factor)
             got = measure(cfg, b, t, ctx.seed)
             ratio = got["bytes"] / ref["bytes"]
             ratios[(backend, factor)] = ratio
             points.append((f"{backend} {factor} x2", got))
-            rows.append(_row(backend, f"{factor} x2", got, ratio))
-            checks.append(lab.approx(f"{backend}: bytes ratio with {factor} doubled", ratio,
-                                     RATIO, RATIO_TOL, group=f"linear in {factor}"))  # fmt: skip
+            rows.append(_row(ctx, backend, f"{factor} x2", got, ratio))
+            what = ctx.say(f"{backend}: bytes ratio with {factor} doubled",
+                           f"{backend}：{FACTOR_ZH[factor]}翻倍时的字节数之比")  # fmt: skip
+            group = ctx.say(f"linear in {factor}", f"与{FACTOR_ZH[factor]}成正比")
+            checks.append(lab.approx(what, ratio, RATIO, RATIO_TOL, group=group))
     # Precondition: the hook counts what calc's bill lists (activations, not weights, each once).
     worst = max(abs(p["bytes"] / p["calc"] - 1) for _, p in points)
     checks.insert(
         0,
         lab.precondition(
-            lab.at_most("largest |measured / calc memory - 1| over all runs", worst, CALC_TOL)
+            lab.at_most(
+                ctx.say(
+                    "largest |measured / calc memory - 1| over all runs",
+                    "所有运行中 |实测 / calc memory - 1| 的最大值",
+                ),
+                worst,
+                CALC_TOL,
+            )
         ),
     )
-    notes = _notes(ratios, batch, seq_len, heads)
+    notes = _notes(ctx, ratios, batch, seq_len, heads)
     figure = _plot(ratios, points)
     data = {"ratios": {f"{b} {f}": r for (b, f), r in ratios.items()},
             "points": {name: p for name, p in points}}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _row(backend: str, what: str, point: dict, ratio: float) -> dict:
-    return {"attention": backend, "run": what, "saved MiB": point["bytes"] / 2**20,
-            "tensors": point["tensors"], "calc MiB": point["calc"] / 2**20,
-            "ratio to base": ratio}  # fmt: skip
+def _row(ctx: lab.RunContext, backend: str, what: str, point: dict, ratio: float) -> dict:
+    return {ctx.say("attention", "注意力实现"): backend, ctx.say("run", "运行"): what,
+            ctx.say("saved MiB", "保存的 MiB"): point["bytes"] / 2**20,
+            ctx.say("tensors", "张量数"): point["tensors"],
+            ctx.say("calc MiB", "calc 估算 MiB"): point["calc"] / 2**20,
+            ctx.say("ratio to base", "与基准之比"): ratio}  # fmt: skip
 
 
-def _notes(ratios: dict, batch: int, seq_len: int, heads: int) -> list[str]:
-    notes = []
-    for backend in BACKENDS:
-        off = [f"{f} x{ratios[(backend, f)]:.2f}" for f in FACTORS
-               if abs(ratios[(backend, f)] - RATIO) > RATIO_TOL]  # fmt: skip
-        inside = [f"{f} x{ratios[(backend, f)]:.2f}" for f in FACTORS
-                  if abs(ratios[(backend, f)] - RATIO) <= RATIO_TOL]  # fmt: skip
-        notes.append(f"{backend}: doubling gives " + ", ".join(inside or ["nothing near x2"])
-                     + (f"; off x2: {', '.join(off)}" if off else ""))  # fmt: skip
+def _doubling_note(ctx: lab.RunContext, backend: str, ratios: dict) -> str:
+    """Which factors' doubling stays within x2 ± 10% for one backend, and which do not."""
+    inside = [f for f in FACTORS if abs(ratios[(backend, f)] - RATIO) <= RATIO_TOL]
+    off = [f for f in FACTORS if f not in inside]
+    en_list = [f"{f} x{ratios[(backend, f)]:.2f}" for f in inside] or ["nothing near x2"]
+    zh_list = [f"{FACTOR_ZH[f]} x{ratios[(backend, f)]:.2f}" for f in inside] or ["没有接近 x2 的"]
+    en = f"{backend}: doubling gives " + ", ".join(en_list)
+    zh = f"{backend}：翻倍得到 " + "、".join(zh_list)
+    if off:
+        en += "; off x2: " + ", ".join(f"{f} x{ratios[(backend, f)]:.2f}" for f in off)
+        zh += "；偏离 x2 的：" + "、".join(
+            f"{FACTOR_ZH[f]} x{ratios[(backend, f)]:.2f}" for f in off
+        )
+    return ctx.say(en, zh)
+
+
+def _notes(ctx: lab.RunContext, ratios: dict, batch: int, seq_len: int, heads: int) -> list[str]:
+    notes = [_doubling_note(ctx, backend, ratios) for backend in BACKENDS]
     t_gap = ratios[("eager", "length T")] - ratios[("sdpa", "length T")]
-    notes.append(
+    notes.append(ctx.say(
         f"length T: eager's ratio is {t_gap:+.2f} from sdpa's; eager saves {heads} x T softmax "
         "weights per token (a T² term), the fused kernel only a logsumexp per head and recomputes"
-        " the scores in backward"
-    )
+        " the scores in backward",
+        f"长度 T：eager 的比值与 sdpa 相差 {t_gap:+.2f}；eager 为每个 token 保存 {heads} x T 个 "
+        "softmax 权重（一个 T² 项），融合 kernel 每个头只保存一个 logsumexp，反向时重算注意力分数",
+    ))  # fmt: skip
     gpt2 = ModelConfig.preset("gpt2-124m")
     base = calc.activation_bytes(gpt2, batch, seq_len)
     wide = calc.activation_bytes(gpt2.replace(d_model=1536, n_heads=24), batch, seq_len)
     deep = calc.activation_bytes(gpt2.replace(n_layers=24), batch, seq_len)
-    notes.append(
+    notes.append(ctx.say(
         f"calc memory for GPT-2 124M (vocab 50257): doubling d gives x{wide / base:.2f}, layers "
-        f"x{deep / base:.2f}: a large vocabulary's logits do not grow with either"
-    )
+        f"x{deep / base:.2f}: a large vocabulary's logits do not grow with either",
+        f"GPT-2 124M（词表 50257）的 calc memory：d 翻倍得到 x{wide / base:.2f}，层数翻倍 "
+        f"x{deep / base:.2f}：大词表的 logits 不随二者增长",
+    ))  # fmt: skip
     return notes
 
 

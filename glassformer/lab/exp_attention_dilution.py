@@ -124,43 +124,63 @@ def run(ctx: lab.RunContext) -> lab.Result:
     logprob = [lab.over_seeds([r.logprob for r in rs]) for rs in readings]
     recall = [sum(r.recalled for r in rs) / len(rs) for rs in readings]
     n_keys = [sum(r.n_keys for r in rs) / len(rs) for rs in readings]
+    hd = f"L{layer}H{head}"
+    say = ctx.say
     rows = [
-        {"filler tokens n": n, "keys in the row": round(n_keys[i]),
-         f"L{layer}H{head} weight on digits": str(selected[i]),
-         "strongest head's weight": str(strongest[i]),
-         "uniform 1/keys": 1 / n_keys[i],
-         "log p(digits) (nats)": str(logprob[i]), "greedy recall": recall[i]}
+        {say("filler tokens n", "填充 token 数 n"): n,
+         say("keys in the row", "该行的键数"): round(n_keys[i]),
+         say(f"{hd} weight on digits", f"{hd} 在数字上的权重"): str(selected[i]),
+         say("strongest head's weight", "最强头的权重"): str(strongest[i]),
+         say("uniform 1/keys", "均匀分布 1/键数"): 1 / n_keys[i],
+         say("log p(digits) (nats)", "log p(数字)（nats）"): str(logprob[i]),
+         say("greedy recall", "贪心解码召回率"): recall[i]}
         for i, n in enumerate(fillers)
     ]  # fmt: skip
     first, last = fillers[0], fillers[-1]
-    diluted = "a softmax row thins the weight on a far token as keys grow"
+    diluted = say("a softmax row thins the weight on a far token as keys grow",
+                  "键越多，softmax 的一行分给远处 token 的权重越稀薄")  # fmt: skip
+    forgets = say("the model forgets the beginning as the context grows",
+                  "上下文越长，模型越会忘掉开头")  # fmt: skip
     checks = [
-        lab.precondition(lab.at_least(f"L{layer}H{head} weight on the digits at n={first}",
-                                      selected[0].mean, MIN_HEAD_WEIGHT)),
-        lab.precondition(lab.at_least(f"greedy recall at n={first}", recall[0], MIN_RECALL)),
-        lab.at_most(f"L{layer}H{head} weight on the digits: n={last} / n={first}",
+        lab.precondition(lab.at_least(
+            say(f"{hd} weight on the digits at n={first}", f"n={first} 时 {hd} 在数字上的权重"),
+            selected[0].mean, MIN_HEAD_WEIGHT)),
+        lab.precondition(lab.at_least(
+            say(f"greedy recall at n={first}", f"n={first} 时的贪心解码召回率"),
+            recall[0], MIN_RECALL)),
+        lab.at_most(say(f"{hd} weight on the digits: n={last} / n={first}",
+                        f"{hd} 在数字上的权重：n={last} / n={first}"),
                     _ratio(selected[-1].mean, selected[0].mean), MAX_WEIGHT_RATIO, group=diluted),
-        lab.at_most(f"strongest head's weight on the digits: n={last} / n={first}",
+        lab.at_most(say(f"strongest head's weight on the digits: n={last} / n={first}",
+                        f"最强头在数字上的权重：n={last} / n={first}"),
                     _ratio(strongest[-1].mean, strongest[0].mean), MAX_WEIGHT_RATIO,
                     group=diluted),
-        lab.exceeds_spread(f"log p(digits): n={first} - n={last} (nats)", logprob[0],
-                           logprob[-1], MIN_LOGPROB_DROP,
-                           group="the model forgets the beginning as the context grows"),
+        lab.exceeds_spread(say(f"log p(digits): n={first} - n={last} (nats)",
+                               f"log p(数字)：n={first} 减 n={last}（nats）"), logprob[0],
+                           logprob[-1], MIN_LOGPROB_DROP, group=forgets),
     ]  # fmt: skip
     weight_0 = min(max(selected[0].mean, 1e-6), 1 - 1e-6)
     delta = delta_for(weight_0, round(n_keys[0]))
     reference = [fixed_score_weight(round(k), delta) for k in n_keys]
     notes = [
-        f"model: {name}; head L{layer}H{head} chosen on {n_select} selection prompt(s) at "
-        f"n={first}, measured on {n_eval} other prompt(s); ± is the spread over prompts",
-        f"keys grow {n_keys[-1] / n_keys[0]:.1f}x; L{layer}H{head}'s weight on the digits goes "
-        f"{selected[0].mean:.3f} -> {selected[-1].mean:.3f}; a row whose scores stayed fixed "
-        f"(margin {delta:.2f} fitted at n={first}) would go {reference[0]:.3f} -> "
-        f"{reference[-1]:.3f}, a uniform row {1 / n_keys[0]:.3f} -> {1 / n_keys[-1]:.4f}",
-        f"the seed speaks of thousands of keys; the longest row here has {round(n_keys[-1])}",
-    ]
+        say(f"model: {name}; head L{layer}H{head} chosen on {n_select} selection prompt(s) at "
+            f"n={first}, measured on {n_eval} other prompt(s); ± is the spread over prompts",
+            f"模型：{name}；头 {hd} 在 n={first} 时由 {n_select} 条选择用提示选出，在另外 "
+            f"{n_eval} 条提示上测量；± 是各提示间的波动（标准差）"),
+        say(f"keys grow {n_keys[-1] / n_keys[0]:.1f}x; L{layer}H{head}'s weight on the digits goes "
+            f"{selected[0].mean:.3f} -> {selected[-1].mean:.3f}; a row whose scores stayed fixed "
+            f"(margin {delta:.2f} fitted at n={first}) would go {reference[0]:.3f} -> "
+            f"{reference[-1]:.3f}, a uniform row {1 / n_keys[0]:.3f} -> {1 / n_keys[-1]:.4f}",
+            f"键数增长 {n_keys[-1] / n_keys[0]:.1f} 倍；{hd} 在数字上的权重从 "
+            f"{selected[0].mean:.3f} 变为 {selected[-1].mean:.3f}；若分数保持不变（在 n={first} "
+            f"拟合的差值为 {delta:.2f}），权重会从 {reference[0]:.3f} 变为 {reference[-1]:.3f}，"
+            f"均匀分布的一行从 {1 / n_keys[0]:.3f} 变为 {1 / n_keys[-1]:.4f}"),
+        say(f"the seed speaks of thousands of keys; the longest row here has {round(n_keys[-1])}",
+            f"教程说的是成千上万个键；这里最长的一行有 {round(n_keys[-1])} 个"),
+    ]  # fmt: skip
     if ctx.tiny:
-        notes.append("tiny mode: a random 1-layer character GPT stands in for SmolLM2")
+        notes.append(say("tiny mode: a random 1-layer character GPT stands in for SmolLM2",
+                         "tiny 模式：用一个随机初始化的 1 层字符级 GPT 代替 SmolLM2"))  # fmt: skip
     data = {"fillers": list(fillers), "n_keys": n_keys, "head": [layer, head],
             "selected_weight": [list(s.values) for s in selected],
             "strongest_weight": [list(s.values) for s in strongest],

@@ -24,10 +24,17 @@ PRINTED_TOL, OUTPUT_TOL, ROUGH_TOL = 0.0005, 0.005, 0.02
 NUMPY = "the printed numpy run"
 PROSE = "the prose's 0.60/0.16/0.24"
 LEAD = "猫 gets the most"
+GROUPS_ZH = {
+    NUMPY: "教程打印的 numpy 运行结果",
+    PROSE: "原文的 0.60/0.16/0.24",
+    LEAD: "猫 得到的权重最大",
+}
 
 
 @lab.register("attention-example")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    for group, zh in GROUPS_ZH.items():
+        ctx.say(group, zh)
     example = numpy_ref.worked_example()
     scaled = np.array(PROSE_SCORES) / np.sqrt(D_K)
     prose = numpy_ref.softmax(scaled)
@@ -35,31 +42,33 @@ def run(ctx: lab.RunContext) -> lab.Result:
     for i, token in enumerate(TOKENS):
         rows.append(
             {
-                "token": token,
-                "numpy weight": round(float(example.weights[i]), 4),
-                "printed": PRINTED_WEIGHTS[i],
-                "prose score/√64": float(scaled[i]),
-                "prose softmax": round(float(prose[i]), 4),
-                "prose claims": PROSE_WEIGHTS[i],
+                ctx.say("token", "被关注的 token"): token,
+                ctx.say("numpy weight", "numpy 权重"): round(float(example.weights[i]), 4),
+                ctx.say("printed", "教程打印值"): PRINTED_WEIGHTS[i],
+                ctx.say("prose score/√64", "原文分数/√64"): float(scaled[i]),
+                ctx.say("prose softmax", "原文分数的 softmax"): round(float(prose[i]), 4),
+                ctx.say("prose claims", "原文给出的值"): PROSE_WEIGHTS[i],
             }
         )
-        checks.append(lab.approx(f"numpy weight {token}", example.weights[i], PRINTED_WEIGHTS[i],
+        what = ctx.say(f"numpy weight {token}", f"numpy 权重 {token}")
+        checks.append(lab.approx(what, example.weights[i], PRINTED_WEIGHTS[i],
                                  PRINTED_TOL, group=NUMPY))  # fmt: skip
     for i, printed in enumerate(PRINTED_OUTPUT):
-        checks.append(lab.approx(f"output[{i}]", example.output[i], printed, OUTPUT_TOL, NUMPY))
+        what = ctx.say(f"output[{i}]", f"输出[{i}]")
+        checks.append(lab.approx(what, example.output[i], printed, OUTPUT_TOL, NUMPY))
     for i, token in enumerate(TOKENS):
         # Arithmetic on the seed's own numbers: the setup reads them right, not evidence.
-        scaled_check = lab.approx(f"prose scaled score {token}", scaled[i], PROSE_SCALED[i], 1e-12)
+        what = ctx.say(f"prose scaled score {token}", f"原文缩放后的分数 {token}")
+        scaled_check = lab.approx(what, scaled[i], PROSE_SCALED[i], 1e-12)
         checks.append(lab.precondition(scaled_check))
     for i, token in enumerate(TOKENS):
-        checks.append(
-            lab.approx(f"prose weight {token}", prose[i], PROSE_WEIGHTS[i], ROUGH_TOL, PROSE)
-        )
+        what = ctx.say(f"prose weight {token}", f"原文权重 {token}")
+        checks.append(lab.approx(what, prose[i], PROSE_WEIGHTS[i], ROUGH_TOL, PROSE))
     # The qualitative point of both: 猫 takes the largest share.
-    checks.append(
-        lab.at_least("猫's lead over the next weight (numpy)", _lead(example.weights), 0.0, LEAD)
-    )
-    checks.append(lab.at_least("猫's lead over the next weight (prose)", _lead(prose), 0.0, LEAD))
+    lead_numpy = ctx.say("猫's lead over the next weight (numpy)", "猫 领先次大权重的幅度（numpy）")
+    lead_prose = ctx.say("猫's lead over the next weight (prose)", "猫 领先次大权重的幅度（原文）")
+    checks.append(lab.at_least(lead_numpy, _lead(example.weights), 0.0, LEAD))
+    checks.append(lab.at_least(lead_prose, _lead(prose), 0.0, LEAD))
 
     # Which divisor would the prose's 0.60/0.16/0.24 need? Each pair of weights implies one.
     implied = {
@@ -71,12 +80,18 @@ def run(ctx: lab.RunContext) -> lab.Result:
     figure = _plot(example.weights, prose)
     numpy_ok = all(c.passed for c in checks if c.group == NUMPY)
     prose_ok = all(c.passed for c in checks if c.group == PROSE)
+    printed, ours = np.round(example.weights, 3).tolist(), np.round(prose, 3).tolist()
+    a, b = implied["猫 vs 累"], implied["猫 vs 它"]
     why = (
-        f"the numpy run reproduces the printed weights {np.round(example.weights, 3).tolist()}"
-        f"{'' if numpy_ok else ' only in part'}, but softmax(1.0, 0.25, 0.375) is "
-        f"{np.round(prose, 3).tolist()}, not the prose's 0.60/0.16/0.24 (those would need "
-        f"dividing by about {implied['猫 vs 累']:.1f} and {implied['猫 vs 它']:.1f}, not 8); "
-        "猫 still gets the most in both."
+        ctx.say(
+            f"the numpy run reproduces the printed weights {printed}"
+            f"{'' if numpy_ok else ' only in part'}, but softmax(1.0, 0.25, 0.375) is "
+            f"{ours}, not the prose's 0.60/0.16/0.24 (those would need "
+            f"dividing by about {a:.1f} and {b:.1f}, not 8); 猫 still gets the most in both.",
+            f"numpy 运行{'' if numpy_ok else '只部分'}复现了教程打印的权重 {printed}，但 "
+            f"softmax(1.0, 0.25, 0.375) 是 {ours}，不是原文的 0.60/0.16/0.24（要得到那组数，"
+            f"得分别除以约 {a:.1f} 和 {b:.1f}，而不是 8）；两种算法里 猫 的权重仍然最大。",
+        )
         if not prose_ok
         else None
     )

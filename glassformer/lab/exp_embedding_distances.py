@@ -33,6 +33,7 @@ UNRELATED = {
 # in the same representation, so that the gap is not within what any two unrelated words differ.
 MARGIN_IN_SD = 1.0
 FRAME = {"zh": "词语：{}", "en": "Word: {}"}  # a neutral left context for SmolLM2's hidden state
+LANG_ZH = {"zh": "中文", "en": "英文"}
 
 
 def cosine_matrix(vectors: torch.Tensor) -> np.ndarray:
@@ -94,17 +95,22 @@ def hidden_vectors(model, tokenizer, words: list[str], lang: str) -> tuple[torch
 
 
 def _representations(ctx: lab.RunContext) -> dict:
+    """English name -> (Chinese name, words -> vectors)."""
     from glassformer.interop.pretrained import from_pretrained
 
     minilm, minilm_tok = from_pretrained("minilm")
-    found = {"MiniLM sentence embedding": lambda words, lang: minilm_vectors(minilm, minilm_tok,
-                                                                           words)}  # fmt: skip
+    found = {"MiniLM sentence embedding": ("MiniLM 句向量", lambda words, lang: minilm_vectors(
+        minilm, minilm_tok, words))}  # fmt: skip
     if not ctx.tiny:  # tiny mode: MiniLM only (SmolLM2 takes seconds to load)
         smol, smol_tok = from_pretrained("smollm2")
         layer = smol.cfg.n_layers // 2
-        found["SmolLM2 input embedding"] = lambda words, lang: table_vectors(smol, smol_tok, words)
-        found[f"SmolLM2 hidden, layer {layer}"] = lambda words, lang: hidden_vectors(
-            smol, smol_tok, words, lang
+        found["SmolLM2 input embedding"] = (
+            "SmolLM2 输入嵌入表",
+            lambda words, lang: table_vectors(smol, smol_tok, words),
+        )
+        found[f"SmolLM2 hidden, layer {layer}"] = (
+            f"SmolLM2 第 {layer} 层隐藏状态",
+            lambda words, lang: hidden_vectors(smol, smol_tok, words, lang),
         )
     return found
 
@@ -112,7 +118,8 @@ def _representations(ctx: lab.RunContext) -> dict:
 @lab.register("embedding-distances")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
     rows, checks, notes, results = [], [], [], {}
-    for rep, vectors_of in _representations(ctx).items():
+    say = ctx.say
+    for rep, (rep_zh, vectors_of) in _representations(ctx).items():
         for lang, (cat, dog, invoice) in WORDS.items():
             words = [cat, dog, invoice, *UNRELATED[lang]]
             vectors, unreadable = vectors_of(words, lang)
@@ -121,37 +128,50 @@ def run(ctx: lab.RunContext) -> lab.Result:
             sd = float(baseline.std(ddof=1))
             cat_dog, cat_inv, dog_inv = sims[0, 1], sims[0, 2], sims[1, 2]
             meaningful = not unreadable
-            where = f"{rep}, {lang}"
+            where = say(f"{rep}, {lang}", f"{rep_zh}，{LANG_ZH[lang]}")
             results[where] = {"猫狗": cat_dog, "猫发票": cat_inv, "狗发票": dog_inv,
                               "unrelated mean": float(baseline.mean()), "unrelated sd": sd,
                               "meaningful": meaningful}  # fmt: skip
             rows.append(
                 {
-                    "representation": rep,
-                    "words": f"{cat}/{dog}/{invoice}",
-                    "sim(猫,狗)": cat_dog,
-                    "sim(猫,发票)": cat_inv,
-                    "sim(狗,发票)": dog_inv,
-                    "unrelated pairs: mean ± sd": f"{baseline.mean():.3f} ± {sd:.3f}",
-                    "evidence?": "yes"
+                    say("representation", "表示"): rep,
+                    say("words", "词"): f"{cat}/{dog}/{invoice}",
+                    say("sim(猫,狗)", "相似度(猫,狗)"): cat_dog,
+                    say("sim(猫,发票)", "相似度(猫,发票)"): cat_inv,
+                    say("sim(狗,发票)", "相似度(狗,发票)"): dog_inv,
+                    say("unrelated pairs: mean ± sd", "无关词对：均值 ± 标准差"): (
+                        f"{baseline.mean():.3f} ± {sd:.3f}"
+                    ),
+                    say("evidence?", "算作证据？"): "yes"
                     if meaningful
                     else f"no: {len(set(unreadable))} of {len(words)} words unreadable",
                 }
             )
             if not meaningful:
                 targets = [w for w in (cat, dog, invoice) if w in unreadable]
-                notes.append(f"{where}: not evidence, {len(set(unreadable))} of {len(words)} "
-                             f"words (among them {targets}) tokenize to [UNK] or byte pieces, "
-                             "so their vectors do not stand for the words")  # fmt: skip
+                n_bad = len(set(unreadable))
+                notes.append(say(
+                    f"{where}: not evidence, {n_bad} of {len(words)} "
+                    f"words (among them {targets}) tokenize to [UNK] or byte pieces, "
+                    "so their vectors do not stand for the words",
+                    f"{ctx.zh[where]}：不算证据，{len(words)} 个词中有 {n_bad} 个（包括 {targets}）"
+                    "被切成 [UNK] 或字节碎片，它们的向量代表不了这些词",
+                ))  # fmt: skip
                 continue
             margin = MARGIN_IN_SD * sd
-            checks.append(lab.at_least(f"{where}: sim({cat},{dog}) - sim({cat},{invoice})",
-                                       cat_dog - cat_inv, margin, group=where))  # fmt: skip
-            checks.append(lab.at_least(f"{where}: sim({cat},{dog}) - sim({dog},{invoice})",
-                                       cat_dog - dog_inv, margin, group=where))  # fmt: skip
+            where_zh = ctx.zh[where]
+            for a, b in ((cat, invoice), (dog, invoice)):
+                what = say(f"{where}: sim({cat},{dog}) - sim({a},{b})",
+                           f"{where_zh}：相似度({cat},{dog}) 减 相似度({a},{b})")  # fmt: skip
+                gap_ab = cat_dog - (cat_inv if a == cat else dog_inv)
+                checks.append(lab.at_least(what, gap_ab, margin, group=where))
             gap = min(cat_dog - cat_inv, cat_dog - dog_inv) / sd if sd > 0 else float("nan")
-            notes.append(f"{where}: sim({cat},{dog}) exceeds the nearer of the two {invoice} "
-                         f"pairs by {gap:.2f} sd of the unrelated pairs")  # fmt: skip
+            notes.append(say(
+                f"{where}: sim({cat},{dog}) exceeds the nearer of the two {invoice} "
+                f"pairs by {gap:.2f} sd of the unrelated pairs",
+                f"{where_zh}：相似度({cat},{dog}) 比两个含 {invoice} 的词对中较近的那个高出 "
+                f"{gap:.2f} 个无关词对标准差",
+            ))  # fmt: skip
     figure = _plot(results)
     return lab.Result.from_checks(rows, checks, figure=figure, data=results, notes=notes)
 

@@ -28,6 +28,8 @@ N_SAMPLES = 3  # "各生成 3 次"
 # Preconditions: T = 0 gives one output 3 times (greedy obeys its definition) and the hand
 # sampler's distribution at T = 1.2 is the library's (to float32 rounding, 1e-6).
 SAME_DISTRIBUTION = 1e-6
+SAMPLER_ZH = {"hand softmax(logits/T)": "手写 softmax(logits/T)", "library Engine": "库的 Engine"}
+LANG_ZH = {"zh": "中文", "en": "英文"}
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -135,52 +137,88 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 distinct = len({tuple(outputs[i]) for i in picked})
                 summary[(lang, sampler, t)] = (lab.over_seeds(mean_surprisal), distinct)
                 for k, i in enumerate(picked):
-                    rows.append({"prompt": lang, "sampler": sampler, "T": t, "sample": k + 1,
-                                 "tokens": len(outputs[i]),
-                                 "surprisal (nats/token)": mean_surprisal[k],
-                                 "text": _text(tokenizer, outputs[i])})  # fmt: skip
+                    rows.append(_row(ctx, lang, sampler, t, k + 1, outputs[i], mean_surprisal[k],
+                                     _text(tokenizer, outputs[i])))  # fmt: skip
             greedy, hot = summary[(lang, sampler, 0.0)], summary[(lang, sampler, 1.2)]
-            where = f"{lang}, {sampler}"
-            checks.append(lab.precondition(
-                lab.approx(f"{where}: distinct outputs of 3 at T=0", greedy[1], 1, 0)))  # fmt: skip
-            checks.append(lab.at_least(f"{where}: distinct outputs of 3 at T=1.2", hot[1], 2,
-                                       group="T=1.2 is less stable than T=0"))  # fmt: skip
-            checks.append(
-                lab.exceeds_spread(
-                    f"{where}: surprisal T=1.2 - T=0 (nats/token)",
-                    hot[0],
-                    greedy[0],
-                    group="T=1.2 says more 胡说",
-                )
-            )
+            checks += _checks(ctx, lang, sampler, greedy, hot)
         ours = temperature_probs(logits.double().numpy(), 1.2)
         theirs = sampling_distribution(logits[None], SamplingParams(temperature=1.2))[0]
-        checks.append(
-            lab.precondition(
-                lab.approx(
-                    f"{lang}: max |hand - library| probability at T=1.2",
-                    float(np.abs(ours - theirs.double().numpy()).max()),
-                    0,
-                    SAME_DISTRIBUTION,
-                )
-            )
-        )
+        what = ctx.say(f"{lang}: max |hand - library| probability at T=1.2",
+                       f"{LANG_ZH[lang]}：T=1.2 时手写与库的概率之差的最大绝对值")  # fmt: skip
+        gap = float(np.abs(ours - theirs.double().numpy()).max())
+        checks.append(lab.precondition(lab.approx(what, gap, 0, SAME_DISTRIBUTION)))
 
-    notes = [f"model: {name}; prompts in the chat template: { {k: PROMPTS[k] for k in prompts} }; "
-             f"Engine on {list(engine_prompts)}; {n_new} new tokens at "
-             f"most, seeds {ctx.seed}..{ctx.seed + len(temperatures) - 1}"]  # fmt: skip
-    for (lang, sampler, t), (spread, distinct) in summary.items():
-        notes.append(f"{lang}, {sampler}, T={t:g}: {distinct} distinct of {N_SAMPLES}, "
-                     f"surprisal {spread} nats/token")  # fmt: skip
-    for lang, logits in first_step.items():
-        flat = {t: entropy_nats(temperature_probs(logits.double().numpy(), t)) for t in (1, 1.2)}
-        notes.append(f"{lang}: first-token entropy {flat[1]:.2f} nats at T=1, {flat[1.2]:.2f} at "
-                     "T=1.2 (dividing by T > 1 always flattens: a property of softmax, not a "
-                     "finding)")  # fmt: skip
-    figure = _plot(summary, first_step, tokenizer)
+    notes = _notes(ctx, name, prompts, engine_prompts, n_new, len(temperatures), summary,
+                   first_step)  # fmt: skip
+    figure = _plot(ctx, summary, first_step, tokenizer)
     data = {f"{lang}|{sampler}|{t:g}": {"surprisal": list(s.values), "distinct": d}
             for (lang, sampler, t), (s, d) in summary.items()}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+
+
+def _row(ctx: lab.RunContext, lang: str, sampler: str, t: float, k: int, ids: list[int],
+         surprisal: float, text: str) -> dict:  # fmt: skip
+    ctx.say(lang, LANG_ZH[lang])
+    return {ctx.say("prompt", "提示词"): lang,
+            ctx.say("sampler", "采样器"): ctx.say(sampler, SAMPLER_ZH[sampler]),
+            ctx.say("T", "温度 T"): t, ctx.say("sample", "第几次"): k,
+            ctx.say("tokens", "token 数"): len(ids),
+            ctx.say("surprisal (nats/token)", "惊讶度（nats/token）"): surprisal,
+            ctx.say("text", "文本"): text}  # fmt: skip
+
+
+def _checks(ctx: lab.RunContext, lang: str, sampler: str, greedy, hot) -> list[lab.Check]:
+    """T=0's one output (a precondition: greedy obeys its definition), and the evidence: T=1.2
+    less stable (distinct outputs) and more 胡说 (surprisal beyond the samples' spread)."""
+    en, zh = f"{lang}, {sampler}", f"{LANG_ZH[lang]}，{SAMPLER_ZH[sampler]}"
+    say = ctx.say
+    stable = say("T=1.2 is less stable than T=0", "T=1.2 不如 T=0 稳定")
+    nonsense = say("T=1.2 says more 胡说", "T=1.2 更“胡说”")
+    return [
+        lab.precondition(lab.approx(say(f"{en}: distinct outputs of 3 at T=0",
+                                        f"{zh}：T=0 下 3 次输出中不同的个数"), greedy[1], 1, 0)),
+        lab.at_least(say(f"{en}: distinct outputs of 3 at T=1.2",
+                         f"{zh}：T=1.2 下 3 次输出中不同的个数"), hot[1], 2, group=stable),
+        lab.exceeds_spread(say(f"{en}: surprisal T=1.2 - T=0 (nats/token)",
+                               f"{zh}：惊讶度 T=1.2 减 T=0（nats/token）"),
+                           hot[0], greedy[0], group=nonsense),
+    ]  # fmt: skip
+
+
+def _notes(ctx: lab.RunContext, name: str, prompts: dict, engine_prompts, n_new: int,
+           n_rows: int, summary: dict, first_step: dict) -> list[str]:  # fmt: skip
+    shown = {k: PROMPTS[k] for k in prompts}
+    seeds = f"{ctx.seed}..{ctx.seed + n_rows - 1}"
+    notes = [ctx.say(f"model: {name}; prompts in the chat template: {shown}; Engine on "
+                     f"{list(engine_prompts)}; {n_new} new tokens at most, seeds {seeds}",
+                     f"模型：{name}；套用对话模板的提示词：{shown}；"
+                     f"Engine 跑 {list(engine_prompts)}；最多生成 {n_new} 个 token，"
+                     f"随机种子 {seeds}")]  # fmt: skip
+    for (lang, sampler, t), (spread, distinct) in summary.items():
+        notes.append(ctx.say(f"{lang}, {sampler}, T={t:g}: {distinct} distinct of {N_SAMPLES}, "
+                             f"surprisal {spread} nats/token",
+                             f"{LANG_ZH[lang]}，{SAMPLER_ZH[sampler]}，T={t:g}：{N_SAMPLES} 次中 "
+                             f"{distinct} 个不同，惊讶度 {spread} nats/token"))  # fmt: skip
+    for lang, logits in first_step.items():
+        flat = {t: entropy_nats(temperature_probs(logits.double().numpy(), t)) for t in (1, 1.2)}
+        notes.append(ctx.say(
+            f"{lang}: first-token entropy {flat[1]:.2f} nats at T=1, {flat[1.2]:.2f} at T=1.2 "
+            "(dividing by T > 1 always flattens: a property of softmax, not a finding)",
+            f"{LANG_ZH[lang]}：第一个 token 的熵在 T=1 时 {flat[1]:.2f} nats，T=1.2 时 "
+            f"{flat[1.2]:.2f}（除以 T > 1 总会让分布变平：这是 softmax 的性质，不是发现）"),
+        )  # fmt: skip
+    return notes
+
+
+def tick_label(tokenizer, token_id: int) -> str:
+    """lab.token_label, with a byte piece (part of a character's UTF-8, which decodes to the
+    replacement glyph U+FFFD) shown as its bytes' escapes, e.g. b'\\xe7\\xbb'."""
+    label = lab.token_label(tokenizer, token_id)
+    if tokenizer is None or "\ufffd" not in label:
+        return label
+    from glassformer.tokenize import model_vocabulary
+
+    return repr(model_vocabulary(tokenizer, "model").token_bytes(token_id))
 
 
 def _model(ctx: lab.RunContext):
@@ -210,10 +248,10 @@ def _text(tokenizer, ids) -> str:
     return tokenizer.decode(list(ids)).replace("\n", " ")[:48] if tokenizer else str(list(ids))
 
 
-def _plot(summary: dict, first_step: dict, tokenizer):
+def _plot(ctx: lab.RunContext, summary: dict, first_step: dict, tokenizer):
     fig, (left, right) = lab.new_figure(9.0, 3.6, ncols=2)
     groups = sorted({(lang, sampler) for lang, sampler, _ in summary})
-    labels = [f"{lang}\n{sampler.split()[0]}" for lang, sampler in groups]
+    labels = [f"{lang} prompt\n{sampler}" for lang, sampler in groups]
     x = np.arange(len(groups))
     for offset, t in ((-0.2, 0.0), (0.2, 1.2)):
         means = [summary[(lang, sampler, t)][0].mean for lang, sampler in groups]
@@ -225,7 +263,7 @@ def _plot(summary: dict, first_step: dict, tokenizer):
     left.legend(fontsize=7)
     logits = first_step["zh"].double().numpy()
     top = np.argsort(-logits)[:10]
-    names = [lab.token_label(tokenizer, int(t)) for t in top]
+    names = [tick_label(tokenizer, int(t)) for t in top]
     lab.grouped_bars(right, names, {f"T={t:g}": temperature_probs(logits, t)[top].tolist()
                                     for t in (0.0, 1.0, 1.2)}, rotation=60, fontsize=7)  # fmt: skip
     right.set_ylabel("probability of the first token")

@@ -148,16 +148,24 @@ def run(ctx: lab.RunContext) -> lab.Result:
     kept = [i for i, (g, a) in enumerate(zip(greedy, answers, strict=True)) if g == a]
     prompts, answers = [prompts[i] for i in kept], [answers[i] for i in kept]
     base = log_p[kept, answers].numpy()  # log p of the answers the model gets right
+    say = ctx.say
+    what_, value_, unit_ = say("what", "项目"), say("value", "数值"), say("unit", "单位")
     rows, checks, notes = [], [], []
     checks.append(
         lab.precondition(
             lab.at_least(
-                f"facts {name} answers right greedily (of {len(FACTS)})", len(kept), MIN_FACTS
+                say(f"facts {name} answers right greedily (of {len(FACTS)})",
+                    f"{name} 贪心解码答对的事实数（共 {len(FACTS)} 条）"),
+                len(kept),
+                MIN_FACTS,
             )
         )
-    )
+    )  # fmt: skip
     if len(kept) < MIN_FACTS:
-        notes.append(f"{name} gets {len(kept)} of {len(FACTS)} facts right: too few to ablate")
+        notes.append(say(
+            f"{name} gets {len(kept)} of {len(FACTS)} facts right: too few to ablate",
+            f"{name} 在 {len(FACTS)} 条事实中答对 {len(kept)} 条：太少，无法做消融",
+        ))  # fmt: skip
         drops, random_drops, middle = {}, [], bands(n_layers)[N_BANDS // 2]
     else:
         sets = module_sets(model)
@@ -177,19 +185,32 @@ def run(ctx: lab.RunContext) -> lab.Result:
         ffn, attn = (lab.over_seeds(drops[(k, middle)].tolist()) for k in ("ffn", "attn"))
         control = lab.over_seeds(np.mean(random_drops, axis=0).tolist())
         label = f"layers {middle.start}-{middle.stop - 1}"
-        for what, spread in ((f"FFN {label} zeroed", ffn), (f"attention {label} zeroed", attn),
-                             (f"{len(middle)} random sublayers zeroed ({len(random_drops)} draws)",
-                              control)):  # fmt: skip
-            rows.append({"what": what, "value": str(spread), "unit": "nats (drop of log p)"})
+        label_zh = f"第 {middle.start}-{middle.stop - 1} 层"
+        n_draws = len(random_drops)
+        nats_drop = say("nats (drop of log p)", "nats（log p 的下降）")
+        for what, spread in (
+            (say(f"FFN {label} zeroed", f"{label_zh} FFN 置零"), ffn),
+            (say(f"attention {label} zeroed", f"{label_zh}注意力置零"), attn),
+            (say(f"{len(middle)} random sublayers zeroed ({n_draws} draws)",
+                 f"随机 {len(middle)} 个子层置零（抽 {n_draws} 次）"), control),
+        ):  # fmt: skip
+            rows.append({what_: what, value_: str(spread), unit_: nats_drop})
+        in_ffn = say("facts live in the FFNs", "事实存在 FFN 里")
         checks += [
-            lab.exceeds_spread(f"drop: FFN {label} - attention {label} (nats)", ffn, attn,
-                               group="facts live in the FFNs"),
-            lab.exceeds_spread(f"drop: FFN {label} - random sublayers (nats)", ffn, control,
-                               group="facts live in the FFNs"),
+            lab.exceeds_spread(say(f"drop: FFN {label} - attention {label} (nats)",
+                                   f"下降：{label_zh} FFN 减{label_zh}注意力（nats）"), ffn, attn,
+                               group=in_ffn),
+            lab.exceeds_spread(say(f"drop: FFN {label} - random sublayers (nats)",
+                                   f"下降：{label_zh} FFN 减随机子层（nats）"), ffn, control,
+                               group=in_ffn),
         ]  # fmt: skip
-        notes.append(f"{len(kept)} facts kept; mean log p of the answer {base.mean():.2f} nats "
-                     f"unablated; drops: FFN {label} {ffn.mean:.2f}, attention {attn.mean:.2f}, "
-                     f"random {control.mean:.2f}")  # fmt: skip
+        notes.append(say(
+            f"{len(kept)} facts kept; mean log p of the answer {base.mean():.2f} nats "
+            f"unablated; drops: FFN {label} {ffn.mean:.2f}, attention {attn.mean:.2f}, "
+            f"random {control.mean:.2f}",
+            f"保留 {len(kept)} 条事实；未消融时答案的平均 log p 为 {base.mean():.2f} nats；下降："
+            f"{label_zh} FFN {ffn.mean:.2f}，注意力 {attn.mean:.2f}，随机 {control.mean:.2f}",
+        ))  # fmt: skip
 
     context, n_steps = ctx.pick(512, 64, 8), ctx.pick(16, 5, 2)
     steps = decode_step_times(model, context, n_steps, ctx.seed)
@@ -198,29 +219,39 @@ def run(ctx: lab.RunContext) -> lab.Result:
     flops = calc.flops_per_token(model.cfg, context)
     params = calc.parameter_counts(model.cfg)["components"]
     ffn_flops = 2 * params["ffn"]  # one multiply-add per weight
+    step = f"decode step at context {context}"
+    step_zh = f"上下文 {context} 时的一步解码"
+    seconds = say("s", "秒")
     rows += [
-        {"what": f"decode step at context {context}: FFNs", "value": str(ffn_t), "unit": "s"},
-        {"what": f"decode step at context {context}: attention", "value": str(attn_t),
-         "unit": "s"},
-        {"what": f"decode step at context {context}: output head", "value": str(head_t),
-         "unit": "s"},
-        {"what": f"decode step at context {context}: whole step", "value": str(step_t),
-         "unit": "s"},
-        {"what": "FFN share of the step's time", "value": f"{ffn_t.mean / step_t.mean:.3f}",
-         "unit": ""},
-        {"what": "FFN share of forward FLOPs per token (calc)",
-         "value": f"{ffn_flops / flops['forward']:.3f}", "unit": ""},
-        {"what": "FFN share of parameters (calc)",
-         "value": f"{params['ffn'] / sum(params.values()):.3f}", "unit": ""},
+        {what_: say(f"{step}: FFNs", f"{step_zh}：FFN"), value_: str(ffn_t), unit_: seconds},
+        {what_: say(f"{step}: attention", f"{step_zh}：注意力"), value_: str(attn_t),
+         unit_: seconds},
+        {what_: say(f"{step}: output head", f"{step_zh}：输出头"), value_: str(head_t),
+         unit_: seconds},
+        {what_: say(f"{step}: whole step", f"{step_zh}：整步"), value_: str(step_t),
+         unit_: seconds},
+        {what_: say("FFN share of the step's time", "FFN 占一步时间的比例"),
+         value_: f"{ffn_t.mean / step_t.mean:.3f}", unit_: ""},
+        {what_: say("FFN share of forward FLOPs per token (calc)",
+                    "FFN 占每 token 前向 FLOPs 的比例（calc）"),
+         value_: f"{ffn_flops / flops['forward']:.3f}", unit_: ""},
+        {what_: say("FFN share of parameters (calc)", "FFN 占参数量的比例（calc）"),
+         value_: f"{params['ffn'] / sum(params.values()):.3f}", unit_: ""},
     ]  # fmt: skip
-    checks.append(lab.exceeds_spread(f"decode time per step: FFNs - attention (s), context "
-                                     f"{context}", ffn_t, attn_t,
-                                     group="FFN dominates decode latency"))  # fmt: skip
-    notes.append(
-        f"decode step at context {context}: FFNs {ffn_t.mean * 1e3:.1f} ms, attention "
-        f"{attn_t.mean * 1e3:.1f} ms, output head {head_t.mean * 1e3:.1f} ms of "
-        f"{step_t.mean * 1e3:.1f} ms ({name}, {torch.get_num_threads()} thread(s))"
-    )
+    checks.append(lab.exceeds_spread(
+        say(f"decode time per step: FFNs - attention (s), context {context}",
+            f"每步解码时间：FFN 减注意力（秒），上下文 {context}"), ffn_t, attn_t,
+        group=say("FFN dominates decode latency", "解码延迟主要来自 FFN")))  # fmt: skip
+    ms = {k: v.mean * 1e3 for k, v in (("ffn", ffn_t), ("attn", attn_t), ("head", head_t),
+                                        ("step", step_t))}  # fmt: skip
+    threads = torch.get_num_threads()
+    notes.append(say(
+        f"decode step at context {context}: FFNs {ms['ffn']:.1f} ms, attention "
+        f"{ms['attn']:.1f} ms, output head {ms['head']:.1f} ms of "
+        f"{ms['step']:.1f} ms ({name}, {threads} thread(s))",
+        f"上下文 {context} 时的一步解码：总计 {ms['step']:.1f} ms 中，FFN {ms['ffn']:.1f} ms，"
+        f"注意力 {ms['attn']:.1f} ms，输出头 {ms['head']:.1f} ms（{name}，{threads} 个线程）",
+    ))  # fmt: skip
     figure = _plot(drops, random_drops, middle, steps, name)
     data = {"kept_facts": [FACTS[i][0] for i in kept],
             "drops": {f"{k} {b.start}-{b.stop - 1}": v.tolist() for (k, b), v in drops.items()},

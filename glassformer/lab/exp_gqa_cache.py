@@ -1,9 +1,10 @@
 """Seed 000 §4.2: the KV cache is kept per head, and MQA/GQA share keys and values between query
 heads, so the cache shrinks by n_heads / n_kv_heads. Measured on caches actually filled by a
 prefill of a random glassformer model, for n_kv_heads in {H, H/2, H/4, 1} (a cache that stored
-the shared K/V once per query head would not shrink), and for MHA models with more heads at the
-same d_model (the seed's "头数越多 cache 越大"); glassformer.calc gives the expected bytes and the
-seed's Llama-2-70B example.
+the shared K/V once per query head would not shrink), and for MHA models with more heads of one
+head size d_k (the seed's "每个头各存各的 K/V，头数越多 cache 越大"; at one d_model instead, d_k
+shrinks as heads are added and the cache stays the same: a row); glassformer.calc gives the
+expected bytes and the seed's Llama-2-70B example.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from glassformer.lab import base as lab
 from glassformer.models import build_model
 
 N_HEADS = 8
-HEAD_COUNTS = (4, 8, 16)  # MHA at one d_model: d_k = d_model / n_heads, the usual sizing
+HEAD_COUNTS = (4, 8, 16)  # MHA with one head size: d_model = n_heads x d_k
 # Thresholds, stated once. "直接压缩 cache": the filled cache shrinks by n_heads / n_kv_heads, a
-# ratio of integers, so to rounding (1e-9). "头数越多 cache 越大": at one d_model, the filled
-# cache of 16 heads is at least 1.5x that of 4 heads (x4 the heads; 1.5 is any clear growth).
+# ratio of integers, so to rounding (1e-9). "头数越多 cache 越大": with one d_k, the filled cache
+# of 16 heads is at least 1.5x that of 4 heads (x4 the heads; 1.5 is any clear growth).
 RATIO_TOL = 1e-9
 MIN_HEADS_GROWTH = 1.5
 SHARING = "sharing K/V (GQA/MQA) shrinks the cache"
-MORE_HEADS = "more heads, bigger cache (at one d_model)"
+MORE_HEADS = "more heads, bigger cache (each head stores its own K/V)"
 
 
-def _config(n_kv_heads: int, ctx: lab.RunContext, n_heads: int = N_HEADS) -> ModelConfig:
+def _config(n_kv_heads: int, ctx: lab.RunContext, n_heads: int = N_HEADS,
+            d_model: int | None = None) -> ModelConfig:  # fmt: skip
+    d_model = d_model or ctx.pick(512, 256, 64)
     return ModelConfig(
-        family="gpt", vocab_size=256, d_model=ctx.pick(512, 256, 64), n_layers=ctx.pick(8, 4, 1),
+        family="gpt", vocab_size=256, d_model=d_model, n_layers=ctx.pick(8, 4, 1),
         n_heads=n_heads, n_kv_heads=n_kv_heads, max_seq_len=1024, position="rope", norm="rms",
         ffn="swiglu",
     )  # fmt: skip
@@ -76,17 +79,20 @@ def run(ctx: lab.RunContext) -> lab.Result:
             checks.append(lab.approx(f"{kind} n_kv={n_kv}: shrink of the filled cache",
                                      mha_filled / filled, N_HEADS / n_kv, RATIO_TOL,
                                      group=SHARING))  # fmt: skip
-    by_heads = {}
+    by_heads, same_d_model = {}, {}
+    d_k = _config(N_HEADS, ctx).d_model // N_HEADS
     for n_heads in HEAD_COUNTS:
-        cfg = _config(n_heads, ctx, n_heads=n_heads)
-        by_heads[n_heads] = filled_cache_bytes(cfg, n_tokens, ctx.seed)[0]
-        rows.append({"attention": f"MHA, {n_heads} heads, d_model {cfg.d_model}",
-                     "n_heads": n_heads, "n_kv_heads": n_heads,
-                     f"filled bytes ({n_tokens} tok)": by_heads[n_heads],
-                     "calc bytes/token": calc.kv_bytes_per_token(cfg, "fp32"),
-                     "filled bytes/token": by_heads[n_heads] // n_tokens})  # fmt: skip
+        for store, cfg in ((by_heads, _config(n_heads, ctx, n_heads, d_model=n_heads * d_k)),
+                           (same_d_model, _config(n_heads, ctx, n_heads))):  # fmt: skip
+            store[n_heads] = filled_cache_bytes(cfg, n_tokens, ctx.seed)[0]
+            rows.append({"attention": f"MHA, {n_heads} heads, d_k {cfg.d_model // n_heads}, "
+                                      f"d_model {cfg.d_model}",
+                         "n_heads": n_heads, "n_kv_heads": n_heads,
+                         f"filled bytes ({n_tokens} tok)": store[n_heads],
+                         "calc bytes/token": calc.kv_bytes_per_token(cfg, "fp32"),
+                         "filled bytes/token": store[n_heads] // n_tokens})  # fmt: skip
     fewest, most = HEAD_COUNTS[0], HEAD_COUNTS[-1]
-    checks.append(lab.at_least(f"MHA filled cache, {most} heads / {fewest} heads (one d_model)",
+    checks.append(lab.at_least(f"MHA filled cache, {most} heads / {fewest} heads (d_k {d_k})",
                                by_heads[most] / by_heads[fewest], MIN_HEADS_GROWTH,
                                group=MORE_HEADS))  # fmt: skip
     # The seed's own example, from the calculator (arithmetic on the published shapes: a row).
@@ -107,15 +113,17 @@ def run(ctx: lab.RunContext) -> lab.Result:
     notes = [
         f"filled caches after a prefill of {n_tokens} tokens, fp32, d_model {d_model}; the "
         "shrink is MHA's filled bytes over each model's",
-        f"at d_model {d_model} the MHA cache holds {by_heads[fewest]:,} bytes with {fewest} "
-        f"heads and {by_heads[most]:,} with {most}: per token 2 x layers x n_heads x d_k, and "
-        "with d_k = d_model / n_heads (seed 000 §4.1's split of one budget) that product does "
-        "not depend on the head count; at a fixed d_k it would grow with it",
+        f"with d_k {d_k} the MHA cache holds {by_heads[fewest]:,} bytes with {fewest} heads and "
+        f"{by_heads[most]:,} with {most}: per token 2 x layers x n_heads x d_k. At one d_model "
+        f"({d_model}) it holds {same_d_model[fewest]:,} and {same_d_model[most]:,}: with d_k = "
+        "d_model / n_heads (seed 000 §4.1's split of one budget) the product does not depend on "
+        "the head count, so the seed's sentence is about heads of a given size",
         f"Llama-2-70B ({llama.n_heads} heads, {llama.n_kv_heads} KV heads), 4096 tokens in "
         f"fp16: {gqa / 2**30:.2f} GiB with GQA, {mha / 2**30:.2f} GiB as MHA (calc)",
     ]
     figure = _plot(rows[:4])
-    data = {"n_tokens": n_tokens, "by_heads": by_heads, "llama2_70b_gqa_bytes": gqa,
+    data = {"n_tokens": n_tokens, "by_heads": by_heads, "same_d_model": same_d_model,
+            "llama2_70b_gqa_bytes": gqa,
             "llama2_70b_mha_bytes": mha}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 

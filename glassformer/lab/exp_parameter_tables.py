@@ -15,7 +15,9 @@ SEED_ROWS = {
     "embedding": ("[32000 × 4096] ≈ 1.3 亿", V * D),
     "attention": ("每层 4 个 [4096×4096]", 4 * D * D),
     "ffn": ("每层 [11008×4096] × 2", 2 * D_FF * D),
-    "norms": ("每层 2 个 4096 维向量 (γ/β)", 2 * 2 * D),
+    # "2 个 4096 维向量" is 2 x 4096 numbers. (Llama's two RMSNorms per layer have a γ each and
+    # no β: 8,192 either way; reading it as two norms of γ and β each would double it.)
+    "norms": ("每层 2 个 4096 维向量 (γ/β)", 2 * D),
 }
 # Thresholds, stated once: "≈ 1.3 亿" within 0.05 亿 (its rounding); the per-layer shapes are
 # exact counts, so exact; "7B" is a rounded headline (± 0.5B), "175B" too (± 2%); "fp16 存约

@@ -4,6 +4,8 @@ the figure Experiment.run saved as out_dir/NAME.png). The JSON is what `lab repo
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -19,8 +21,42 @@ from glassformer.lab.base import Experiment, Result, RunContext, discover
 
 
 def command_for(name: str, mode: str) -> str:
-    flag = {"quick": " --quick", "full": "", "tiny": " --tiny"}[mode]
-    return f"glassformer lab run {name}{flag}"
+    return f"glassformer lab run {name} --{mode}"
+
+
+# The lab's shared code: a change here can change any experiment's numbers.
+SHARED_MODULES = ("base", "char_gpt", "fit", "runner")
+
+
+def code_hash(exp: Experiment, ctx: RunContext) -> str:
+    """What makes a result current: the experiment's own source, the lab modules it imports from,
+    the lab's shared modules, the mode and the seed. `lab run --resume` skips an experiment
+    whose JSON has this hash."""
+    import importlib
+    import inspect
+
+    digest = hashlib.sha256(f"{ctx.mode} {ctx.seed}\n".encode())
+    own = importlib.import_module(exp.fn.__module__)
+    used = set()  # the lab modules it imports from (lab.serving, another experiment's helpers)
+    for value in vars(own).values():
+        name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.startswith("glassformer.lab."):
+            used.add(name)
+    modules = [own.__name__, *(f"glassformer.lab.{m}" for m in SHARED_MODULES)]
+    modules += sorted(used - set(modules))
+    for module in modules:
+        digest.update(inspect.getsource(importlib.import_module(module)).encode())
+    return digest.hexdigest()[:16]
+
+
+def is_current(exp: Experiment, ctx: RunContext) -> bool:
+    """True when out_dir/NAME.json was written by this code, mode and seed."""
+    path = ctx.out_dir / f"{exp.name}.json"
+    try:
+        recorded = json.loads(path.read_text()).get("code_hash")
+    except (OSError, ValueError):
+        return False
+    return recorded == code_hash(exp, ctx)
 
 
 def machine() -> dict[str, Any]:
@@ -47,6 +83,7 @@ def record(exp: Experiment, ctx: RunContext, result: Result, seconds: float, sta
         "command": command_for(exp.name, ctx.mode),
         "mode": ctx.mode,
         "seed": ctx.seed,
+        "code_hash": code_hash(exp, ctx),
         "started": started,
         "seconds": round(seconds, 2),
         "machine": machine(),
@@ -57,11 +94,13 @@ def record(exp: Experiment, ctx: RunContext, result: Result, seconds: float, sta
         "figure": figure,
         "notes": result.notes,
         "data": result.data,
+        "zh": ctx.zh,
     }
 
 
 def run_one(exp: Experiment, ctx: RunContext) -> dict:
     """Run one experiment, write NAME.json into ctx.out_dir and return its record."""
+    ctx = dataclasses.replace(ctx, zh={})  # this experiment's Chinese words only
     if ctx.threads:
         torch.set_num_threads(ctx.threads)
     torch.manual_seed(ctx.seed)
@@ -83,14 +122,23 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot write {type(value).__name__} to JSON: convert it in the experiment")
 
 
-def run_many(names: list[str] | None, ctx: RunContext, echo: bool = True) -> list[dict]:
-    """Run the named experiments (None: all of them), printing each as it finishes."""
+def run_many(
+    names: list[str] | None, ctx: RunContext, echo: bool = True, resume: bool = False
+) -> list[dict]:
+    """Run the named experiments (None: all of them), printing each as it finishes. resume:
+    skip those whose result in ctx.out_dir is current (is_current), so a long full run can be
+    done in pieces."""
     experiments = discover()
     chosen = list(experiments) if names is None else names
-    records = []
     for name in chosen:
         if name not in experiments:
             raise ValueError(f"no experiment named {name!r}: pick one of {', '.join(experiments)}")
+    records = []
+    for name in chosen:
+        if resume and is_current(experiments[name], ctx):
+            if echo:
+                print(f"== {name}: current ({ctx.out_dir / name}.json), skipped", flush=True)
+            continue
         rec = run_one(experiments[name], ctx)
         records.append(rec)
         if echo:
