@@ -41,7 +41,8 @@ EXPECTED = {
     "embedding-distances", "polysemy", "exercise-match-key", "exercise-temperature",
     "lora-works", "thinking-budget", "previous-token-heads", "causal-mask-copying",
     "usage-billing", "streaming-ttft", "moe-balance",
-    "data-vs-params", "lora-targets",
+    "data-vs-params", "lora-targets", "cat-ranked-first", "lawyer-assistant", "attention-sinks",
+    "inference-cost", "flash-attention-memory",
 }  # fmt: skip
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
@@ -51,10 +52,11 @@ FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-
         "seq2seq-bottleneck", "attention-dilution", "in-context-learning",
         "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge", "exercise-match-key",
         "exercise-temperature", "thinking-budget", "causal-mask-copying", "moe-balance",
-        "data-vs-params", "lora-works", "lora-targets"]  # fmt: skip
+        "data-vs-params", "lora-works", "lora-targets", "flash-attention-memory"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
         "lost-in-the-middle", "context-lengths", "embedding-distances", "polysemy",
-        "previous-token-heads", "usage-billing", "streaming-ttft"]  # fmt: skip
+        "previous-token-heads", "usage-billing", "streaming-ttft", "cat-ranked-first",
+        "lawyer-assistant", "attention-sinks", "inference-cost"]  # fmt: skip
 
 
 def test_discovery_finds_every_exp_module() -> None:

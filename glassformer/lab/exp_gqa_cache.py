@@ -85,6 +85,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
         for store, cfg in ((by_heads, _config(n_heads, ctx, n_heads, d_model=n_heads * d_k)),
                            (same_d_model, _config(n_heads, ctx, n_heads))):  # fmt: skip
             store[n_heads] = filled_cache_bytes(cfg, n_tokens, ctx.seed)[0]
+            if store is same_d_model and cfg.d_model == n_heads * d_k:
+                continue  # the same model as the row just written
             rows.append({"attention": f"MHA, {n_heads} heads, d_k {cfg.d_model // n_heads}, "
                                       f"d_model {cfg.d_model}",
                          "n_heads": n_heads, "n_kv_heads": n_heads,
