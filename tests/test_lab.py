@@ -42,7 +42,8 @@ EXPECTED = {
     "lora-works", "thinking-budget", "previous-token-heads", "causal-mask-copying",
     "usage-billing", "streaming-ttft", "moe-balance",
     "data-vs-params", "lora-targets", "cat-ranked-first", "lawyer-assistant", "attention-sinks",
-    "inference-cost", "flash-attention-memory",
+    "inference-cost", "flash-attention-memory", "gqa-decode-throughput", "layernorm-vs-batchnorm",
+    "cross-chunk-lost", "hard-truncation", "batch-vs-length", "long-context-memory",
 }  # fmt: skip
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
@@ -52,11 +53,14 @@ FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-
         "seq2seq-bottleneck", "attention-dilution", "in-context-learning",
         "bert-vs-gpt-classification", "regurgitation", "ffn-knowledge", "exercise-match-key",
         "exercise-temperature", "thinking-budget", "causal-mask-copying", "moe-balance",
-        "data-vs-params", "lora-works", "lora-targets", "flash-attention-memory"]  # fmt: skip
+        "data-vs-params", "lora-works", "lora-targets", "flash-attention-memory",
+        "gqa-decode-throughput", "cross-chunk-lost", "hard-truncation",
+        "batch-vs-length"]  # fmt: skip
 SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads", "chunking",
         "lost-in-the-middle", "context-lengths", "embedding-distances", "polysemy",
         "previous-token-heads", "usage-billing", "streaming-ttft", "cat-ranked-first",
-        "lawyer-assistant", "attention-sinks", "inference-cost"]  # fmt: skip
+        "lawyer-assistant", "attention-sinks", "inference-cost", "layernorm-vs-batchnorm",
+        "long-context-memory"]  # fmt: skip
 
 
 def test_discovery_finds_every_exp_module() -> None:
@@ -294,3 +298,16 @@ def test_first_symbol_task_needs_order() -> None:
     assert all(len(set(row[:LENGTH].tolist())) == LENGTH for row in ids)
     assert (answer == ids[:, 0]).all()
     assert len(set(answer.tolist())) > 1  # the answer depends on the order, not a constant
+
+
+def test_token_labels_show_byte_pieces_as_escapes() -> None:
+    # SmolLM2 cuts 猫 into three byte pieces: each tick label is its byte, never U+FFFD
+    from glassformer.lab.base import token_label
+    from glassformer.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    ids = tokenizer.encode("猫", add_special_tokens=False)
+    labels = [token_label(tokenizer, i) for i in ids]
+    assert "".join(labels) == "".join(f"\\x{b:02x}" for b in "猫".encode())
+    assert token_label(tokenizer, tokenizer.encode("\n", add_special_tokens=False)[0]) == "'\\n'"
+    assert token_label(None, 7) == "7"

@@ -385,7 +385,24 @@ def token_label(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return str(token_id)
     text = tokenizer.decode([token_id])
+    if "\ufffd" in text:  # a byte piece of a character: its bytes, as Python writes them
+        raw = token_bytes(tokenizer, token_id)
+        if raw is not None:
+            return "".join(f"\\x{b:02x}" for b in raw)
     return repr(text)[1:-1] if text.strip() else repr(text)
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """The bytes a byte-level BPE token stands for (its entry spelled in GPT-2's byte alphabet,
+    mapped back), or None for a tokenizer of another kind."""
+    from glassformer.tokenize import byte_level_chars
+
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or type(hf.decoder).__name__ != "ByteLevel":
+        return None
+    byte_of = {char: b for b, char in byte_level_chars().items()}
+    entry = hf.id_to_token(token_id) or ""
+    return bytes(byte_of[c] for c in entry) if all(c in byte_of for c in entry) else None
 
 
 # --- figures ------------------------------------------------------------------------------------

@@ -4,11 +4,14 @@ learns it → animal; with "too wide", "it" should look at street.
 The test is the flip: one attention head, held fixed, must move the weight of "it" from the
 first noun to the second when only the last word (the adjective) changes. That needs a
 bidirectional model, where "it" sees the words after it: all-MiniLM-L6-v2 (a 6-layer BERT,
-pretrained). The head is chosen on the seed's own sentence pair (the one whose "it" row moves
-most toward the right noun) and then judged on 11 other pairs of the same shape ("The trophy
-didn't fit in the suitcase because it was too big / small"), so choosing and judging never see
-the same sentences. SmolLM2 (causal) is measured too: there "it" cannot see the adjective, its
-attention row is the same in both sentences, and the flip cannot be tested.
+pretrained). The head is chosen on 12 sentence pairs, the seed's own and 11 more (the head whose
+"it" moves toward the right noun in most of them), and then judged on 11 other pairs of the
+same shape ("The trophy didn't fit in the suitcase because it was too big / small"), so choosing
+and judging never see the same sentences. SmolLM2 is causal: there "it" cannot see the
+adjective, its attention row is the same in both sentences, and the flip cannot be tested in
+its attention (stated, with the numbers). What SmolLM2 can show is its reading of the whole
+sentence: after '… too tired. Here "it" means the', is the right noun the likelier next word,
+in both sentences of a held-out pair?
 """
 
 from __future__ import annotations
@@ -44,7 +47,21 @@ class SentencePair:
 
 
 SELECTION = SentencePair("animal", "cross", "street", "tired", "wide")  # the seed's own pair
-HELD_OUT = (
+CHOOSING = (  # the seed's pair and 11 more: the head is chosen here
+    SELECTION,
+    SentencePair("man", "lift", "bag", "weak", "heavy"),
+    SentencePair("child", "reach", "shelf", "short", "high"),
+    SentencePair("bus", "go under", "bridge", "tall", "low"),
+    SentencePair("sofa", "fit through", "window", "large", "narrow"),
+    SentencePair("runner", "finish", "race", "tired", "long"),
+    SentencePair("student", "solve", "problem", "tired", "hard"),
+    SentencePair("key", "fit in", "lock", "big", "small"),
+    SentencePair("tree", "fit in", "yard", "tall", "small"),
+    SentencePair("box", "fit on", "shelf", "heavy", "narrow"),
+    SentencePair("ship", "enter", "port", "big", "small"),
+    SentencePair("girl", "carry", "box", "weak", "heavy"),
+)
+HELD_OUT = (  # the head is judged here
     SentencePair("trophy", "fit in", "suitcase", "big", "small"),
     SentencePair("truck", "cross", "bridge", "heavy", "narrow"),
     SentencePair("dog", "jump over", "fence", "tired", "high"),
@@ -59,8 +76,12 @@ HELD_OUT = (
 )
 # Threshold, stated once: a head that ignores the adjective moves toward the right noun in a
 # held-out pair by chance, probability 1/2. So a property counts only if it shows in at least
-# the number of held-out pairs that a one-sided sign test at ALPHA needs (9 of 11 pairs).
+# the number of held-out pairs that a one-sided sign test at ALPHA needs (9 of 11 pairs); the
+# same count for SmolLM2's reading (right in both sentences of a pair: chance 1/4, so the sign
+# test's bar is a generous one). Precondition: the chosen head moves the right way in at least
+# as many of the 12 choosing pairs as the sign test needs there (10): a head was found at all.
 ALPHA = 0.05
+QUESTION = ' Here "it" means the'
 SPECIAL = ("[cls]", "[sep]", "<|endoftext|>", "<|im_start|>")  # not words of the sentence
 
 
@@ -158,12 +179,16 @@ def _row(model: str, role: str, found: PairAttention, head: tuple[int, int]) -> 
 def run(ctx: lab.RunContext) -> lab.Result:
     models = _models(ctx)
     model, tokenizer = models["minilm"]
-    chosen_on = pair_attention(model, tokenizer, SELECTION)
+    choosing = [pair_attention(model, tokenizer, pair) for pair in CHOOSING]
+    chosen_on = choosing[0]
+    votes = sum((found.shift > 0).float() for found in choosing)  # (L, H) pairs shifted
+    mean_shift = sum(found.shift for found in choosing) / len(choosing)
     n_heads = chosen_on.shift.shape[1]
-    head = divmod(int(chosen_on.shift.argmax()), n_heads)  # (layer, head)
+    score = votes + mean_shift / (mean_shift.abs().max() + 1e-9) / 2  # ties: the larger shift
+    head = divmod(int(score.argmax()), n_heads)  # (layer, head)
     held = [pair_attention(model, tokenizer, pair) for pair in HELD_OUT]
 
-    rows = [_row("minilm", "chooses the head", chosen_on, head)]
+    rows = [_row("minilm", "chooses the head", found, head) for found in choosing]
     rows += [_row("minilm", "held out", found, head) for found in held]
     n, need = len(held), sign_test_min(len(held))
     shifted = sum(found.shift[head].item() > 0 for found in held)
@@ -171,8 +196,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
     top = sum(bool(found.top_first[head] & found.top_second[head]) for found in held)
     # Precondition: the choice found a head that moves the right way on the seed's own pair.
     checks = [
-        lab.precondition(lab.at_least(f"minilm L{head[0]} H{head[1]}: shift on the seed's pair",
-                                      chosen_on.shift[head].item(), 1e-6)),
+        lab.precondition(lab.at_least(f"minilm L{head[0]} H{head[1]}: choosing pairs (of "
+                                      f"{len(CHOOSING)}) where it moves toward the right noun",
+                                      votes[head].item(), sign_test_min(len(CHOOSING)))),
         lab.at_least(f"held-out pairs (of {n}) where the chosen head's 'it' moves toward the "
                      "right noun as the adjective flips", shifted, need, group="the flip"),
         lab.at_least(f"held-out pairs (of {n}) where the right noun outweighs the other in both "
@@ -184,22 +210,42 @@ def run(ctx: lab.RunContext) -> lab.Result:
     pairs_shifted = sum((found.shift > 0).int() for found in held)  # (L, H) count per head
     consistent = [f"L{layer} H{h}" for layer, h in (pairs_shifted >= need).nonzero().tolist()]
     notes = [
-        f"minilm (bidirectional, {chosen_on.shift.numel()} heads): the head is chosen on the "
-        f"seed's pair only (L{head[0]} H{head[1]}, shift {chosen_on.shift[head].item():+.3f}); "
+        f"minilm (bidirectional, {chosen_on.shift.numel()} heads): the head is chosen on "
+        f"{len(CHOOSING)} pairs (L{head[0]} H{head[1]}, right in {int(votes[head])} of them, on "
+        f"the seed's pair a shift of {chosen_on.shift[head].item():+.3f}); "
         f"on the {n} held-out pairs it moves toward the right noun in {shifted}, the right noun "
         f"outweighs the other in both sentences in {resolved}, and is the top word in both in "
         f"{top} (a sign test at {ALPHA} needs {need})",
         f"for comparison, looking at the held-out pairs themselves (so not evidence): "
         f"{len(consistent)} of the {chosen_on.shift.numel()} heads move toward the right noun in "
-        f"at least {need} of the {n} ({', '.join(consistent) or 'none'}); the seed's pair "
-        f"ranks the chosen head first and these at "
-        f"{_ranks_of(chosen_on.shift, pairs_shifted >= need) or 'no place'}",
+        f"at least {need} of the {n} ({', '.join(consistent) or 'none'}); the choosing pairs "
+        f"rank these at {_ranks_of(score, pairs_shifted >= need) or 'no place'}",
     ]
     if "smollm2" in models:
         rows_smol, note = _causal(models["smollm2"])
         rows.append(rows_smol)
         notes.append(note)
+        smol, smol_tok = models["smollm2"]
+        readings = [reading(smol, smol_tok, pair) for pair in HELD_OUT]
+        right = sum(a > 0 and b < 0 for a, b in readings)
+        checks.append(lab.at_least(
+            f"smollm2: held-out pairs (of {n}) where, after the whole sentence, the right noun "
+            "is the likelier next word in both sentences", right, need,
+            group="smollm2 reads it → the right noun"))  # fmt: skip
+        notes.append(
+            f"smollm2's reading after {QUESTION!r}: log P(1st noun) - log P(2nd noun) "
+            "per held-out pair, (adjective fits the 1st, fits the 2nd): "
+            + "; ".join(
+                f"{p.first}/{p.second} {a:+.2f}, {b:+.2f}"
+                for p, (a, b) in zip(HELD_OUT, readings, strict=True)
+            )
+        )
+        data_smol = [list(r) for r in readings]
+    else:
+        data_smol = []
     data = {
+        "smollm2_reading": data_smol,
+        "votes": votes.tolist(),
         "head": list(head),
         "selection_shift": chosen_on.shift.tolist(),
         "held_out": {found.pair.label: {"prefer_first": found.prefer_first[head].item(),
@@ -208,6 +254,22 @@ def run(ctx: lab.RunContext) -> lab.Result:
     }  # fmt: skip
     figure = _plot(chosen_on, held, head)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
+
+
+@torch.no_grad()
+def reading(model, tokenizer, pair: SentencePair) -> tuple[float, float]:
+    """For each sentence of the pair (adjective fitting the 1st noun, then the 2nd): log P(" 1st
+    noun") - log P(" 2nd noun") as the next word after the sentence and QUESTION."""
+    out = []
+    for adjective in (pair.first_adjective, pair.second_adjective):
+        prefix = tokenizer.encode(pair.sentence(adjective) + "." + QUESTION)
+        scores = []
+        for noun in (pair.first, pair.second):
+            pieces = tokenizer.encode(" " + noun)
+            logp = model(torch.tensor([prefix + pieces]))[0].float().log_softmax(-1)
+            scores.append(sum(float(logp[len(prefix) - 1 + k, p]) for k, p in enumerate(pieces)))
+        out.append(scores[0] - scores[1])
+    return out[0], out[1]
 
 
 def _ranks_of(shift: torch.Tensor, wanted: torch.Tensor) -> str:
