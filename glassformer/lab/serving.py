@@ -91,24 +91,31 @@ def serve(ctx: RunContext, max_seq_len: int, extra_args: tuple[str, ...] = ()) -
             name = Path(model_arg).name if ctx.tiny else model_arg
             yield Served(url, name, model, tokenizer, description)
         finally:
-            stop(process)
+            stop_server(process)
 
 
 def start(model_arg: str, max_seq_len: int, extra_args: tuple[str, ...]):
-    """(process, url) of `glassformer serve` on a free loopback port, once /health answers."""
+    """(process, url) of `glassformer serve` for the lab: prefix reuse off, one row at a time."""
+    args = ["--model", model_arg, "--max-batch", "1", "--prefix-cache-mb", "0",
+            "--max-seq-len", str(max_seq_len), *extra_args]  # fmt: skip
+    return start_server(args, timeout=HEALTH_TIMEOUT_S)
+
+
+def start_server(args: list[str], env: dict[str, str] | None = None,
+                 timeout: float = 90.0) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """(process, url) of `glassformer serve ARGS` on a free loopback port with one torch thread,
+    once /health answers (the lab's serving claims and the tests that drive a server use it)."""
     import httpx
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "glassformer", "serve", "--model", model_arg,
-               "--port", str(port), "--threads", "1", "--log-level", "warning",
-               "--max-batch", "1", "--prefix-cache-mb", "0", "--max-seq-len", str(max_seq_len),
-               *extra_args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    command = [sys.executable, "-m", "glassformer", "serve", *args, "--port", str(port),
+               "--threads", "1", "--log-level", "warning"]  # fmt: skip
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"glassformer serve exited: {process.stdout.read()}")
@@ -117,11 +124,11 @@ def start(model_arg: str, max_seq_len: int, extra_args: tuple[str, ...]):
                 return process, url
         except httpx.HTTPError:
             time.sleep(0.1)
-    stop(process)
-    raise RuntimeError(f"glassformer serve did not answer /health within {HEALTH_TIMEOUT_S:g} s")
+    stop_server(process)
+    raise RuntimeError(f"glassformer serve did not answer /health within {timeout:g} s")
 
 
-def stop(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen) -> None:
     process.terminate()
     try:
         process.wait(timeout=10)
