@@ -65,7 +65,7 @@ class Budget:
 
 
 def budget(ctx: lab.RunContext) -> Budget:
-    return ctx.pick(full=Budget(1500, 16, 48, 256), quick=Budget(400, 16, 24, 128),
+    return ctx.pick(full=Budget(1500, 16, 48, 256), quick=Budget(700, 16, 24, 128),
                     tiny=Budget(6, 4, 2, 4))  # fmt: skip
 
 

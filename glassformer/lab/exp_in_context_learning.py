@@ -47,6 +47,9 @@ POOL = 8  # examples are drawn from the first POOL pairs of a shuffle, queries f
 # several queries more out of a handful, not one lucky answer), and at least half of them.
 MIN_GAIN = 0.3
 MIN_ACCURACY = 0.5
+TASKS_ZH = {"antonym": "反义词", "capital": "首都", "upper": "大写"}
+NAMES_ZH = {"tiny random character GPT": "tiny 随机字符级 GPT",
+            "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}  # fmt: skip
 
 
 def format_examples(pairs: list[tuple[str, str]]) -> str:
@@ -111,30 +114,48 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 accuracy[task][i].append(score)
     after = parameter_digest(model)
     spread = {task: [lab.over_seeds(a) for a in accuracy[task]] for task in tasks}
+    say = ctx.say
+    zh = TASKS_ZH
     rows = [
-        {"examples in the prompt": k, **{f"{task} accuracy": str(spread[task][i])
-                                          for task in tasks}}
+        {say("examples in the prompt", "提示中的示例数"): k,
+         **{say(f"{task} accuracy", f"{zh[task]}准确率"): str(spread[task][i]) for task in tasks}}
         for i, k in enumerate(shots)
     ]  # fmt: skip
-    checks = [lab.precondition(lab.approx("parameters changed by the run (digest differs)",
+    checks = [lab.precondition(lab.approx(say("parameters changed by the run (digest differs)",
+                                              "运行改动了参数（摘要不同）"),
                                           float(before != after), 0, 0))]  # fmt: skip
-    group = "learns a task from examples in the prompt"
+    group = say("learns a task from examples in the prompt", "从提示中的示例学会任务")
+    most_k = shots[-1]
     for task in tasks:
         most, none = spread[task][-1], spread[task][0]
-        checks.append(lab.exceeds_spread(f"{task}: accuracy with {shots[-1]} - with 0 examples",
+        checks.append(lab.exceeds_spread(say(f"{task}: accuracy with {most_k} - with 0 examples",
+                                             f"{zh[task]}：{most_k} 个示例时的准确率 - 0 个示例时"),
                                          most, none, MIN_GAIN, group=group))  # fmt: skip
-        checks.append(lab.at_least(f"{task}: accuracy with {shots[-1]} examples", most.mean,
+        checks.append(lab.at_least(say(f"{task}: accuracy with {most_k} examples",
+                                       f"{zh[task]}：{most_k} 个示例时的准确率"), most.mean,
                                    MIN_ACCURACY, group=group))  # fmt: skip
+    n_draws, name_zh = len(draws), NAMES_ZH.get(name, name)
+    digest_before, digest_after = before[:16], after[:16]
     notes = [
-        f"model: {name}; {len(draws)} draw(s) of examples per task, {n_queries} queries each, "
-        "never among the examples; the prompt is plain lines 'x -> y', no chat template",
-        f"parameter digest before and after: {before[:16]}… / {after[:16]}…",
-    ]
+        say(f"model: {name}; {n_draws} draw(s) of examples per task, {n_queries} queries each, "
+            "never among the examples; the prompt is plain lines 'x -> y', no chat template",
+            f"模型：{name_zh}；每个任务抽取 {n_draws} 次示例，每次 {n_queries} 个查询，"
+            "查询从不出现在示例中；提示是普通的 'x -> y' 行，不用对话模板"),
+        say(f"parameter digest before and after: {digest_before}… / {digest_after}…",
+            f"运行前后的参数摘要：{digest_before}… / {digest_after}…"),
+    ]  # fmt: skip
     for task in tasks:
         curve = ", ".join(f"{k}: {s.mean:.2f}" for k, s in zip(shots, spread[task], strict=True))
-        notes.append(f"{task} accuracy by number of examples: {curve}")
+        curve_zh = "，".join(f"{k}：{s.mean:.2f}" for k, s in zip(shots, spread[task], strict=True))
+        notes.append(say(f"{task} accuracy by number of examples: {curve}",
+                         f"{zh[task]}准确率随示例数的变化：{curve_zh}"))  # fmt: skip
     if ctx.tiny:
-        notes.append("tiny mode: a random 1-layer GPT on characters stands in for SmolLM2")
+        notes.append(
+            say(
+                "tiny mode: a random 1-layer GPT on characters stands in for SmolLM2",
+                "tiny 模式：用一个随机初始化的 1 层字符级 GPT 代替 SmolLM2",
+            )
+        )
     data = {"shots": list(shots), "accuracy": accuracy, "draws": draws,
             "n_queries": n_queries, "digest_before": before, "digest_after": after}  # fmt: skip
     figure = _plot(shots, spread, name)

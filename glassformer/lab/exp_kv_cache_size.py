@@ -21,6 +21,12 @@ PROMPT, NEW = 1000, 500  # the seed's example
 # Thresholds: "约 0.5 MB" and "约 2 GB" within 10%; "几百倍" = a ratio in [100, 1000);
 # "第 500 步要重算 1500 个 token" within one token; the cache must make decoding faster (>= 1x).
 ABOUT = 0.1
+UNITS_ZH = {"MiB": "MiB", "GiB": "GiB", "B": "字节", "tokens": "个 token", "x": "倍",
+            "tok/s": "token/秒"}  # fmt: skip
+NAMES_ZH = {
+    "SmolLM2-135M": "SmolLM2-135M",
+    "SmolLM2-shaped (2 random layers, vocab 512)": "SmolLM2 形状（2 层随机权重，词表 512）",
+}
 
 
 def _tiny_gpt(max_seq_len: int, seed: int) -> torch.nn.Module:
@@ -81,18 +87,28 @@ def _decode_speed(model, prompt: list[int], n_new: int) -> tuple[float, float]:
 
 @lab.register("kv-cache-size")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
+    for unit, unit_zh in UNITS_ZH.items():
+        say(unit, unit_zh)
+    what, value, unit, quote = (say("what", "项目"), say("value", "数值"), say("unit", "单位"),
+                                say("seed", "原文"))  # fmt: skip
     rows, checks, notes = [], [], []
     llama = ModelConfig.preset("llama-7b")
     per_token = calc.kv_bytes_per_token(llama, "fp16")
     chat = calc.kv_cache_bytes(llama, 4096, "fp16")
-    rows.append({"what": "Llama-7B fp16 KV per token (calc)", "value": per_token / MIB,
-                 "unit": "MiB", "seed": "约 0.5 MB"})  # fmt: skip
-    rows.append({"what": "Llama-7B fp16 KV, 4096 tokens (calc)", "value": chat / GIB,
-                 "unit": "GiB", "seed": "约 2 GB"})  # fmt: skip
-    checks.append(lab.approx("7B fp16 MiB per token", per_token / MIB, 0.5, 0.5 * ABOUT))
-    checks.append(lab.approx("7B fp16 GiB for 4096 tokens", chat / GIB, 2.0, 2.0 * ABOUT))
+    rows.append({what: say("Llama-7B fp16 KV per token (calc)",
+                           "Llama-7B fp16 每个 token 的 KV（计算器）"), value: per_token / MIB,
+                 unit: "MiB", quote: say("约 0.5 MB", "约 0.5 MB")})  # fmt: skip
+    rows.append({what: say("Llama-7B fp16 KV, 4096 tokens (calc)",
+                           "Llama-7B fp16 的 KV，4096 个 token（计算器）"), value: chat / GIB,
+                 unit: "GiB", quote: say("约 2 GB", "约 2 GB")})  # fmt: skip
+    checks.append(lab.approx(say("7B fp16 MiB per token", "7B fp16 每个 token 的 MiB 数"),
+                             per_token / MIB, 0.5, 0.5 * ABOUT))  # fmt: skip
+    checks.append(lab.approx(say("7B fp16 GiB for 4096 tokens", "7B fp16 4096 个 token 的 GiB 数"),
+                             chat / GIB, 2.0, 2.0 * ABOUT))  # fmt: skip
 
     model, name = lab.smollm2_or_stand_in(ctx)
+    name_zh = NAMES_ZH.get(name, name)
     cfg = model.cfg
     n_fill = ctx.pick(256, 64, 8)
     cache = model.new_cache(batch_size=1, max_seq_len=n_fill)
@@ -100,13 +116,16 @@ def run(ctx: lab.RunContext) -> lab.Result:
         model(torch.randint(0, cfg.vocab_size, (1, n_fill)), cache=cache, last_token_only=True)
     dtype = "fp32" if cache.k.dtype == torch.float32 else "fp16"
     calc_bytes = calc.kv_bytes_per_token(cfg, dtype)
-    rows.append({"what": f"{name} KV bytes per token ({dtype}, calc)", "value": calc_bytes,
-                 "unit": "B", "seed": ""})  # fmt: skip
-    rows.append({"what": f"{name} filled cache / {n_fill} tokens", "value":
-                 cache.filled_bytes / n_fill, "unit": "B", "seed": ""})  # fmt: skip
+    rows.append({what: say(f"{name} KV bytes per token ({dtype}, calc)",
+                           f"{name_zh} 每个 token 的 KV 字节数（{dtype}，计算器）"),
+                 value: calc_bytes, unit: "B", quote: ""})  # fmt: skip
+    rows.append({what: say(f"{name} filled cache / {n_fill} tokens",
+                           f"{name_zh} 已填充的缓存 / {n_fill} 个 token"), value:
+                 cache.filled_bytes / n_fill, unit: "B", quote: ""})  # fmt: skip
     # Preconditions: the setup does what it intends (the cache holds the bytes calc says, the
     # counter counts what is fed, caching changes no token); the claim's evidence follows.
-    filled = lab.approx(f"{name}: filled bytes/token - calc",
+    filled = lab.approx(say(f"{name}: filled bytes/token - calc",
+                            f"{name_zh}：实际填充的字节/token 减计算器的值"),
                         cache.filled_bytes / n_fill - calc_bytes, 0, 0)  # fmt: skip
     checks.append(lab.precondition(filled))
 
@@ -117,39 +136,61 @@ def run(ctx: lab.RunContext) -> lab.Result:
     with_cache, without_cache = sum(counted["with"]), sum(counted["without"])
     closed_with = PROMPT + NEW - 1  # prefill, then each new token but the last is fed once
     closed_without = sum(PROMPT + i for i in range(NEW))
+    size = f"{prompt_len}+{n_new}"
     rows += [
-        {"what": f"positions fed, {prompt_len}+{n_new}, with cache (counted)",
-         "value": with_cache, "unit": "tokens", "seed": ""},
-        {"what": f"positions fed, {prompt_len}+{n_new}, without cache (counted)",
-         "value": without_cache, "unit": "tokens", "seed": ""},
-        {"what": f"last step without cache, {prompt_len}+{n_new} (counted)",
-         "value": counted["without"][-1], "unit": "tokens", "seed": "1500 (at 1000+500)"},
-        {"what": "repeated work ratio without/with, 1000+500 (closed form)",
-         "value": closed_without / closed_with, "unit": "x", "seed": "几百倍"},
+        {what: say(f"positions fed, {size}, with cache (counted)",
+                   f"送入的位置数，{size}，有缓存（实数）"),
+         value: with_cache, unit: "tokens", quote: ""},
+        {what: say(f"positions fed, {size}, without cache (counted)",
+                   f"送入的位置数，{size}，无缓存（实数）"),
+         value: without_cache, unit: "tokens", quote: ""},
+        {what: say(f"last step without cache, {size} (counted)",
+                   f"无缓存时的最后一步，{size}（实数）"),
+         value: counted["without"][-1], unit: "tokens",
+         quote: say("1500 (at 1000+500)", "1500（在 1000+500 时）")},
+        {what: say("repeated work ratio without/with, 1000+500 (closed form)",
+                   "重复计算量之比 无缓存/有缓存，1000+500（闭式解）"),
+         value: closed_without / closed_with, unit: "x", quote: say("几百倍", "几百倍")},
     ]  # fmt: skip
     checks += [lab.precondition(c) for c in (
-        lab.approx("counted positions with cache - closed form",
+        lab.approx(say("counted positions with cache - closed form",
+                       "有缓存时实数的位置数减闭式解"),
                    with_cache - (prompt_len + n_new - 1), 0, 0),
-        lab.approx("counted positions without cache - closed form",
+        lab.approx(say("counted positions without cache - closed form",
+                       "无缓存时实数的位置数减闭式解"),
                    without_cache - sum(prompt_len + i for i in range(n_new)), 0, 0),
-        lab.approx("same greedy tokens with and without cache", counted["same_tokens"], 1, 0),
+        lab.approx(say("same greedy tokens with and without cache",
+                       "有无缓存时贪心解码的 token 相同"), counted["same_tokens"], 1, 0),
     )]  # fmt: skip
     ratio = closed_without / closed_with
-    checks.append(lab.at_least("without/with ratio at 1000+500 ('几百倍' >= 100)", ratio, 100))
-    checks.append(lab.at_most("without/with ratio at 1000+500 ('几百倍' < 1000)", ratio, 999.99))
+    checks.append(lab.at_least(say("without/with ratio at 1000+500 ('几百倍' >= 100)",
+                                   "1000+500 时 无缓存/有缓存 之比（'几百倍' >= 100）"),
+                               ratio, 100))  # fmt: skip
+    checks.append(lab.at_most(say("without/with ratio at 1000+500 ('几百倍' < 1000)",
+                                  "1000+500 时 无缓存/有缓存 之比（'几百倍' < 1000）"),
+                              ratio, 999.99))  # fmt: skip
 
     speeds = []
     n_decode = ctx.pick(32, 16, 3)
+    speed_quote = say("KV Cache 决定后面吐字快不快", "KV Cache 决定后面吐字快不快")
     for context in ctx.pick((128, 512, 1024), (128, 512), (8, 16)):
         prompt = _prompt_ids(ctx, context, cfg.vocab_size)
         cached, uncached = _decode_speed(model, prompt, n_decode)
         speeds.append((context, cached, uncached))
-        rows.append({"what": f"{name} decode tok/s at context {context}: cached / uncached",
-                     "value": f"{cached:.1f} / {uncached:.1f}", "unit": "tok/s",
-                     "seed": "KV Cache 决定后面吐字快不快"})  # fmt: skip
-        checks.append(lab.at_least(f"cache speedup at context {context}", cached / uncached, 1.0))
+        rows.append({what: say(f"{name} decode tok/s at context {context}: cached / uncached",
+                               f"{name_zh} 在上下文 {context} 时的解码速度 tok/s：有缓存 / 无缓存"),
+                     value: f"{cached:.1f} / {uncached:.1f}", unit: "tok/s",
+                     quote: speed_quote})  # fmt: skip
+        checks.append(lab.at_least(say(f"cache speedup at context {context}",
+                                       f"上下文 {context} 时缓存带来的加速比"),
+                                   cached / uncached, 1.0))  # fmt: skip
     if ctx.tiny:
-        notes.append("tiny mode: a 2-layer random model of SmolLM2's shape stands in for SmolLM2")
+        notes.append(
+            say(
+                "tiny mode: a 2-layer random model of SmolLM2's shape stands in for SmolLM2",
+                "tiny 模式：用一个 SmolLM2 形状、2 层随机权重的模型代替 SmolLM2",
+            )
+        )
     figure = _plot(counted, speeds, name)
     data = {"per_call_with_cache": counted["with"][:5], "speeds": speeds,
             "closed_form": {"with": closed_with, "without": closed_without}}  # fmt: skip

@@ -54,6 +54,15 @@ CONTEXT_GAIN = 0.5
 G_ABSOLUTE = "absolute positions collapse beyond L (绝对位置编码…崩塌)"
 G_RELATIVE = "RoPE and ALiBi degrade less than absolute positions (RoPE 等相对编码缓解)"
 G_SCALED = f"RoPE + NTK / YaRN usable at {FACTORS[-1]}L (外推到训练长度的数十倍)"
+GROUPS_ZH = {
+    G_ABSOLUTE: "超过 L 后绝对位置编码崩塌（绝对位置编码…崩塌）",
+    G_RELATIVE: "RoPE 和 ALiBi 的退化比绝对位置编码小（RoPE 等相对编码缓解）",
+    G_SCALED: f"RoPE + NTK / YaRN 在 {FACTORS[-1]}L 仍可用（外推到训练长度的数十倍）",
+}
+METHODS_ZH = {
+    "learned": "可学习位置编码", "sinusoidal": "正弦位置编码", "rope": "RoPE", "alibi": "ALiBi",
+    "rope + NTK": "RoPE + NTK", "rope + YaRN": "RoPE + YaRN",
+}  # fmt: skip
 
 
 def rope_scaling(method: str, factor: int, train_len: int) -> dict | None:
@@ -163,52 +172,77 @@ def run(ctx: lab.RunContext) -> lab.Result:
             for m, runs in per_seed.items()}  # fmt: skip
     rise = {m: lab.over_seeds([r[-1] - r[0] for r in runs]) for m, runs in per_seed.items()}
     top = f"{FACTORS[-1]}L"
+    say = ctx.say
+    zh = METHODS_ZH
+    for m in loss:
+        say(m, zh[m])
     rows = []
     for m, spreads in loss.items():
-        row = {"method": m}
+        row = {say("method", "方法"): m}
         for factor, s in zip(FACTORS, spreads, strict=True):
-            row[f"{factor}L"] = f"{s.mean:.3f} ± {s.spread:.3f}"
-        row[f"{top} − L (nats)"] = f"{rise[m].mean:+.3f} ± {rise[m].spread:.3f}"
+            row[say(f"{factor}L", f"{factor} 倍 L")] = f"{s.mean:.3f} ± {s.spread:.3f}"
+        row[say(f"{top} − L (nats)", f"{top} 与 L 之差（nats）")] = (
+            f"{rise[m].mean:+.3f} ± {rise[m].spread:.3f}"
+        )
         rows.append(row)
 
     unigram = unigram_entropy(corpus.train)
+    for group, group_zh in GROUPS_ZH.items():
+        say(group, group_zh)
     checks = [
         lab.precondition(
-            lab.at_most(f"{p}: held-out loss at L (nats)", loss[p][0].mean, unigram - CONTEXT_GAIN)
+            lab.at_most(say(f"{p}: held-out loss at L (nats)", f"{zh[p]}：L 处的留出损失（nats）"),
+                        loss[p][0].mean, unigram - CONTEXT_GAIN)
         )
         for p in POSITIONS
-    ]
+    ]  # fmt: skip
     for p in ABSOLUTE:
-        checks.append(lab.exceeds_spread(f"{p}: loss at {top} − loss at L (nats)", loss[p][-1],
-                                         loss[p][0], COLLAPSE_RISE, group=G_ABSOLUTE))  # fmt: skip
+        checks.append(lab.exceeds_spread(say(f"{p}: loss at {top} − loss at L (nats)",
+                                             f"{zh[p]}：{top} 处的损失 − L 处的损失（nats）"),
+                                         loss[p][-1], loss[p][0], COLLAPSE_RISE,
+                                         group=G_ABSOLUTE))  # fmt: skip
     for r in RELATIVE:
         for a in ABSOLUTE:
-            checks.append(lab.exceeds_spread(f"rise L→{top}: {a} − {r} (nats)", rise[a], rise[r],
-                                             group=G_RELATIVE))  # fmt: skip
+            checks.append(lab.exceeds_spread(say(f"rise L→{top}: {a} − {r} (nats)",
+                                                 f"L→{top} 的上升：{zh[a]} − {zh[r]}（nats）"),
+                                             rise[a], rise[r], group=G_RELATIVE))  # fmt: skip
     for m in SCALINGS:
-        checks.append(lab.within_spread(f"{m}: loss at {top} − RoPE's loss at L (nats)",
+        checks.append(lab.within_spread(say(f"{m}: loss at {top} − RoPE's loss at L (nats)",
+                                            f"{zh[m]}：{top} 处损失 − RoPE 在 L 处损失（nats）"),
                                         loss[m][-1], loss["rope"][0], USABLE_MARGIN,
                                         group=G_SCALED))  # fmt: skip
 
     figure = _plot(loss, rise, curves, train_len)
+    n_seeds, cuts, last_row = len(seeds), ", ".join(f"{k}L" for k in FACTORS), eval_len - 1
+    final_en = ", ".join(f"{p} {lab.over_seeds(v).mean:.3f}" for p, v in train_loss.items())
+    final_zh = "，".join(f"{zh[p]} {lab.over_seeds(v).mean:.3f}" for p, v in train_loss.items())
     notes = [
-        f"{len(seeds)} seed(s) {seeds}; each model trained {steps} steps on {train_len}-char "
-        f"windows of the training split (batch {batch_size}, the same batches for every kind), "
-        f"scored on {n_eval} windows of the held-out validation tail cut to "
-        f"{', '.join(f'{k}L' for k in FACTORS)} = up to {eval_len} chars",
-        f"unigram entropy of the training characters {unigram:.3f} nats; final training loss "
-        "per kind: "
-        + ", ".join(f"{p} {lab.over_seeds(v).mean:.3f}" for p, v in train_loss.items()),
-        "the learned table has rows up to the longest window so it runs at all; rows "
-        f"{train_len}..{eval_len - 1} never receive a gradient (only weight decay)",
-        "NTK and YaRN change only the RoPE frequencies of the RoPE model's trained weights, at "
-        "evaluation time, with no training at the long length; NTK (dynamic) is a no-op at L, "
-        "YaRN uses factor k at kL (factor 1 at L: plain RoPE)",
-        f"{top} is the low end of 数十倍 (tens of times L): a pass at {top} would not yet show "
-        f"数十倍, a failure already falls short of it at {top}",
-        _reading(loss, rise, top),
-        _alibi_comparison(loss, top),
-    ]
+        say(f"{n_seeds} seed(s) {seeds}; each model trained {steps} steps on {train_len}-char "
+            f"windows of the training split (batch {batch_size}, the same batches for every kind), "
+            f"scored on {n_eval} windows of the held-out validation tail cut to "
+            f"{cuts} = up to {eval_len} chars",
+            f"{n_seeds} 个随机种子 {seeds}；每个模型在训练集的 {train_len} 字符窗口上训练 "
+            f"{steps} 步（批大小 {batch_size}，每种位置编码用相同的批次），"
+            f"在留出的验证集尾部取 {n_eval} 个窗口评估，截成 {cuts}，最长 {eval_len} 个字符"),
+        say(f"unigram entropy of the training characters {unigram:.3f} nats; final training loss "
+            "per kind: " + final_en,
+            f"训练字符的一元熵为 {unigram:.3f} nats；各种位置编码最终的训练损失：" + final_zh),
+        say("the learned table has rows up to the longest window so it runs at all; rows "
+            f"{train_len}..{last_row} never receive a gradient (only weight decay)",
+            "可学习位置编码的表一直排到最长窗口，这样它才跑得起来；第 "
+            f"{train_len}..{last_row} 行从未得到梯度（只有权重衰减）"),
+        say("NTK and YaRN change only the RoPE frequencies of the RoPE model's trained weights, at "
+            "evaluation time, with no training at the long length; NTK (dynamic) is a no-op at L, "
+            "YaRN uses factor k at kL (factor 1 at L: plain RoPE)",
+            "NTK 和 YaRN 只在评估时改动 RoPE 模型已训练权重的 RoPE 频率，不在长长度上做任何训练；"
+            "NTK（动态）在 L 处不起作用，YaRN 在 kL 处用因子 k（L 处因子为 1：即普通 RoPE）"),
+        say(f"{top} is the low end of 数十倍 (tens of times L): a pass at {top} would not yet show "
+            f"数十倍, a failure already falls short of it at {top}",
+            f"{top} 只是“数十倍”的下限：在 {top} 通过还不足以说明数十倍，"
+            f"在 {top} 就失败则已经达不到"),
+        _reading(loss, rise, top, say),
+        _alibi_comparison(loss, top, say),
+    ]  # fmt: skip
     data = {
         "train_len": train_len,
         "factors": list(FACTORS),
@@ -225,9 +259,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _reading(loss: dict, rise: dict, top: str) -> str:
+def _reading(loss: dict, rise: dict, top: str, say) -> str:
     """Where each method's loss at the longest window sits against its loss at L."""
-    parts = []
+    parts, parts_zh = [], []
     for m, r in rise.items():
         over = [k for k, s in zip(FACTORS, loss[m], strict=True)
                 if s.mean - loss[m][0].mean > USABLE_MARGIN]  # fmt: skip
@@ -236,26 +270,39 @@ def _reading(loss: dict, rise: dict, top: str) -> str:
             if over
             else f"within {USABLE_MARGIN} nats of L up to {top}"
         )
+        where_zh = (
+            f"在 {over[0]}L 处首次比 L 高出 {USABLE_MARGIN} nats 以上"
+            if over
+            else f"直到 {top} 都与 L 相差不超过 {USABLE_MARGIN} nats"
+        )
         parts.append(f"{m} {r.mean:+.3f} ({where})")
-    return f"rise from L to {top} (nats): " + "; ".join(parts)
+        parts_zh.append(f"{METHODS_ZH[m]} {r.mean:+.3f}（{where_zh}）")
+    return say(f"rise from L to {top} (nats): " + "; ".join(parts),
+               f"从 L 到 {top} 的上升（nats）：" + "；".join(parts_zh))  # fmt: skip
 
 
-def _alibi_comparison(loss: dict, top: str) -> str:
+def _alibi_comparison(loss: dict, top: str, say) -> str:
     """ALiBi against the better of RoPE + NTK / YaRN at the longest window."""
     best = min(SCALINGS, key=lambda m: loss[m][-1].mean)
     alibi, scaled = loss["alibi"][-1], loss[best][-1]
     gap = alibi.mean - scaled.mean
     noise = math.hypot(alibi.spread, scaled.spread)
     side = f"ALiBi {'lower' if gap < 0 else 'higher'} by {abs(gap):.3f}"
+    side_zh = f"ALiBi {'低' if gap < 0 else '高'} {abs(gap):.3f}"
     if len(alibi.values) < 2:
         reading = f"{side} (one seed: no spread to weigh it against)"
+        reading_zh = f"{side_zh}（只有一个随机种子：没有波动可供比较）"
     elif abs(gap) <= noise:
         reading = f"no difference beyond the seeds' spread ({noise:.3f})"
+        reading_zh = f"没有超出随机种子波动（{noise:.3f}）的差异"
     else:
         reading = f"{side}, beyond the seeds' spread ({noise:.3f})"
-    return (
+        reading_zh = f"{side_zh}，超出随机种子波动（{noise:.3f}）"
+    return say(
         f"ALiBi (a distance penalty, no scaling) at {top}: {alibi}; the better scaled RoPE "
-        f"({best}): {scaled}; {reading}"
+        f"({best}): {scaled}; {reading}",
+        f"ALiBi（距离惩罚，不做缩放）在 {top}：{alibi}；较好的缩放 RoPE"
+        f"（{METHODS_ZH[best]}）：{scaled}；{reading_zh}",
     )
 
 

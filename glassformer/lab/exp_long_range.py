@@ -114,40 +114,70 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 accuracy[name][i].append(recall_accuracy(model, fresh))
                 final_loss[name][i].append(losses[-1])
     acc = {name: [lab.over_seeds(v) for v in values] for name, values in accuracy.items()}
+    say = ctx.say
     rows = [
-        {"delay d": d, "LSTM accuracy": str(acc["LSTM"][i]), "GPT accuracy": str(acc["GPT"][i]),
-         "LSTM train loss (last step)": lab.over_seeds(final_loss["LSTM"][i]).mean,
-         "GPT train loss (last step)": lab.over_seeds(final_loss["GPT"][i]).mean}
+        {say("delay d", "延迟 d"): d,
+         say("LSTM accuracy", "LSTM 准确率"): str(acc["LSTM"][i]),
+         say("GPT accuracy", "GPT 准确率"): str(acc["GPT"][i]),
+         say("LSTM train loss (last step)", "LSTM 训练损失（最后一步）"):
+             lab.over_seeds(final_loss["LSTM"][i]).mean,
+         say("GPT train loss (last step)", "GPT 训练损失（最后一步）"):
+             lab.over_seeds(final_loss["GPT"][i]).mean}
         for i, d in enumerate(delays)
     ]  # fmt: skip
     first, last = delays[0], delays[-1]
     lstm, gpt = acc["LSTM"], acc["GPT"]
+    falls = say(LSTM_FALLS, "LSTM 的回忆准确率随距离下降")
+    reads = say(ATTENTION_READS, "注意力直接读取远处的 token")
     checks = [
-        lab.precondition(lab.at_least(f"LSTM mean accuracy at d={first}", lstm[0].mean,
+        lab.precondition(lab.at_least(say(f"LSTM mean accuracy at d={first}",
+                                          f"d={first} 时 LSTM 的平均准确率"), lstm[0].mean,
                                       MIN_LEARNED)),
-        lab.precondition(lab.at_least(f"GPT mean accuracy at d={first}", gpt[0].mean,
+        lab.precondition(lab.at_least(say(f"GPT mean accuracy at d={first}",
+                                          f"d={first} 时 GPT 的平均准确率"), gpt[0].mean,
                                       MIN_LEARNED)),
-        lab.precondition(lab.at_least(f"GPT mean accuracy at d={last}", gpt[-1].mean,
+        lab.precondition(lab.at_least(say(f"GPT mean accuracy at d={last}",
+                                          f"d={last} 时 GPT 的平均准确率"), gpt[-1].mean,
                                       MIN_LEARNED)),
-        lab.exceeds_spread(f"LSTM accuracy drop, d={first} -> d={last}", lstm[0], lstm[-1],
-                           MIN_LSTM_DROP, group=LSTM_FALLS),
-        lab.within_spread(f"GPT accuracy change, d={first} -> d={last}", gpt[0], gpt[-1],
-                          MAX_GPT_DROP, group=ATTENTION_READS),
-        lab.exceeds_spread(f"GPT - LSTM accuracy at d={last}", gpt[-1], lstm[-1], MIN_GPT_LEAD,
-                           group=ATTENTION_READS),
+        lab.exceeds_spread(say(f"LSTM accuracy drop, d={first} -> d={last}",
+                               f"LSTM 准确率的下降，d={first} -> d={last}"), lstm[0], lstm[-1],
+                           MIN_LSTM_DROP, group=falls),
+        lab.within_spread(say(f"GPT accuracy change, d={first} -> d={last}",
+                              f"GPT 准确率的变化，d={first} -> d={last}"), gpt[0], gpt[-1],
+                          MAX_GPT_DROP, group=reads),
+        lab.exceeds_spread(say(f"GPT - LSTM accuracy at d={last}",
+                               f"d={last} 时 GPT 减 LSTM 的准确率"), gpt[-1], lstm[-1],
+                           MIN_GPT_LEAD, group=reads),
     ]  # fmt: skip
     below = [d for d, a in zip(delays, lstm, strict=True) if a.mean < 2 / VOCAB]
+    n_lstm, n_gpt, chance = params["LSTM"], params["GPT"], 1 / VOCAB
+    recall_en = f"the LSTM recalls {lstm[0]} at d={first} and {lstm[-1]} at d={last}; "
+    recall_zh = f"LSTM 在 d={first} 时回忆准确率为 {lstm[0]}，在 d={last} 时为 {lstm[-1]}；"
+    if below:
+        recall = say(
+            recall_en + f"it is within twice chance from d={below[0]} on",
+            recall_zh + f"从 d={below[0]} 起它不超过随机猜测的两倍",
+        )
+    else:
+        recall = say(
+            recall_en + "it stays above twice chance at every delay measured",
+            recall_zh + "在测过的每个延迟上它都高于随机猜测的两倍",
+        )
     notes = [
-        f"parameters: LSTM {params['LSTM']:,}, GPT {params['GPT']:,}; {steps} steps of "
-        f"{batch_size} sequences of {length} symbols each, the same batches for both; seeds "
-        f"{seeds}; chance accuracy 1/{VOCAB} = {1 / VOCAB:.3f}",
-        f"the LSTM recalls {lstm[0]} at d={first} and {lstm[-1]} at d={last}; "
-        + (f"it is within twice chance from d={below[0]} on" if below else
-           "it stays above twice chance at every delay measured"),
-        "recalling d steps back means holding the last d symbols in one state vector, and the "
-        "gradient that would teach it crosses d steps: the seed's two causes together; more "
-        "steps or a wider state move the delay where an LSTM fails, so the table is for this "
-        "budget",
+        say(f"parameters: LSTM {n_lstm:,}, GPT {n_gpt:,}; {steps} steps of "
+            f"{batch_size} sequences of {length} symbols each, the same batches for both; seeds "
+            f"{seeds}; chance accuracy 1/{VOCAB} = {chance:.3f}",
+            f"参数量：LSTM {n_lstm:,}，GPT {n_gpt:,}；训练 {steps} 步，每步 {batch_size} 条序列，"
+            f"每条 {length} 个符号，两者用相同的批次；随机种子 {seeds}；"
+            f"随机猜测的准确率 1/{VOCAB} = {chance:.3f}"),
+        recall,
+        say("recalling d steps back means holding the last d symbols in one state vector, and the "
+            "gradient that would teach it crosses d steps: the seed's two causes together; more "
+            "steps or a wider state move the delay where an LSTM fails, so the table is for this "
+            "budget",
+            "回忆 d 步之前的符号，意味着要把最近 d 个符号都存在一个状态向量里，而教会它这件事的"
+            "梯度也要穿过 d 步：这正是原文说的两个原因合在一起；更多的训练步数或更宽的状态会改变"
+            "LSTM 失败的延迟位置，所以这张表只对应这个训练预算"),
     ]  # fmt: skip
     figure = _plot(delays, acc)
     data = {"delays": delays, "accuracy": accuracy, "final_train_loss": final_loss,

@@ -33,6 +33,7 @@ NAMES = ("Alice", "Bruno", "Chen", "Dmitri", "Elena", "Farah", "Goran", "Hana", 
 MIN_ACCURACY_GAP = 0.10
 MIN_LOGPROB_GAP = 0.5
 END_BEATS_MIDDLE = "the fact at the end is answered better than the one in the middle"
+LABELS_ZH = {"": "", " (start)": "（开头）", " (middle)": "（中间）", " (end)": "（末尾）"}
 
 
 def paired_gap(later: list[float], earlier: list[float]) -> tuple[float, float]:
@@ -172,53 +173,81 @@ def run(ctx: lab.RunContext) -> lab.Result:
     fractions = [i / (n_facts - 1) for i in range(n_facts)]
     accuracy = [sum(h) / len(h) for h in hits]
     mean_logprob = [sum(lp) / len(lp) for lp in logprobs]
+    say = ctx.say
+    for i, f in enumerate(fractions):
+        label = _label(i, n_facts)
+        if label:
+            say(f"{f:.2f}" + label, f"{f:.2f}" + LABELS_ZH[label])
     rows = [
         {
-            "fact at (fraction of context)": f"{f:.2f}" + _label(i, n_facts),
-            "trials": n_trials,
-            "greedy accuracy": accuracy[i],
-            "mean log p(answer) (nats)": mean_logprob[i],
+            say("fact at (fraction of context)", "事实所在位置（占上下文的比例）"):
+                f"{f:.2f}" + _label(i, n_facts),
+            say("trials", "试验次数"): n_trials,
+            say("greedy accuracy", "贪心解码准确率"): accuracy[i],
+            say("mean log p(answer) (nats)", "平均 log p(答案)（nats）"): mean_logprob[i],
         }
         for i, f in enumerate(fractions)
-    ]
+    ]  # fmt: skip
     middle, end = n_facts // 2, n_facts - 1
     chance = 1 / n_facts
     accuracy_gap = paired_gap([float(h) for h in hits[end]], [float(h) for h in hits[middle]])
     logprob_gap = paired_gap(logprobs[end], logprobs[middle])
+    group = say(END_BEATS_MIDDLE, "末尾的事实比中间的事实答得更好")
     checks = [
-        lab.precondition(lab.at_least(f"best accuracy - chance (1/{n_facts})",
+        lab.precondition(lab.at_least(say(f"best accuracy - chance (1/{n_facts})",
+                                          f"最高准确率 - 随机猜测（1/{n_facts}）"),
                                       max(accuracy) - chance, 0.0)),
-        lab.at_least("accuracy: end − middle, mean − 2 SE over trials",
+        lab.at_least(say("accuracy: end − middle, mean − 2 SE over trials",
+                         "准确率：末尾 − 中间，各次试验的均值 − 2 SE"),
                      accuracy_gap[0] - 2 * accuracy_gap[1], MIN_ACCURACY_GAP,
-                     group=END_BEATS_MIDDLE),
-        lab.at_least("mean log p(answer): end − middle (nats), mean − 2 SE over trials",
+                     group=group),
+        lab.at_least(say("mean log p(answer): end − middle (nats), mean − 2 SE over trials",
+                         "平均 log p(答案)：末尾 − 中间（nats），各次试验的均值 − 2 SE"),
                      logprob_gap[0] - 2 * logprob_gap[1], MIN_LOGPROB_GAP,
-                     group=END_BEATS_MIDDLE),
+                     group=group),
     ]  # fmt: skip
     mean_tokens = sum(prompt_tokens) / len(prompt_tokens)
     notes = [
-        f"{n_trials} prompts of {n_facts} facts each (context about {mean_tokens:.0f} tokens, "
-        f"Shakespeare filler between the facts); every prompt asks about all {n_facts} facts, so "
-        "each position gets the same prompts and the other facts act as distractors",
-        "greedy accuracy: every digit of the answer is the model's argmax after 'The secret "
-        "number of <name> is' - what temperature-0 generation would write; log p is summed over "
-        "the answer's tokens (a space and four digits)",
-        "the prompt is tokenized in two pieces (notes | question + answer prefix) so all "
-        "questions share one prefill; the split sits before a blank line",
-        "the seed asks a chat model about a 500-character text; here a 135M model and a few "
-        "hundred tokens, so this tests the pattern, not the seed's products",
-    ]
-    notes.append(
-        f"end − middle, paired over {n_trials} trials: accuracy {accuracy_gap[0]:+.3f} ± "
-        f"{accuracy_gap[1]:.3f} (SE), log p {logprob_gap[0]:+.3f} ± {logprob_gap[1]:.3f} nats"
-    )
+        say(f"{n_trials} prompts of {n_facts} facts each (context about {mean_tokens:.0f} tokens, "
+            f"Shakespeare filler between the facts); every prompt asks about all {n_facts} facts, "
+            "so each position gets the same prompts and the other facts act as distractors",
+            f"{n_trials} 个提示，每个含 {n_facts} 条事实（上下文约 {mean_tokens:.0f} 个 token，"
+            f"事实之间填充莎士比亚文本）；每个提示都会问到全部 {n_facts} 条事实，所以每个位置用的"
+            "是同样的提示，其他事实充当干扰项"),
+        say("greedy accuracy: every digit of the answer is the model's argmax after 'The secret "
+            "number of <name> is' - what temperature-0 generation would write; log p is summed "
+            "over the answer's tokens (a space and four digits)",
+            "贪心解码准确率：在 'The secret number of <name> is' 之后，答案的每一位数字都是模型的"
+            " argmax——也就是温度为 0 的生成会写出的内容；log p 是答案各 token（一个空格和四位"
+            "数字）的总和"),
+        say("the prompt is tokenized in two pieces (notes | question + answer prefix) so all "
+            "questions share one prefill; the split sits before a blank line",
+            "提示分两段做分词（笔记 | 问题 + 答案前缀），让所有问题共用一次 prefill；"
+            "切分点在一个空行之前"),
+        say("the seed asks a chat model about a 500-character text; here a 135M model and a few "
+            "hundred tokens, so this tests the pattern, not the seed's products",
+            "原文是就一段 500 字的文本提问一个对话模型；这里用的是 135M 的模型和几百个 token，"
+            "所以检验的是这种规律，而不是原文所说的那些产品"),
+    ]  # fmt: skip
+    acc_mean, acc_se = accuracy_gap
+    lp_mean, lp_se = logprob_gap
+    notes.append(say(
+        f"end − middle, paired over {n_trials} trials: accuracy {acc_mean:+.3f} ± "
+        f"{acc_se:.3f} (SE), log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
+        f"末尾 − 中间，按 {n_trials} 次试验配对：准确率 {acc_mean:+.3f} ± {acc_se:.3f}（SE），"
+        f"log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
+    ))  # fmt: skip
     start_gap = paired_gap(logprobs[0], logprobs[middle])
-    notes.append(
+    acc_start, acc_middle = accuracy[0], accuracy[middle]
+    notes.append(say(
         f"the fact at the very start against the middle (not part of the seed's exercise): "
-        f"accuracy {accuracy[0]:.2f} vs {accuracy[middle]:.2f}, log p {start_gap[0]:+.3f} ± "
+        f"accuracy {acc_start:.2f} vs {acc_middle:.2f}, log p {start_gap[0]:+.3f} ± "
         f"{start_gap[1]:.3f} nats; Liu et al.'s 'Lost in the Middle' (2023) found a U-shape, "
-        "start and end both above the middle"
-    )
+        "start and end both above the middle",
+        f"最开头的事实与中间的对比（不属于原文的练习）：准确率 {acc_start:.2f} 对 "
+        f"{acc_middle:.2f}，log p {start_gap[0]:+.3f} ± {start_gap[1]:.3f} nats；Liu et al. 的 "
+        "'Lost in the Middle'（2023）发现的是 U 形：开头和末尾都高于中间",
+    ))  # fmt: skip
     data = {
         "fractions": fractions,
         "accuracy": accuracy,

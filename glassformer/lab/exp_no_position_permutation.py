@@ -26,6 +26,11 @@ LONG_SENTENCE = "那只猫没跳上桌子因为它太累了"
 # blindness.
 SAME_TOL, DIFFERENT_MIN = 1e-5, 1e-3
 EQUIVARIANT = "without positions, attention sees a set"
+WORDS_ZH = {
+    "bert": "bert（双向）", "gpt": "gpt（因果）", "bidirectional": "双向", "causal": "因果",
+    "none": "无位置编码", "learned": "可学习位置编码", "sinusoidal": "正弦位置编码",
+    "rope": "RoPE（旋转位置编码）",
+}  # fmt: skip
 
 
 def _model(family: str, position: str, vocab_size: int, ctx: lab.RunContext) -> torch.nn.Module:
@@ -61,6 +66,10 @@ def run(ctx: lab.RunContext) -> lab.Result:
     long_ids = tok.encode(LONG_SENTENCE)
     orders = [rng.permutation(len(long_ids)).tolist() for _ in range(ctx.pick(8, 4, 1))]
 
+    say = ctx.say
+    for word, word_zh in WORDS_ZH.items():
+        say(word, word_zh)
+    n_orders = len(orders)
     rows, checks = [], []
     for family in ("bert", "gpt"):
         for position in ("none", "learned", "sinusoidal", "rope"):
@@ -69,37 +78,60 @@ def run(ctx: lab.RunContext) -> lab.Result:
             long_gap = max(permutation_gap(model, long_ids, o) for o in orders)
             rows.append(
                 {
-                    "family": family,
-                    "mask": "bidirectional" if family == "bert" else "causal",
-                    "position": position,
-                    "我爱她 vs 她爱我 max|Δ|": gap,
-                    f"random shuffles ({len(orders)}) max|Δ|": long_gap,
-                    "equivariant": gap <= SAME_TOL and long_gap <= SAME_TOL,
+                    say("family", "模型家族"): family,
+                    say("mask", "掩码"): "bidirectional" if family == "bert" else "causal",
+                    say("position", "位置编码"): position,
+                    say("我爱她 vs 她爱我 max|Δ|", "我爱她 与 她爱我 max|Δ|"): gap,
+                    say(
+                        f"random shuffles ({n_orders}) max|Δ|", f"随机打乱（{n_orders} 次）max|Δ|"
+                    ): long_gap,
+                    say("equivariant", "置换等变"): gap <= SAME_TOL and long_gap <= SAME_TOL,
                 }
             )
             if family != "bert":
                 continue  # the causal rows explain; the claim is about attention without a mask
             label = f"bert, position={position}"
+            group = say(EQUIVARIANT, "没有位置编码时，注意力看到的是集合")
             if position == "none":
-                checks.append(lab.at_most(f"{label}: 我爱她/她爱我 gap", gap, SAME_TOL,
-                                          group=EQUIVARIANT))  # fmt: skip
-                checks.append(lab.at_most(f"{label}: shuffled-sentence gap", long_gap, SAME_TOL,
-                                          group=EQUIVARIANT))  # fmt: skip
+                checks.append(lab.at_most(say(f"{label}: 我爱她/她爱我 gap",
+                                              f"{label}：我爱她/她爱我 的差异"), gap, SAME_TOL,
+                                          group=group))  # fmt: skip
+                checks.append(lab.at_most(say(f"{label}: shuffled-sentence gap",
+                                              f"{label}：打乱句子的差异"), long_gap, SAME_TOL,
+                                          group=group))  # fmt: skip
             else:
-                probe = lab.at_least(f"{label}: 我爱她/她爱我 gap (the probe sees order)", gap,
+                probe = lab.at_least(say(f"{label}: 我爱她/她爱我 gap (the probe sees order)",
+                                         f"{label}：我爱她/她爱我 的差异（探针看得出顺序）"), gap,
                                      DIFFERENT_MIN)  # fmt: skip
                 checks.append(lab.precondition(probe))
     figure = _plot(rows)
     gpt_none = next(r for r in rows if r["family"] == "gpt" and r["position"] == "none")
     gpt_gap = gpt_none["我爱她 vs 她爱我 max|Δ|"]
+    n_long = len(long_ids)
+    if gpt_gap > DIFFERENT_MIN:
+        gpt_note = say(
+            "GPT rows (causal mask) are not part of the verdict: with position='none' the causal "
+            f"model's 我爱她/她爱我 gap is {gpt_gap:.3g} "
+            "(it tells the orders apart: the mask makes position 0 see one token and position 2 "
+            "see three; the gpt-bag-of-words experiment tests this)",
+            "GPT 各行（因果掩码）不计入结论：position='none' 时，因果模型的 我爱她/她爱我 差异为 "
+            f"{gpt_gap:.3g}（它分得出两种顺序：掩码让位置 0 只看到一个 token，位置 2 看到三个；"
+            "gpt-bag-of-words 实验检验的正是这一点）",
+        )
+    else:
+        gpt_note = say(
+            "GPT rows (causal mask) are not part of the verdict: with position='none' the causal "
+            f"model's 我爱她/她爱我 gap is {gpt_gap:.3g} "
+            "(it does not tell the orders apart either)",
+            "GPT 各行（因果掩码）不计入结论：position='none' 时，因果模型的 我爱她/她爱我 差异为 "
+            f"{gpt_gap:.3g}（它同样分不出两种顺序）",
+        )
     notes = [
-        "GPT rows (causal mask) are not part of the verdict: with position='none' the causal "
-        f"model's 我爱她/她爱我 gap is {gpt_gap:.3g} "
-        + ("(it tells the orders apart: the mask makes position 0 see one token and position 2 "
-           "see three; the gpt-bag-of-words experiment tests this)" if gpt_gap > DIFFERENT_MIN
-           else "(it does not tell the orders apart either)"),
-        f"random-init models (seed {ctx.seed}), {len(orders)} random shuffles of "
-        f"{LONG_SENTENCE} (length {len(long_ids)}) besides the 我爱她 -> 她爱我 swap",
+        gpt_note,
+        say(f"random-init models (seed {ctx.seed}), {n_orders} random shuffles of "
+            f"{LONG_SENTENCE} (length {n_long}) besides the 我爱她 -> 她爱我 swap",
+            f"随机初始化的模型（随机种子 {ctx.seed}），除 我爱她 -> 她爱我 的互换外，"
+            f"还把 {LONG_SENTENCE}（长度 {n_long}）随机打乱 {n_orders} 次"),
     ]  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, notes=notes)
 

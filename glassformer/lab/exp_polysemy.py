@@ -47,6 +47,7 @@ NEIGHBOURS = {
 }  # fmt: skip
 FRAME = {"en": "Word: {}", "zh": "词语：{}"}  # a neutral left context for SmolLM2's neighbours
 SEED_PHRASES = ("苹果发布会", "苹果真甜")  # the seed's example: 苹果 comes first
+LANGS_ZH = {"en": "英文", "zh": "中文"}
 # Thresholds: a difference counts when it exceeds the pairs' own scatter (lab.exceeds_spread,
 # no extra margin): within-sense similarities (2 pairs) against cross-sense ones (4 pairs); and
 # for each sense, the similarities of its 2 word vectors to its 4 neighbours (8 values) against
@@ -127,6 +128,11 @@ def _models(ctx: lab.RunContext) -> dict:
 
 @lab.register("polysemy")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
+    say("yes", "是")
+    say("no: [UNK]", "否：[UNK]")
+    differ = say("vectors differ by sense", "向量随词义而不同")
+    closer = say("closer to its sense's neighbours", "更接近同一词义的近邻词")
     rows, checks, notes, curves = [], [], [], {}
     for name, (model, tokenizer) in _models(ctx).items():
         causal = model.cfg.family == "gpt"
@@ -144,7 +150,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
             words = [w for sense in ("fruit", "company") for w in NEIGHBOURS[lang][sense]]
             near, _ = layer_vectors(model, tokenizer, frames, words, causal)
             k = len(NEIGHBOURS[lang]["fruit"])
-            where = f"{name}, {lang}, layer {chosen}"
+            where = say(f"{name}, {lang}, layer {chosen}",
+                        f"{name}，{LANGS_ZH[lang]}，第 {chosen} 层")  # fmt: skip
             unreadable = unreadable_tokens(tokenizer, list(next(iter(pieces))))
             meaningful = not (set(unreadable) & {"[UNK]"})  # byte pieces compose in context
             per_layer = [sense_scores(a, {"fruit": n[:k], "company": n[k:]})
@@ -153,39 +160,51 @@ def run(ctx: lab.RunContext) -> lab.Result:
                                          for s in per_layer]  # fmt: skip
             scores = per_layer[chosen]
             stats = {key: lab.over_seeds(values) for key, values in scores.items()}
-            rows.append({"model, language, layer": where, "word pieces": len(next(iter(pieces))),
-                         "same input ids": len(pieces) == 1,
-                         "sim within sense": str(stats["within"]),
-                         "sim across senses": str(stats["cross"]),
-                         "fruit sense→fruit / company words": f"{stats['fruit: own'].mean:.3f} / "
-                         f"{stats['fruit: other'].mean:.3f}",
-                         "company sense→company / fruit words":
+            where_zh = f"{name}，{LANGS_ZH[lang]}，第 {chosen} 层"
+            rows.append({say("model, language, layer", "模型，语言，层"): where,
+                         say("word pieces", "词的子词数"): len(next(iter(pieces))),
+                         say("same input ids", "输入 id 相同"): len(pieces) == 1,
+                         say("sim within sense", "同一词义内的相似度"): str(stats["within"]),
+                         say("sim across senses", "不同词义间的相似度"): str(stats["cross"]),
+                         say("fruit sense→fruit / company words", "水果义→水果词 / 公司词"):
+                         f"{stats['fruit: own'].mean:.3f} / {stats['fruit: other'].mean:.3f}",
+                         say("company sense→company / fruit words", "公司义→公司词 / 水果词"):
                          f"{stats['company: own'].mean:.3f} / {stats['company: other'].mean:.3f}",
-                         "evidence?": "yes" if meaningful else "no: [UNK]"})  # fmt: skip
+                         say("evidence?", "算作证据？"):
+                         "yes" if meaningful else "no: [UNK]"})  # fmt: skip
             checks.append(lab.precondition(lab.approx(
-                f"{name}, {lang}: distinct input id sequences of {word} over 4 sentences",
+                say(f"{name}, {lang}: distinct input id sequences of {word} over 4 sentences",
+                    f"{name}，{LANGS_ZH[lang]}：{word} 在 4 个句子中不同输入 id 序列的个数"),
                 len(pieces), 1, 0)))  # fmt: skip
             if not meaningful:
-                notes.append(f"{name}, {lang}: {word} is [UNK] to this tokenizer (and so is "
-                             "every Chinese character): no evidence")  # fmt: skip
+                notes.append(say(f"{name}, {lang}: {word} is [UNK] to this tokenizer (and so is "
+                                 "every Chinese character): no evidence",
+                                 f"{name}，{LANGS_ZH[lang]}：{word} 对这个分词器是 [UNK]"
+                                 "（每个汉字也都是）：不算证据"))  # fmt: skip
                 continue
             checks += [
-                lab.exceeds_spread(f"{where}: sim within sense - across senses",
+                lab.exceeds_spread(say(f"{where}: sim within sense - across senses",
+                                       f"{where_zh}：同一词义内的相似度 - 不同词义间的相似度"),
                                    stats["within"], stats["cross"],
-                                   group="vectors differ by sense"),
-                lab.exceeds_spread(f"{where}: fruit-sense {word} → fruit - company words",
+                                   group=differ),
+                lab.exceeds_spread(say(f"{where}: fruit-sense {word} → fruit - company words",
+                                       f"{where_zh}：水果义的 {word} → 水果词 - 公司词"),
                                    stats["fruit: own"], stats["fruit: other"],
-                                   group="closer to its sense's neighbours"),
-                lab.exceeds_spread(f"{where}: company-sense {word} → company - fruit words",
+                                   group=closer),
+                lab.exceeds_spread(say(f"{where}: company-sense {word} → company - fruit words",
+                                       f"{where_zh}：公司义的 {word} → 公司词 - 水果词"),
                                    stats["company: own"], stats["company: other"],
-                                   group="closer to its sense's neighbours"),
+                                   group=closer),
             ]  # fmt: skip
         if causal:
             phrases, _ = layer_vectors(model, tokenizer, list(SEED_PHRASES), ["苹果"] * 2, True)
             same = float(cosine(phrases[chosen][:1], phrases[chosen][1:])[0, 0])
-            notes.append(f"{name}: 苹果 in the seed's {SEED_PHRASES}: cosine {same:.4f} at layer "
-                         f"{chosen}; a causal model sees only what comes before the word, and "
-                         "here nothing does")  # fmt: skip
+            notes.append(say(f"{name}: 苹果 in the seed's {SEED_PHRASES}: cosine {same:.4f} at "
+                             f"layer {chosen}; a causal model sees only what comes before the "
+                             "word, and here nothing does",
+                             f"{name}：原文 {SEED_PHRASES} 中的 苹果 在第 {chosen} 层的余弦相似度"
+                             f"为 {same:.4f}；因果模型只看得到这个词之前的内容，而这里它前面"
+                             "什么也没有"))  # fmt: skip
     figure = _plot(curves)
     return lab.Result.from_checks(rows, checks, figure=figure, data={"margins": curves},
                                   notes=notes)  # fmt: skip

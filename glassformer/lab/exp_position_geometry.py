@@ -37,6 +37,16 @@ CONTROL_MIN = 0.5  # the control's residual: the fit is able to fail
 BINS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1024), (1024, 4096))
 DECAY_MAX = 0.5
 RELATIVE_TOL = 1e-3  # score(Δ + s, s) vs score(Δ, 0), as a fraction of score(0)
+CURVES_ZH = {
+    "all-ones q, k": "全 1 的 q、k",
+    "independent random q, k (mean |score|)": "相互独立的随机 q、k（平均 |打分|）",
+    "random q = k (mean score)": "随机 q = k（平均打分）",
+}
+GROUPS_ZH = {
+    "PE(i+k) linear in PE(i)": "PE(i+k) 是 PE(i) 的线性函数",
+    "RoPE decay, all-ones q, k": "RoPE 衰减，全 1 的 q、k",
+    "RoPE decay, independent random q, k": "RoPE 衰减，相互独立的随机 q、k",
+}
 
 
 def rotation(k: int, d: int = D, base: float = BASE) -> Tensor:
@@ -86,6 +96,10 @@ def decay_numbers(means: list[float]) -> tuple[int, float]:
 
 @lab.register("position-geometry")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
+    for group, group_zh in GROUPS_ZH.items():
+        say(group, group_zh)
+    part = say("part", "部分")
     rows, checks, notes = [], [], []
     shifts = ctx.pick((1, 10, 100, 1000), (1, 10, 100, 1000), (1, 100))
     n_fit = ctx.pick(2048, 1024, 256)
@@ -101,14 +115,21 @@ def run(ctx: lab.RunContext) -> lab.Result:
         off = float((m - rotation(k)).norm() / rotation(k).norm())
         _, control_residual, _ = fit_shift_map(control, k, fit, test)
         _, short_residual, short_cond = fit_shift_map(table, k, short_fit, short_test)
-        rows.append({"part": f"sinusoidal, k={k}", "held-out residual": residual,
-                     "|M_k - rotation|/|rotation|": off, "condition": cond,
-                     "random table residual": control_residual,
-                     f"fit on 0..{SHORT_WINDOW - 1}: residual": short_residual})  # fmt: skip
+        last = SHORT_WINDOW - 1
+        rows.append({part: say(f"sinusoidal, k={k}", f"正弦位置编码，k={k}"),
+                     say("held-out residual", "留出残差"): residual,
+                     say("|M_k - rotation|/|rotation|", "|M_k - 旋转|/|旋转|"): off,
+                     say("condition", "条件数"): cond,
+                     say("random table residual", "随机表残差"): control_residual,
+                     say(f"fit on 0..{last}: residual", f"在 0..{last} 上拟合：残差"):
+                     short_residual})  # fmt: skip
         checks.append(
             lab.precondition(
                 lab.at_least(
-                    f"k={k}: random-table control's held-out residual",
+                    say(
+                        f"k={k}: random-table control's held-out residual",
+                        f"k={k}：随机表对照的留出残差",
+                    ),
                     control_residual,
                     CONTROL_MIN,
                 )
@@ -116,22 +137,30 @@ def run(ctx: lab.RunContext) -> lab.Result:
         )
         checks.append(
             lab.at_most(
-                f"k={k}: held-out residual of the fitted M_k",
+                say(
+                    f"k={k}: held-out residual of the fitted M_k", f"k={k}：拟合出的 M_k 的留出残差"
+                ),
                 residual,
                 RESIDUAL_MAX,
                 group="PE(i+k) linear in PE(i)",
             )
         )
-        checks.append(lab.at_most(f"k={k}: |M_k - block rotation| / |rotation|", off,
+        checks.append(lab.at_most(say(f"k={k}: |M_k - block rotation| / |rotation|",
+                                      f"k={k}：|M_k - 分块旋转| / |旋转|"), off,
                                   ROTATION_MAX, group="PE(i+k) linear in PE(i)"))  # fmt: skip
     short = [r[f"fit on 0..{SHORT_WINDOW - 1}: residual"] for r in rows]
     if max(short) > RESIDUAL_MAX:
-        notes.append(
-            f"fitted on positions 0..{SHORT_WINDOW - 1} only, the slow pairs barely turn "
+        last, end = SHORT_WINDOW - 1, 2 * SHORT_WINDOW - 1
+        low, high = min(short), max(short)
+        notes.append(say(
+            f"fitted on positions 0..{last} only, the slow pairs barely turn "
             f"(condition {short_cond:.2g}) and M_k misses positions {SHORT_WINDOW}.."
-            f"{2 * SHORT_WINDOW - 1} by {min(short):.2g}-{max(short):.2g}: a short window does "
-            "not pin the map down; positions spread over one slowest turn do"
-        )
+            f"{end} by {low:.2g}-{high:.2g}: a short window does "
+            "not pin the map down; positions spread over one slowest turn do",
+            f"只在位置 0..{last} 上拟合时，慢速的那几对几乎不转（条件数 {short_cond:.2g}），"
+            f"M_k 在位置 {SHORT_WINDOW}..{end} 上偏差 {low:.2g}-{high:.2g}：短窗口定不住这个映射；"
+            "位置分布跨过最慢一对的一整圈才定得住",
+        ))  # fmt: skip
 
     far = ctx.pick(4096, 4096, 1024)
     bins = [b for b in BINS if b[1] <= far]
@@ -141,7 +170,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
     shifted = rope_scores(ones, ones, all_distances, start=1000)
     drift = float((shifted - ones_scores).abs().max() / ones_scores[0, 0])
     checks.append(lab.precondition(lab.at_most(
-        "RoPE score depends on the distance only: |s(Δ+1000, 1000) - s(Δ, 0)| / s(0)", drift,
+        say("RoPE score depends on the distance only: |s(Δ+1000, 1000) - s(Δ, 0)| / s(0)",
+            "RoPE 打分只取决于距离：|s(Δ+1000, 1000) - s(Δ, 0)| / s(0)"), drift,
         RELATIVE_TOL)))  # fmt: skip
     n_pairs = ctx.pick(1024, 512, 64)
     q = torch.randn(n_pairs, D, generator=generator)
@@ -156,20 +186,30 @@ def run(ctx: lab.RunContext) -> lab.Result:
     }
     for name, means in curves.items():
         rises, ratio = decay_numbers(means)
-        rows.append({"part": f"RoPE, {name}", "bin means": [round(v, 2) for v in means],
-                     "rising bins": rises, "farthest / nearest": ratio})  # fmt: skip
+        rows.append({part: say(f"RoPE, {name}", f"RoPE，{CURVES_ZH[name]}"),
+                     say("bin means", "各区间均值"): [round(v, 2) for v in means],
+                     say("rising bins", "上升的区间数"): rises,
+                     say("farthest / nearest", "最远 / 最近"): ratio})  # fmt: skip
     for name, group in (("all-ones q, k", "RoPE decay, all-ones q, k"),
                         ("independent random q, k (mean |score|)",
                          "RoPE decay, independent random q, k")):  # fmt: skip
         rises, ratio = decay_numbers(curves[name])
-        checks.append(lab.at_most(f"{name}: bins whose mean rises", rises, 0, group=group))
-        checks.append(lab.at_most(f"{name}: farthest bin / distance 0", ratio, DECAY_MAX,
+        checks.append(lab.at_most(say(f"{name}: bins whose mean rises",
+                                      f"{CURVES_ZH[name]}：均值上升的区间数"), rises, 0,
+                                  group=group))  # fmt: skip
+        checks.append(lab.at_most(say(f"{name}: farthest bin / distance 0",
+                                      f"{CURVES_ZH[name]}：最远区间 / 距离 0"), ratio, DECAY_MAX,
                                   group=group))  # fmt: skip
     for name, means in curves.items():
         rises, ratio = decay_numbers(means)
-        verb = "decays" if rises == 0 and ratio <= DECAY_MAX else "does not decay"
-        notes.append(f"RoPE, {name}: {verb} (distance-0 mean {means[0]:.3g}, farthest bin "
-                     f"{means[-1]:.3g}, {rises} rising bins)")  # fmt: skip
+        decays = rises == 0 and ratio <= DECAY_MAX
+        verb = "decays" if decays else "does not decay"
+        verb_zh = "衰减" if decays else "不衰减"
+        nearest, farthest = means[0], means[-1]
+        notes.append(say(f"RoPE, {name}: {verb} (distance-0 mean {nearest:.3g}, farthest bin "
+                         f"{farthest:.3g}, {rises} rising bins)",
+                         f"RoPE，{CURVES_ZH[name]}：{verb_zh}（距离 0 的均值 {nearest:.3g}，"
+                         f"最远区间 {farthest:.3g}，{rises} 个区间上升）"))  # fmt: skip
     figure = _plot(rows, shifts, curves, bins, ones_scores[0])
     data = {"bins": bins, "curves": curves, "shifts": list(shifts), "n_fit": n_fit}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)

@@ -55,42 +55,62 @@ def run(ctx: lab.RunContext) -> lab.Result:
         counted[n] = calc.flops_per_token(cfg, n)["attention"] * n  # a whole sequence
     lengths = ctx.pick([128, 256, 512, 1024, 2048], [128, 256, 512, 1024], [64, 128, 256, 512])
     repeats = ctx.pick(5, 3, 2)
+    say = ctx.say
     rows, timings = [], {}
     for length in lengths:
         eager_s, weights_bytes = attention_seconds("eager", length, repeats, ctx.seed)
         sdpa_s, _ = attention_seconds("sdpa", length, repeats, ctx.seed)
         timings[length] = (eager_s, sdpa_s, weights_bytes)
-        rows.append({"T": length, "eager ms": 1e3 * eager_s, "sdpa ms": 1e3 * sdpa_s,
-                     "eager weights MiB": weights_bytes / 2**20})  # fmt: skip
+        rows.append({say("T", "T（token 数）"): length,
+                     say("eager ms", "eager 耗时 ms"): 1e3 * eager_s,
+                     say("sdpa ms", "sdpa 耗时 ms"): 1e3 * sdpa_s,
+                     say("eager weights MiB", "eager 权重 MiB"):
+                     weights_bytes / 2**20})  # fmt: skip
     short, long = lengths[0], lengths[-1]
     growth = long / short
     eager_growth = timings[long][0] / timings[short][0]
     sdpa_growth = timings[long][1] / timings[short][1]
+    compute = say(COMPUTE, "注意力耗时按 n² 增长")
     checks = [
         # setup: the eager path materializes the [B, H, T, T] weights it is meant to
-        lab.precondition(lab.approx(f"eager weights bytes, T={long} / T={short} - (x{growth:g})²",
-                                    timings[long][2] / timings[short][2] - growth**2, 0, 1e-9)),
-        lab.at_least(f"eager time, T={long} / T={short} (x{growth:g} length)", eager_growth,
-                     MIN_TIME_GROWTH, group=COMPUTE),
-        lab.at_least(f"SDPA time, T={long} / T={short} (x{growth:g} length)", sdpa_growth,
-                     MIN_TIME_GROWTH, group=COMPUTE),
+        lab.precondition(lab.approx(
+            say(f"eager weights bytes, T={long} / T={short} - (x{growth:g})²",
+                f"eager 权重矩阵字节数，T={long} / T={short} 减 (x{growth:g})²"),
+            timings[long][2] / timings[short][2] - growth**2, 0, 1e-9)),
+        lab.at_least(say(f"eager time, T={long} / T={short} (x{growth:g} length)",
+                         f"eager 耗时，T={long} / T={short}（长度 x{growth:g}）"), eager_growth,
+                     MIN_TIME_GROWTH, group=compute),
+        lab.at_least(say(f"SDPA time, T={long} / T={short} (x{growth:g} length)",
+                         f"SDPA 耗时，T={long} / T={short}（长度 x{growth:g}）"), sdpa_growth,
+                     MIN_TIME_GROWTH, group=compute),
     ]  # fmt: skip
     rows += [
-        {"T": "calc: Llama-7B attention FLOPs, 1,000 → 10,000 tokens",
-         "calc ratio": counted[10_000] / counted[1000]},
-        {"T": "calc: Llama-7B attention FLOPs, 512 → 8192 tokens",
+        {"T": say("calc: Llama-7B attention FLOPs, 1,000 → 10,000 tokens",
+                  "calc：Llama-7B 注意力 FLOPs，1,000 → 10,000 个 token"),
+         say("calc ratio", "calc 比值"): counted[10_000] / counted[1000]},
+        {"T": say("calc: Llama-7B attention FLOPs, 512 → 8192 tokens",
+                  "calc：Llama-7B 注意力 FLOPs，512 → 8192 个 token"),
          "calc ratio": counted[8192] / counted[512]},
     ]  # fmt: skip
+    square, weights_mib = growth**2, timings[long][2] / 2**20
     notes = [
-        f"one causal attention call, {N_HEADS} heads x {HEAD_DIM}, best of {repeats}; over "
-        f"x{growth:g} length the eager path's time grows x{eager_growth:.1f} and SDPA's "
-        f"x{sdpa_growth:.1f} (linear: x{growth:g}, quadratic: x{growth**2:g})",
-        "the calc rows (the seed's x100 and x256) are the closed form: attention FLOPs per "
-        "token grow with the context, so a whole sequence costs n²",
-        f"memory: the eager path keeps [H, T, T] weights ({timings[long][2] / 2**20:.0f} MiB at "
-        f"T={long}); torch's fused SDPA is built not to keep them (the kind of fix seed 002 "
-        "names: Flash Attention); memory is not measured here beyond that tensor's size",
-    ]
+        say(f"one causal attention call, {N_HEADS} heads x {HEAD_DIM}, best of {repeats}; over "
+            f"x{growth:g} length the eager path's time grows x{eager_growth:.1f} and SDPA's "
+            f"x{sdpa_growth:.1f} (linear: x{growth:g}, quadratic: x{square:g})",
+            f"一次因果注意力调用，{N_HEADS} 个头 x {HEAD_DIM} 维，取 {repeats} 次中最快的一次；长度"
+            f"增至 x{growth:g} 时，eager 路径的耗时增至 x{eager_growth:.1f}，SDPA 的增至 "
+            f"x{sdpa_growth:.1f}（线性应为 x{growth:g}，平方应为 x{square:g}）"),
+        say("the calc rows (the seed's x100 and x256) are the closed form: attention FLOPs per "
+            "token grow with the context, so a whole sequence costs n²",
+            "calc 两行（原文的 x100 与 x256）是闭式公式：每个 token 的注意力 FLOPs 随上下文增长，"
+            "所以整条序列的代价是 n²"),
+        say(f"memory: the eager path keeps [H, T, T] weights ({weights_mib:.0f} MiB at "
+            f"T={long}); torch's fused SDPA is built not to keep them (the kind of fix seed 002 "
+            "names: Flash Attention); memory is not measured here beyond that tensor's size",
+            f"内存：eager 路径保留 [H, T, T] 权重矩阵（T={long} 时 {weights_mib:.0f} MiB）；torch "
+            "的融合 SDPA 就是为了不保留它而设计的（即教程 002 提到的那类解法：Flash Attention）；"
+            "除这个张量的大小外，这里没有测量内存"),
+    ]  # fmt: skip
     figure = _plot(lengths, timings)
     data = {"attention_flops_llama7b": counted, "heads": N_HEADS, "head_dim": HEAD_DIM}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)

@@ -33,6 +33,7 @@ VARIANTS = {  # name: (norm_position, residual)
     "Post-LN": ("post", True),
     "no residual (Pre-LN)": ("pre", False),
 }
+VARIANTS_ZH = {"Pre-LN": "Pre-LN", "Post-LN": "Post-LN", "no residual (Pre-LN)": "无残差（Pre-LN）"}
 # A small sweep around what small Transformers train at (nanoGPT's char-level Shakespeare: 1e-3),
 # a factor ~3 apart so that "at every rate" spans slow, usual and aggressive.
 LEARNING_RATES = (1e-3, 3e-3, 1e-2)
@@ -127,78 +128,121 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 finals.append(eval_loss(model, corpus.val, length, n_val, seed=seed))
             val[name, lr] = lab.over_seeds(finals)
 
+    say = ctx.say
+    for name in VARIANTS:
+        say(name, VARIANTS_ZH[name])
     last = deep_layers - 1
     rows = []
     for name in VARIANTS:
-        row = {"variant": name}
+        row = {say("variant", "变体"): name}
         for lr in LEARNING_RATES:
-            row[f"val loss, lr {lr:g}"] = str(val[name, lr])
-        row[f"|∂L/∂θ| block 0 / block {last}"] = str(ratios[name]["parameters"])
-        row[f"|∂L/∂h| block 0 / block {last}"] = str(ratios[name]["hidden"])
+            row[say(f"val loss, lr {lr:g}", f"验证损失，lr {lr:g}")] = str(val[name, lr])
+        row[say(f"|∂L/∂θ| block 0 / block {last}", f"|∂L/∂θ| 第 0 块 / 第 {last} 块")] = str(
+            ratios[name]["parameters"]
+        )
+        row[say(f"|∂L/∂h| block 0 / block {last}", f"|∂L/∂h| 第 0 块 / 第 {last} 块")] = str(
+            ratios[name]["hidden"]
+        )
         rows.append(row)
     unigram_row = {f"val loss, lr {lr:g}": round(unigram, 4) for lr in LEARNING_RATES}
-    rows.append({"variant": "unigram entropy (no context)", **unigram_row})
+    rows.append(
+        {"variant": say("unigram entropy (no context)", "一元熵（不看上下文）"), **unigram_row}
+    )
 
     pre, post, bare = "Pre-LN", "Post-LN", "no residual (Pre-LN)"
     middle = LEARNING_RATES[len(LEARNING_RATES) // 2]
     checks = [
-        lab.precondition(lab.at_least(f"unigram entropy - Pre-LN val loss at lr {middle:g} (nats)",
-                                      unigram - val[pre, middle].mean, MIN_BELOW_UNIGRAM))
+        lab.precondition(lab.at_least(
+            say(f"unigram entropy - Pre-LN val loss at lr {middle:g} (nats)",
+                f"一元熵减 Pre-LN 在 lr {middle:g} 时的验证损失（nats）"),
+            unigram - val[pre, middle].mean, MIN_BELOW_UNIGRAM))
     ]  # fmt: skip
-    gradient_path = "gradients reach the first layers only with the +"
+    gradient_path = say(
+        "gradients reach the first layers only with the +", "只有加上“+”，梯度才能传到最前面的层"
+    )
     for kind, symbol in (("parameters", "∂L/∂θ"), ("hidden", "∂L/∂h")):
         r_bare, r_pre = ratios[bare][kind], ratios[pre][kind]
         checks += [
-            lab.at_most(f"no residual, {deep_layers} blocks: |{symbol}| block 0 / block {last} "
-                        "(mean + spread)", r_bare.mean + r_bare.spread, VANISHED,
+            lab.at_most(say(f"no residual, {deep_layers} blocks: |{symbol}| block 0 / block {last} "
+                            "(mean + spread)",
+                            f"无残差，{deep_layers} 块：|{symbol}| 第 0 块 / 第 {last} 块"
+                            "（均值 + 波动）"), r_bare.mean + r_bare.spread, VANISHED,
                         group=gradient_path),
-            lab.at_least(f"Pre-LN, {deep_layers} blocks: |{symbol}| block 0 / block {last} "
-                         "(mean - spread)", r_pre.mean - r_pre.spread, VANISHED,
+            lab.at_least(say(f"Pre-LN, {deep_layers} blocks: |{symbol}| block 0 / block {last} "
+                             "(mean - spread)",
+                             f"Pre-LN，{deep_layers} 块：|{symbol}| 第 0 块 / 第 {last} 块"
+                             "（均值 - 波动）"), r_pre.mean - r_pre.spread, VANISHED,
                          group=gradient_path),
         ]  # fmt: skip
-    untrainable = "deep stack without the + does not train"
+    untrainable = say("deep stack without the + does not train", "没有“+”的深层网络训不动")
     for lr in LEARNING_RATES:
-        what = f"val loss, no residual - Pre-LN, lr {lr:g} (nats)"
+        what = say(
+            f"val loss, no residual - Pre-LN, lr {lr:g} (nats)",
+            f"验证损失，无残差减 Pre-LN，lr {lr:g}（nats）",
+        )
         checks.append(lab.exceeds_spread(what, val[bare, lr], val[pre, lr], group=untrainable))
     lowest_bare = min(val[bare, lr].mean for lr in LEARNING_RATES)
-    checks.append(lab.at_least("no residual: lowest val loss over the rates - (unigram - 0.3)",
+    checks.append(lab.at_least(say("no residual: lowest val loss over the rates - (unigram - 0.3)",
+                                   "无残差：各学习率中最低的验证损失减（一元熵 - 0.3）"),
                                lowest_bare - (unigram - MIN_BELOW_UNIGRAM), 0.0,
                                group=untrainable))  # fmt: skip
+    post_harder = say("Post-LN harder to train than Pre-LN", "Post-LN 比 Pre-LN 难训练")
     for lr in LEARNING_RATES:
-        checks.append(lab.exceeds_spread(f"val loss, Post-LN - Pre-LN, lr {lr:g} (nats)",
+        checks.append(lab.exceeds_spread(say(f"val loss, Post-LN - Pre-LN, lr {lr:g} (nats)",
+                                             f"验证损失，Post-LN 减 Pre-LN，lr {lr:g}（nats）"),
                                          val[post, lr], val[pre, lr],
-                                         group="Post-LN harder to train than Pre-LN"))  # fmt: skip
+                                         group=post_harder))  # fmt: skip
 
+    warmup = int(steps * WARMUP_FRACTION)
     notes = [
-        f"Gradients: {deep_layers} blocks, d_model {d_model}, 4 heads, LayerNorm, GELU, at "
-        f"initialization, one batch of {batch_size}x{length} characters per seed (seeds "
-        f"{seeds}); block 0 is next to the embeddings. Training: {n_layers} blocks of the same "
-        f"width, {steps} steps of {batch_size}x{length} characters, warmup "
-        f"{int(steps * WARMUP_FRACTION)} steps then cosine to lr/10, gradients clipped at 1.0, "
-        f"val loss over {n_val} windows of the held-out tail; mean ± spread over the seeds.",
-        "residual=False computes f(LN(x)) in place of x + f(LN(x)) in both sublayers; the "
-        "out-projections keep GPT-2's 1/sqrt(2N) init in every variant.",
-    ]
+        say(f"Gradients: {deep_layers} blocks, d_model {d_model}, 4 heads, LayerNorm, GELU, at "
+            f"initialization, one batch of {batch_size}x{length} characters per seed (seeds "
+            f"{seeds}); block 0 is next to the embeddings. Training: {n_layers} blocks of the same "
+            f"width, {steps} steps of {batch_size}x{length} characters, warmup "
+            f"{warmup} steps then cosine to lr/10, gradients clipped at 1.0, "
+            f"val loss over {n_val} windows of the held-out tail; mean ± spread over the seeds.",
+            f"梯度：{deep_layers} 块，d_model {d_model}，4 个头，LayerNorm，GELU，在初始化时测量，"
+            f"每个随机种子一批 {batch_size}x{length} 个字符（随机种子 {seeds}）；第 0 块紧挨着"
+            "嵌入层。"
+            f"训练：{n_layers} 块、宽度相同，{steps} 步，每步 {batch_size}x{length} 个字符，先预热 "
+            f"{warmup} 步，再按余弦降到 lr/10，梯度裁剪到 1.0，验证损失取留出尾部的 {n_val} 个"
+            "窗口；各随机种子的均值 ± 波动。"),
+        say("residual=False computes f(LN(x)) in place of x + f(LN(x)) in both sublayers; the "
+            "out-projections keep GPT-2's 1/sqrt(2N) init in every variant.",
+            "residual=False 时，两个子层都计算 f(LN(x))，而不是 x + f(LN(x))；每个变体的输出投影"
+            "都保留 GPT-2 的 1/sqrt(2N) 初始化。"),
+    ]  # fmt: skip
     for name in VARIANTS:
         p, h = ratios[name]["parameters"].mean, ratios[name]["hidden"].mean
-        notes.append(
+        verdict_en, verdict_zh = (
+            ("vanished (<= 0.1) in both.", "两者都消失了（<= 0.1）。") if max(p, h) <= VANISHED
+            else ("not vanished (> 0.1) in both.", "两者都没有消失（> 0.1）。")
+            if min(p, h) > VANISHED
+            else ("vanished in one of the two only.", "只在其中之一消失。")
+        )  # fmt: skip
+        notes.append(say(
             f"{name}: block 0's parameter gradient is {p:.3g}x block {last}'s "
             f"({'larger' if p > 1 else 'smaller'}), its hidden-state gradient {h:.3g}x "
-            f"({'larger' if h > 1 else 'smaller'}); "
-            + ("vanished (<= 0.1) in both." if max(p, h) <= VANISHED
-               else "not vanished (> 0.1) in both." if min(p, h) > VANISHED
-               else "vanished in one of the two only.")
-        )  # fmt: skip
+            f"({'larger' if h > 1 else 'smaller'}); " + verdict_en,
+            f"{VARIANTS_ZH[name]}：第 0 块的参数梯度是第 {last} 块的 {p:.3g} 倍"
+            f"（{'更大' if p > 1 else '更小'}），隐藏状态梯度是 {h:.3g} 倍"
+            f"（{'更大' if h > 1 else '更小'}）；" + verdict_zh,
+        ))  # fmt: skip
     for name in (post, bare):
         gaps = [val[name, lr].mean - val[pre, lr].mean for lr in LEARNING_RATES]
         trained = [lr for lr in LEARNING_RATES
                    if val[name, lr].mean <= unigram - MIN_BELOW_UNIGRAM]  # fmt: skip
-        notes.append(
-            f"{name} minus Pre-LN val loss at lr " + ", ".join(f"{lr:g}" for lr in LEARNING_RATES)
-            + ": " + ", ".join(f"{g:+.3f}" for g in gaps) + " nats; it gets 0.3 nats below the "
+        rates = ", ".join(f"{lr:g}" for lr in LEARNING_RATES)
+        gaps_text = ", ".join(f"{g:+.3f}" for g in gaps)
+        notes.append(say(
+            f"{name} minus Pre-LN val loss at lr " + rates
+            + ": " + gaps_text + " nats; it gets 0.3 nats below the "
             f"unigram entropy ({unigram:.3f}) at "
-            + (", ".join(f"lr {lr:g}" for lr in trained) if trained else "no rate") + "."
-        )  # fmt: skip
+            + (", ".join(f"lr {lr:g}" for lr in trained) if trained else "no rate") + ".",
+            f"{VARIANTS_ZH[name]} 减 Pre-LN 的验证损失，lr 为 {rates} 时分别是 {gaps_text} nats；"
+            f"比一元熵（{unigram:.3f}）低 0.3 nats 的学习率："
+            + ("、".join(f"lr {lr:g}" for lr in trained) if trained else "没有") + "。",
+        ))  # fmt: skip
     figure = _plot(grads, val, unigram, n_layers, deep_layers)
     data = {
         "unigram_entropy": unigram, "steps": steps, "seeds": seeds, "deep_layers": deep_layers,

@@ -29,6 +29,16 @@ PASSES = ("forward", "forward+backward")
 # medians of interleaved repeats move by on this shared machine.
 MARGIN = 0.05
 REDUCTIONS = {"mean", "sum", "var", "var_mean", "std", "native_layer_norm"}
+WAYS_ZH = {"glassformer modules": "glassformer 模块", "torch ops": "torch 算子",
+           "written out": "逐个张量运算写出"}  # fmt: skip
+PASSES_ZH = {"forward": "前向", "forward+backward": "前向+反向"}
+SHAPES_ZH = {
+    "GPT-2 batch 8x512 tokens x 768": "GPT-2 批次 8x512 个 token x 768",
+    "Llama-7B 1024 tokens x 4096": "Llama-7B 1024 个 token x 4096",
+    "GPT-2 2x512 tokens x 768": "GPT-2 2x512 个 token x 768",
+    "Llama-7B 256 tokens x 4096": "Llama-7B 256 个 token x 4096",
+    "64 tokens x 128": "64 个 token x 128",
+}
 
 
 def layer_norm_written(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -133,6 +143,12 @@ def run(ctx: lab.RunContext) -> lab.Result:
         {"64 tokens x 128": (64, 128)},
     )
     rounds, repeats = ctx.pick((5, 7), (3, 3), (2, 3))
+    say = ctx.say
+    for shape_name in shapes:
+        say(shape_name, SHAPES_ZH[shape_name])
+    for zh in (WAYS_ZH, PASSES_ZH):
+        for en, words in zh.items():
+            say(en, words)
     rows, checks, results = [], [], {}
     generator = torch.Generator().manual_seed(ctx.seed)
     ops_rows = op_rows(torch.randn(next(iter(shapes.values())), generator=generator))
@@ -144,36 +160,54 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 t = timed_rounds(pair, x, pass_name != "forward", rounds, repeats)
                 rms, ln = t["RMSNorm"], t["LayerNorm"]
                 results[(shape_name, way, pass_name)] = (rms.mean, ln.mean)
-                rows.append({"shape": shape_name, "way": way, "pass": pass_name,
-                             "RMSNorm ms": f"{1000 * rms.mean:.2f} ± {1000 * rms.spread:.2f}",
-                             "LayerNorm ms": f"{1000 * ln.mean:.2f} ± {1000 * ln.spread:.2f}",
-                             "RMS / LN": rms.mean / ln.mean,
-                             "forward aten ops RMS / LN":
+                rows.append({say("shape", "形状"): shape_name, say("way", "实现方式"): way,
+                             say("pass", "计算"): pass_name,
+                             say("RMSNorm ms", "RMSNorm 耗时 ms"):
+                             f"{1000 * rms.mean:.2f} ± {1000 * rms.spread:.2f}",
+                             say("LayerNorm ms", "LayerNorm 耗时 ms"):
+                             f"{1000 * ln.mean:.2f} ± {1000 * ln.spread:.2f}",
+                             say("RMS / LN", "RMS / LN 耗时比"): rms.mean / ln.mean,
+                             say("forward aten ops RMS / LN", "前向 aten 算子数 RMS / LN"):
                              f"{ops[(way, 'RMSNorm')]} / {ops[(way, 'LayerNorm')]}"})  # fmt: skip
                 checks.append(lab.exceeds_spread(
-                    f"{shape_name}, {way}, {pass_name}: LayerNorm - RMSNorm seconds", ln, rms,
+                    say(f"{shape_name}, {way}, {pass_name}: LayerNorm - RMSNorm seconds",
+                        f"{SHAPES_ZH[shape_name]}，{WAYS_ZH[way]}，{PASSES_ZH[pass_name]}："
+                        "LayerNorm 减 RMSNorm 的秒数"), ln, rms,
                     margin=MARGIN * ln.mean, group=way))  # fmt: skip
-    notes = _notes(results, ops_rows, rounds, repeats)
+    notes = _notes(ctx, results, ops_rows, rounds, repeats)
     figure = _plot(results, shapes)
     data = {"seconds": {" | ".join(k): {"rms": v[0], "ln": v[1]} for k, v in results.items()},
             "forward_ops": ops_rows}  # fmt: skip
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _notes(results: dict, ops_rows: list[dict], rounds: int, repeats: int) -> list[str]:
-    notes = [f"times: CPU seconds, {rounds} rounds x median of {repeats} interleaved calls, fp32"]
+def _notes(ctx, results: dict, ops_rows: list[dict], rounds: int, repeats: int) -> list[str]:
+    say = ctx.say
+    notes = [
+        say(
+            f"times: CPU seconds, {rounds} rounds x median of {repeats} interleaved calls, fp32",
+            f"耗时：CPU 秒数，{rounds} 轮 x 每轮 {repeats} 次交替调用的中位数，fp32",
+        )
+    ]
     for way in ("glassformer modules", "torch ops", "written out"):
         ratios = [rms / ln for (_, w, _), (rms, ln) in results.items() if w == way]
         ops = {r["norm"]: r for r in ops_rows if r["way"] == way}
         counts = "; ".join(f"{name} {r['aten ops']} ops ({r['ops']}), {r['reductions']} "
                            "reduction(s)" for name, r in ops.items())  # fmt: skip
-        notes.append(f"{way}: RMSNorm / LayerNorm time {min(ratios):.2f}-{max(ratios):.2f}; "
-                     f"forward: {counts}")  # fmt: skip
+        counts_zh = "；".join(f"{name} {r['aten ops']} 个算子（{r['ops']}），{r['reductions']} "
+                              "个归约" for name, r in ops.items())  # fmt: skip
+        low, high = min(ratios), max(ratios)
+        notes.append(say(f"{way}: RMSNorm / LayerNorm time {low:.2f}-{high:.2f}; "
+                         f"forward: {counts}",
+                         f"{WAYS_ZH[way]}：RMSNorm / LayerNorm 耗时比 {low:.2f}-{high:.2f}；"
+                         f"前向：{counts_zh}"))  # fmt: skip
     if any("native_layer_norm" in r["ops"] for r in ops_rows):
-        notes.append(
+        notes.append(say(
             "native_layer_norm is one fused kernel that computes both statistics in one "
-            "pass; F.rms_norm dispatches its formula as separate ops on this CPU build"
-        )
+            "pass; F.rms_norm dispatches its formula as separate ops on this CPU build",
+            "native_layer_norm 是一个融合内核，一遍就算出两个统计量；在这个 CPU 版本上，"
+            "F.rms_norm 把它的公式拆成多个独立算子分派",
+        ))  # fmt: skip
     return notes
 
 

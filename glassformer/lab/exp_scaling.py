@@ -75,6 +75,12 @@ def worked_example_without_scaling() -> tuple[list[float], list[float]]:
 def run(ctx: lab.RunContext) -> lab.Result:
     dims = ctx.pick([4, 16, 64, 256, 1024], [4, 16, 64, 256, 1024], [4, 64, 256])
     n_rows = ctx.pick(4096, 1024, 128)
+    say = ctx.say
+    variance = say(VARIANCE, "Var[q·k] ≈ d_k（点积的方差约等于 d_k）")
+    soft = say(SOFT, "除以 √d_k 让 softmax 保持平缓")
+    saturates = say(SATURATES, "不除以 √d_k，softmax 会饱和")
+    gradient = say(GRADIENT, "不除以 √d_k，梯度几乎消失")
+    dk = say("d_k", "d_k（每个头的维度）")
     rows, checks, stats = [], [], {}
     for d_k in dims:
         for scaled in (True, False):
@@ -82,47 +88,64 @@ def run(ctx: lab.RunContext) -> lab.Result:
         s, u = stats[d_k, True], stats[d_k, False]
         rows.append(
             {
-                "d_k": d_k,
-                "Var[q·k] / d_k": s["variance"] / d_k,
-                "entropy /√d_k": s["entropy"],
-                "entropy raw": u["entropy"],
-                "max weight /√d_k": s["max_weight"],
-                "max weight raw": u["max_weight"],
-                "|∂L/∂s| /√d_k": s["score_grad"],
-                "|∂L/∂s| raw": u["score_grad"],
-                "|∂L/∂q| /√d_k": s["q_grad"],
-                "|∂L/∂q| raw": u["q_grad"],
+                dk: d_k,
+                say("Var[q·k] / d_k", "方差 Var[q·k] / d_k"): s["variance"] / d_k,
+                say("entropy /√d_k", "熵（除以 √d_k）"): s["entropy"],
+                say("entropy raw", "熵（不缩放）"): u["entropy"],
+                say("max weight /√d_k", "最大权重（除以 √d_k）"): s["max_weight"],
+                say("max weight raw", "最大权重（不缩放）"): u["max_weight"],
+                say("|∂L/∂s| /√d_k", "|∂L/∂s|（除以 √d_k）"): s["score_grad"],
+                say("|∂L/∂s| raw", "|∂L/∂s|（不缩放）"): u["score_grad"],
+                say("|∂L/∂q| /√d_k", "|∂L/∂q|（除以 √d_k）"): s["q_grad"],
+                say("|∂L/∂q| raw", "|∂L/∂q|（不缩放）"): u["q_grad"],
             }
         )
-        checks.append(lab.approx(f"d_k={d_k}: Var[q·k] / d_k", s["variance"] / d_k, 1.0,
-                                 VARIANCE_TOLERANCE, group=VARIANCE))  # fmt: skip
-        checks.append(lab.at_least(f"d_k={d_k}: entropy with /√d_k (nats)", s["entropy"],
-                                   MIN_SCALED_ENTROPY, group=SOFT))  # fmt: skip
+        checks.append(lab.approx(say(f"d_k={d_k}: Var[q·k] / d_k",
+                                     f"d_k={d_k}：方差 Var[q·k] / d_k"), s["variance"] / d_k,
+                                 1.0, VARIANCE_TOLERANCE, group=variance))  # fmt: skip
+        checks.append(lab.at_least(say(f"d_k={d_k}: entropy with /√d_k (nats)",
+                                       f"d_k={d_k}：除以 √d_k 时的熵（nats）"), s["entropy"],
+                                   MIN_SCALED_ENTROPY, group=soft))  # fmt: skip
     widest = dims[-1]
     scaled, raw = stats[widest, True], stats[widest, False]
     saturated = raw["max_weight"]
-    checks.append(lab.at_least(f"d_k={widest}: mean largest weight without /√d_k", saturated,
-                               MIN_SATURATED_WEIGHT, group=SATURATES))  # fmt: skip
+    checks.append(lab.at_least(say(f"d_k={widest}: mean largest weight without /√d_k",
+                                   f"d_k={widest}：不除以 √d_k 时的平均最大权重"), saturated,
+                               MIN_SATURATED_WEIGHT, group=saturates))  # fmt: skip
     score_ratio = raw["score_grad"] / scaled["score_grad"]
-    checks.append(lab.at_most(f"d_k={widest}: gradient through softmax, without / with /√d_k",
-                              score_ratio, MAX_GRADIENT_RATIO, group=GRADIENT))  # fmt: skip
+    checks.append(lab.at_most(say(f"d_k={widest}: gradient through softmax, without / with /√d_k",
+                                  f"d_k={widest}：穿过 softmax 的梯度，不除以 / 除以 √d_k"),
+                              score_ratio, MAX_GRADIENT_RATIO, group=gradient))  # fmt: skip
     # The seed's exercise (练习 1 第 3 步) is arithmetic on its own vectors: a row, not evidence.
     printed, blunt = worked_example_without_scaling()
-    rows.append({"d_k": "猫/累/它 (seed 002)", "max weight /√d_k": max(printed),
-                 "max weight raw": max(blunt)})  # fmt: skip
+    rows.append({dk: say("猫/累/它 (seed 002)", "猫/累/它（教程 002）"),
+                 "max weight /√d_k": max(printed), "max weight raw": max(blunt)})  # fmt: skip
     q_ratio = raw["q_grad"] / scaled["q_grad"]
+    larger = q_ratio > 1
+    ln_keys = math.log(N_KEYS)
+    printed_text = ", ".join(f"{w:.3f}" for w in printed)
+    blunt_text = ", ".join(f"{w:.4f}" for w in blunt)
     notes = [
-        f"random q, k, v ~ N(0, 1), {n_rows} rows of {N_KEYS} keys per d_k; at d_k={widest} "
-        f"unscaled rows have mean largest weight {raw['max_weight']:.3f} and entropy "
-        f"{raw['entropy']:.2f} nats (scaled: {scaled['max_weight']:.3f}, "
-        f"{scaled['entropy']:.2f}; uniform ln {N_KEYS} = {math.log(N_KEYS):.2f})",
-        f"at d_k={widest} the gradient softmax passes back to the scores is {score_ratio:.3g}x "
-        f"the scaled one's; the gradient that reaches q is {q_ratio:.3g}x the scaled one's "
-        f"({'larger' if q_ratio > 1 else 'smaller'}: ∂L/∂q = ∂L/∂scores · K, and without the "
-        "division K enters at full size rather than / √d_k)",
-        f"seed 002's exercise: the 猫/累/它 weights {', '.join(f'{w:.3f}' for w in printed)} "
-        f"become {', '.join(f'{w:.4f}' for w in blunt)} without / √d and with K x10",
-    ]
+        say(f"random q, k, v ~ N(0, 1), {n_rows} rows of {N_KEYS} keys per d_k; at d_k={widest} "
+            f"unscaled rows have mean largest weight {raw['max_weight']:.3f} and entropy "
+            f"{raw['entropy']:.2f} nats (scaled: {scaled['max_weight']:.3f}, "
+            f"{scaled['entropy']:.2f}; uniform ln {N_KEYS} = {ln_keys:.2f})",
+            f"随机的 q、k、v ~ N(0, 1)，每个 d_k 取 {n_rows} 行、每行 {N_KEYS} 个键；d_k={widest} "
+            f"时，不缩放的行平均最大权重为 {raw['max_weight']:.3f}，熵为 {raw['entropy']:.2f} "
+            f"nats（缩放后：{scaled['max_weight']:.3f}、{scaled['entropy']:.2f}；均匀分布为 "
+            f"ln {N_KEYS} = {ln_keys:.2f}）"),
+        say(f"at d_k={widest} the gradient softmax passes back to the scores is {score_ratio:.3g}x "
+            f"the scaled one's; the gradient that reaches q is {q_ratio:.3g}x the scaled one's "
+            f"({'larger' if larger else 'smaller'}: ∂L/∂q = ∂L/∂scores · K, and without the "
+            "division K enters at full size rather than / √d_k)",
+            f"d_k={widest} 时，softmax 传回分数的梯度是缩放时的 {score_ratio:.3g} 倍；到达 q 的"
+            f"梯度是缩放时的 {q_ratio:.3g} 倍（{'更大' if larger else '更小'}：∂L/∂q = "
+            "∂L/∂scores · K，不做除法时 K 以原始大小进入，而不是除以 √d_k）"),
+        say(f"seed 002's exercise: the 猫/累/它 weights {printed_text} "
+            f"become {blunt_text} without / √d and with K x10",
+            f"教程 002 的练习：猫/累/它 的权重 {printed_text} 在不除以 √d、且 K 乘以 10 时变为 "
+            f"{blunt_text}"),
+    ]  # fmt: skip
     figure = _plot(dims, stats)
     data = {"n_rows": n_rows, "n_keys": N_KEYS, "worked_example": printed, "blunt": blunt}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)

@@ -33,6 +33,7 @@ MIN_LEN = 4
 MIN_FIXED_DROP = 0.3
 MIN_ATTENTION_GAIN = 0.2
 MIN_DROP_DIFFERENCE = 0.2
+MODELS_ZH = {"fixed vector": "固定向量", "attention": "注意力"}
 
 
 class GRUSeq2Seq(nn.Module):
@@ -139,9 +140,11 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 accuracy[name][i].append(copy_accuracy(model, fresh))
     n_params = sum(p.numel() for p in model.parameters())
     spread = {name: [lab.over_seeds(a) for a in accuracy[name]] for name in models}
+    say = ctx.say
     rows = [
-        {"source length": length,
-         **{f"{name} accuracy": str(spread[name][i]) for name in models}}
+        {say("source length", "源序列长度"): length,
+         **{say(f"{name} accuracy", f"{MODELS_ZH[name]}准确率"): str(spread[name][i])
+            for name in models}}
         for i, length in enumerate(lengths)
     ]  # fmt: skip
 
@@ -150,36 +153,54 @@ def run(ctx: lab.RunContext) -> lab.Result:
     fixed_drop = lab.over_seeds(_drops(accuracy["fixed vector"]))
     attn_drop = lab.over_seeds(_drops(accuracy["attention"]))
     chance = 1 / N_SYMBOLS
+    removes = say(
+        "attention over every encoder state removes the bottleneck",
+        "对编码器的每个状态做注意力，消除了瓶颈",
+    )
     checks = [
         # Precondition: at the shortest length both models learned to copy (well above chance),
         # so a fall with length is the length's doing, not a model that learned nothing.
-        lab.precondition(lab.at_least(f"fixed vector accuracy at length {first}",
+        lab.precondition(lab.at_least(say(f"fixed vector accuracy at length {first}",
+                                          f"长度 {first} 时固定向量的准确率"),
                                       fixed[0].mean, 3 * chance)),
-        lab.precondition(lab.at_least(f"attention accuracy at length {first}",
+        lab.precondition(lab.at_least(say(f"attention accuracy at length {first}",
+                                          f"长度 {first} 时注意力的准确率"),
                                       attn[0].mean, 3 * chance)),
-        lab.exceeds_spread(f"fixed vector: accuracy at {first} - at {last}", fixed[0], fixed[-1],
-                           MIN_FIXED_DROP, group="the last h cannot hold a long source"),
-        lab.exceeds_spread(f"accuracy at length {last}: attention - fixed vector", attn[-1],
-                           fixed[-1], MIN_ATTENTION_GAIN,
-                           group="attention over every encoder state removes the bottleneck"),
-        lab.exceeds_spread(f"accuracy lost {first} -> {last}: fixed vector - attention",
-                           fixed_drop, attn_drop, MIN_DROP_DIFFERENCE,
-                           group="attention over every encoder state removes the bottleneck"),
+        lab.exceeds_spread(say(f"fixed vector: accuracy at {first} - at {last}",
+                               f"固定向量：长度 {first} 时的准确率减长度 {last} 时的"),
+                           fixed[0], fixed[-1], MIN_FIXED_DROP,
+                           group=say("the last h cannot hold a long source",
+                                     "最后一个 h 装不下长的源序列")),
+        lab.exceeds_spread(say(f"accuracy at length {last}: attention - fixed vector",
+                               f"长度 {last} 时的准确率：注意力减固定向量"), attn[-1],
+                           fixed[-1], MIN_ATTENTION_GAIN, group=removes),
+        lab.exceeds_spread(say(f"accuracy lost {first} -> {last}: fixed vector - attention",
+                               f"从长度 {first} 到 {last} 损失的准确率：固定向量减注意力"),
+                           fixed_drop, attn_drop, MIN_DROP_DIFFERENCE, group=removes),
     ]  # fmt: skip
+    n_seeds = len(seeds)
     notes = [
-        f"both models: {n_params:,} parameters (GRU encoder and decoder, hidden {hidden}); "
-        f"{steps} steps of {batch_size} strings, lengths {MIN_LEN}..{last} mixed, the same "
-        f"batches for both; {len(seeds)} seed(s); evaluated on {n_eval} fresh strings per "
-        f"length; chance 1/{N_SYMBOLS}",
-        f"fixed vector loses {fixed_drop} of its accuracy from length {first} to {last}; "
-        f"attention loses {attn_drop}",
-    ]
+        say(f"both models: {n_params:,} parameters (GRU encoder and decoder, hidden {hidden}); "
+            f"{steps} steps of {batch_size} strings, lengths {MIN_LEN}..{last} mixed, the same "
+            f"batches for both; {n_seeds} seed(s); evaluated on {n_eval} fresh strings per "
+            f"length; chance 1/{N_SYMBOLS}",
+            f"两个模型都有 {n_params:,} 个参数（GRU 编码器和解码器，隐藏维度 {hidden}）；训练 "
+            f"{steps} 步，每步 {batch_size} 条字符串，长度 {MIN_LEN}..{last} 混合，两者用相同的"
+            f"批次；{n_seeds} 个随机种子；每个长度在 {n_eval} 条新字符串上评估；随机猜测为 "
+            f"1/{N_SYMBOLS}"),
+        say(f"fixed vector loses {fixed_drop} of its accuracy from length {first} to {last}; "
+            f"attention loses {attn_drop}",
+            f"从长度 {first} 到 {last}，固定向量的准确率损失 {fixed_drop}；注意力损失 "
+            f"{attn_drop}"),
+    ]  # fmt: skip
     if attn_drop.mean > 0.1:
-        notes.append(
+        notes.append(say(
             f"attention also loses accuracy with length here ({attn[0].mean:.2f} -> "
             f"{attn[-1].mean:.2f}); the seed's bottleneck is the fixed vector's, so the checks "
-            "weigh how much more the fixed vector loses than attention does"
-        )
+            "weigh how much more the fixed vector loses than attention does",
+            f"这里注意力的准确率也随长度下降（{attn[0].mean:.2f} -> {attn[-1].mean:.2f}）；"
+            "原文说的瓶颈是固定向量的瓶颈，所以检验衡量的是固定向量比注意力多损失了多少",
+        ))  # fmt: skip
     data = {"lengths": lengths, "accuracy": accuracy, "final_train_loss": final_loss,
             "params": n_params, "steps": steps, "seeds": seeds}  # fmt: skip
     figure = _plot(lengths, spread, chance)

