@@ -167,6 +167,11 @@ def _check_record(rec: dict, out: Path) -> None:
     assert [c.passed for c in checks] == [c["passed"] for c in rec["checks"]]
     assert verdict(checks)[0] == rec["verdict"]
     assert (out / rec["figure"]).is_file()
+    # The Chinese report: every string the report shows was given its Chinese with ctx.say
+    shown = [key for row in rec["rows"] for key in row] + [c["what"] for c in rec["checks"]]
+    shown += [c["group"] for c in rec["checks"] if c["group"]] + list(rec["notes"])
+    untranslated = sorted({s for s in shown if s not in rec["zh"]})
+    assert not untranslated, f"{rec['name']}: no ctx.say for {untranslated[:3]}"
     on_disk = json.loads((out / f"{rec['name']}.json").read_text())
     assert on_disk["verdict"] == rec["verdict"] and on_disk["mode"] == "tiny"
 

@@ -49,7 +49,19 @@ def filled_cache_bytes(cfg: ModelConfig, n_tokens: int, seed: int) -> tuple[int,
 
 @lab.register("gqa-cache")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
     n_tokens = ctx.pick(512, 256, 16)
+    say(SHARING, "共享 K/V（GQA/MQA）让 cache 变小")
+    say(MORE_HEADS, "头越多，cache 越大（每个头各存各的 K/V）")
+    k_heads, k_kv = say("n_heads", "n_heads（头数）"), say("n_kv_heads", "n_kv_heads（KV 头数）")
+    k_calc_tok = say("calc bytes/token", "calc 算出的字节/token")
+    k_filled_tok = say("filled bytes/token", "实际填充的字节/token")
+    k_calc = say(f"calc bytes ({n_tokens} tok)", f"calc 算出的字节（{n_tokens} 个 token）")
+    k_filled = say(f"filled bytes ({n_tokens} tok)", f"实际填充的字节（{n_tokens} 个 token）")
+    k_shrink_calc = say("shrink (calc)", "缩小倍数（calc）")
+    k_shrink_filled = say("shrink (filled)", "缩小倍数（实际填充）")
+    k_ratio = say("n_heads/n_kv_heads", "n_heads/n_kv_heads（头数之比）")
+    k_attention = say("attention", "注意力")
     rows, checks = [], []
     mha_calc = mha_filled = None
     for n_kv in (N_HEADS, N_HEADS // 2, N_HEADS // 4, 1):
@@ -60,23 +72,25 @@ def run(ctx: lab.RunContext) -> lab.Result:
         kind = "MHA" if n_kv == N_HEADS else "MQA" if n_kv == 1 else "GQA"
         rows.append(
             {
-                "attention": kind,
-                "n_heads": N_HEADS,
-                "n_kv_heads": n_kv,
-                "calc bytes/token": calc.kv_bytes_per_token(cfg, "fp32"),
-                "filled bytes/token": per_token,
-                f"calc bytes ({n_tokens} tok)": from_calc,
-                f"filled bytes ({n_tokens} tok)": filled,
-                "shrink (calc)": mha_calc / from_calc,
-                "shrink (filled)": mha_filled / filled,
-                "n_heads/n_kv_heads": N_HEADS / n_kv,
+                k_attention: kind,
+                k_heads: N_HEADS,
+                k_kv: n_kv,
+                k_calc_tok: calc.kv_bytes_per_token(cfg, "fp32"),
+                k_filled_tok: per_token,
+                k_calc: from_calc,
+                k_filled: filled,
+                k_shrink_calc: mha_calc / from_calc,
+                k_shrink_filled: mha_filled / filled,
+                k_ratio: N_HEADS / n_kv,
             }
         )
         if n_kv == N_HEADS:  # setup: the baseline holds the bytes its shape says
-            checks.append(lab.precondition(lab.approx("MHA: filled - calc bytes",
-                                                      filled - from_calc, 0, 0)))  # fmt: skip
+            checks.append(lab.precondition(lab.approx(
+                say("MHA: filled - calc bytes", "MHA：实际填充的字节 - calc 算出的字节"),
+                filled - from_calc, 0, 0)))  # fmt: skip
         else:
-            checks.append(lab.approx(f"{kind} n_kv={n_kv}: shrink of the filled cache",
+            checks.append(lab.approx(say(f"{kind} n_kv={n_kv}: shrink of the filled cache",
+                                         f"{kind} n_kv={n_kv}：实际填充的 cache 缩小的倍数"),
                                      mha_filled / filled, N_HEADS / n_kv, RATIO_TOL,
                                      group=SHARING))  # fmt: skip
     by_heads, same_d_model = {}, {}
@@ -87,14 +101,20 @@ def run(ctx: lab.RunContext) -> lab.Result:
             store[n_heads] = filled_cache_bytes(cfg, n_tokens, ctx.seed)[0]
             if store is same_d_model and cfg.d_model == n_heads * d_k:
                 continue  # the same model as the row just written
-            rows.append({"attention": f"MHA, {n_heads} heads, d_k {cfg.d_model // n_heads}, "
-                                      f"d_model {cfg.d_model}",
-                         "n_heads": n_heads, "n_kv_heads": n_heads,
-                         f"filled bytes ({n_tokens} tok)": store[n_heads],
-                         "calc bytes/token": calc.kv_bytes_per_token(cfg, "fp32"),
-                         "filled bytes/token": store[n_heads] // n_tokens})  # fmt: skip
+            row_d_k = cfg.d_model // n_heads
+            name = say(
+                f"MHA, {n_heads} heads, d_k {row_d_k}, d_model {cfg.d_model}",
+                f"MHA，{n_heads} 个头，d_k {row_d_k}，d_model {cfg.d_model}",
+            )
+            rows.append({k_attention: name,
+                         k_heads: n_heads, k_kv: n_heads,
+                         k_filled: store[n_heads],
+                         k_calc_tok: calc.kv_bytes_per_token(cfg, "fp32"),
+                         k_filled_tok: store[n_heads] // n_tokens})  # fmt: skip
     fewest, most = HEAD_COUNTS[0], HEAD_COUNTS[-1]
-    checks.append(lab.at_least(f"MHA filled cache, {most} heads / {fewest} heads (d_k {d_k})",
+    checks.append(lab.at_least(say(f"MHA filled cache, {most} heads / {fewest} heads (d_k {d_k})",
+                                   f"MHA 实际填充的 cache：{most} 个头 / {fewest} 个头"
+                                   f"（d_k {d_k}）"),
                                by_heads[most] / by_heads[fewest], MIN_HEADS_GROWTH,
                                group=MORE_HEADS))  # fmt: skip
     # The seed's own example, from the calculator (arithmetic on the published shapes: a row).
@@ -103,26 +123,42 @@ def run(ctx: lab.RunContext) -> lab.Result:
     mha = calc.kv_cache_bytes(llama.replace(n_kv_heads=llama.n_heads), 4096, "fp16")
     rows.append(
         {
-            "attention": "Llama-2-70B GQA (calc, fp16, 4096 tok)",
-            "n_heads": llama.n_heads,
-            "n_kv_heads": llama.n_kv_heads,
-            "calc bytes/token": calc.kv_bytes_per_token(llama, "fp16"),
-            "shrink (calc)": mha / gqa,
-            "n_heads/n_kv_heads": llama.n_heads / llama.n_kv_heads,
+            k_attention: say(
+                "Llama-2-70B GQA (calc, fp16, 4096 tok)",
+                "Llama-2-70B GQA（calc，fp16，4096 个 token）",
+            ),
+            k_heads: llama.n_heads,
+            k_kv: llama.n_kv_heads,
+            k_calc_tok: calc.kv_bytes_per_token(llama, "fp16"),
+            k_shrink_calc: mha / gqa,
+            k_ratio: llama.n_heads / llama.n_kv_heads,
         }
     )
     d_model = _config(N_HEADS, ctx).d_model
+    few_b, most_b = by_heads[fewest], by_heads[most]
+    same_few, same_most = same_d_model[fewest], same_d_model[most]
+    heads, kv_heads = llama.n_heads, llama.n_kv_heads
+    gqa_gib, mha_gib = gqa / 2**30, mha / 2**30
     notes = [
-        f"filled caches after a prefill of {n_tokens} tokens, fp32, d_model {d_model}; the "
-        "shrink is MHA's filled bytes over each model's",
-        f"with d_k {d_k} the MHA cache holds {by_heads[fewest]:,} bytes with {fewest} heads and "
-        f"{by_heads[most]:,} with {most}: per token 2 x layers x n_heads x d_k. At one d_model "
-        f"({d_model}) it holds {same_d_model[fewest]:,} and {same_d_model[most]:,}: with d_k = "
-        "d_model / n_heads (seed 000 §4.1's split of one budget) the product does not depend on "
-        "the head count, so the seed's sentence is about heads of a given size",
-        f"Llama-2-70B ({llama.n_heads} heads, {llama.n_kv_heads} KV heads), 4096 tokens in "
-        f"fp16: {gqa / 2**30:.2f} GiB with GQA, {mha / 2**30:.2f} GiB as MHA (calc)",
-    ]
+        say(f"filled caches after a prefill of {n_tokens} tokens, fp32, d_model {d_model}; the "
+            "shrink is MHA's filled bytes over each model's",
+            f"prefill {n_tokens} 个 token 之后实际填充的 cache，fp32，d_model {d_model}；缩小倍数"
+            "是 MHA 填充的字节数除以各模型填充的字节数"),
+        say(f"with d_k {d_k} the MHA cache holds {few_b:,} bytes with {fewest} heads and "
+            f"{most_b:,} with {most}: per token 2 x layers x n_heads x d_k. At one d_model "
+            f"({d_model}) it holds {same_few:,} and {same_most:,}: with d_k = "
+            "d_model / n_heads (seed 000 §4.1's split of one budget) the product does not depend "
+            "on the head count, so the seed's sentence is about heads of a given size",
+            f"d_k 为 {d_k} 时，MHA 的 cache 在 {fewest} 个头时占 {few_b:,} 字节，{most} 个头时占 "
+            f"{most_b:,} 字节：每个 token 占 2 x 层数 x n_heads x d_k。在同一个 d_model"
+            f"（{d_model}）下，它占 {same_few:,} 和 {same_most:,}：d_k = d_model / n_heads"
+            "（教程 000 §4.1 把同一份预算分给各个头）时，这个乘积与头数无关，所以原文这句话说的是"
+            "大小给定的头"),
+        say(f"Llama-2-70B ({heads} heads, {kv_heads} KV heads), 4096 tokens in "
+            f"fp16: {gqa_gib:.2f} GiB with GQA, {mha_gib:.2f} GiB as MHA (calc)",
+            f"Llama-2-70B（{heads} 个头，{kv_heads} 个 KV 头），fp16 下 4096 个 token：用 GQA 占 "
+            f"{gqa_gib:.2f} GiB，若是 MHA 则占 {mha_gib:.2f} GiB（calc）"),
+    ]  # fmt: skip
     figure = _plot(rows[:4])
     data = {"n_tokens": n_tokens, "by_heads": by_heads, "same_d_model": same_d_model,
             "llama2_70b_gqa_bytes": gqa,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,6 +20,7 @@ from glassformer.nn.attention import Attention, AttentionMask
 
 D_MODEL = 512
 SPLITS = {"8 heads x 64": 8, "1 head x 512": 1}
+SPLITS_ZH = {"8 heads x 64": "8 头 x 64", "1 head x 512": "1 头 x 512"}
 BACKENDS = ("sdpa", "eager")
 # Thresholds: "几乎相同" (almost the same): FLOP ratio within 5% of 1; time ratio (8 heads /
 # 1 head) within a quarter either way, [0.8, 1.25] (symmetric in log), well above the few percent
@@ -68,6 +70,12 @@ def median_times(layers: dict[str, Attention], x: torch.Tensor, repeats: int) ->
 def run(ctx: lab.RunContext) -> lab.Result:
     lengths = ctx.pick((128, 512, 1024, 2048), (128, 256, 512), (16, 32))
     repeats = ctx.pick(15, 4, 2)
+    say = ctx.say
+    keys = {"T": "T（序列长度）", "attention": "注意力实现", "GFLOP (both)": "GFLOP（两者相同）",
+            "ms 8 heads x 64": "毫秒，8 头 x 64", "ms 1 head x 512": "毫秒，1 头 x 512",
+            "time ratio 8/1": "时间比 8/1", "score elements 8/1": "分数元素数 8/1"}  # fmt: skip
+    for en, zh in keys.items():
+        say(en, zh)
     rows, checks, timings, flop_ratios = [], [], {}, []
     generator = torch.Generator().manual_seed(ctx.seed)
     for seq_len in lengths:
@@ -77,14 +85,16 @@ def run(ctx: lab.RunContext) -> lab.Result:
         # Precondition: the counter sees every matmul of the closed form, attention's included.
         for name, counted in flops.items():
             checks.append(lab.precondition(lab.approx(
-                f"T={seq_len}, {name}: counted FLOPs - closed form",
+                say(f"T={seq_len}, {name}: counted FLOPs - closed form",
+                    f"T={seq_len}，{SPLITS_ZH[name]}：计数所得 FLOPs - 闭式公式"),
                 counted - closed_form_flops(seq_len), 0, 0)))  # fmt: skip
         flop_ratio = flops["8 heads x 64"] / flops["1 head x 512"]
         flop_ratios.append(flop_ratio)
         # The closed form has no H in it (H x T x T x d_k = T x T x d_model), so equal FLOPs are
         # arithmetic, a precondition; what could come out either way is the time they take.
-        checks.append(lab.precondition(lab.approx(f"T={seq_len}: FLOPs 8x64 / 1x512", flop_ratio,
-                                                  1.0, FLOP_TOL)))  # fmt: skip
+        checks.append(lab.precondition(lab.approx(say(f"T={seq_len}: FLOPs 8x64 / 1x512",
+                                                      f"T={seq_len}：FLOPs 之比 8x64 / 1x512"),
+                                                  flop_ratio, 1.0, FLOP_TOL)))  # fmt: skip
         for backend in BACKENDS:
             layers = {n: attention_layer(h, backend, ctx.seed) for n, h in SPLITS.items()}
             t = median_times(layers, x, repeats)
@@ -96,28 +106,35 @@ def run(ctx: lab.RunContext) -> lab.Result:
                          "ms 1 head x 512": 1000 * t["1 head x 512"],
                          "time ratio 8/1": ratio,
                          "score elements 8/1": f"{8 * seq_len**2:,} / {seq_len**2:,}"})  # fmt: skip
-            checks.append(lab.approx(f"T={seq_len}, {backend}: time 8x64 / 1x512", ratio,
+            checks.append(lab.approx(say(f"T={seq_len}, {backend}: time 8x64 / 1x512",
+                                         f"T={seq_len}，{backend}：时间之比 8x64 / 1x512"), ratio,
                                      (TIME_LOW + TIME_HIGH) / 2, (TIME_HIGH - TIME_LOW) / 2,
-                                     group=f"measured time, {backend}"))  # fmt: skip
-    notes = _notes(timings, lengths, repeats)
+                                     group=say(f"measured time, {backend}",
+                                               f"实测时间，{backend}")))  # fmt: skip
+    notes = _notes(timings, lengths, repeats, say)
     figure = _plot(timings, lengths, flop_ratios)
     data = {f"{b} T={t}": {"seconds": s, "ratio": r} for (b, t), (s, r) in timings.items()}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _notes(timings: dict, lengths, repeats: int) -> list[str]:
-    notes = [f"times: median CPU seconds of {repeats} interleaved forwards, batch 1, no grad"]
+def _notes(timings: dict, lengths, repeats: int, say: Callable[[str, str], str]) -> list[str]:
+    notes = [say(f"times: median CPU seconds of {repeats} interleaved forwards, batch 1, no grad",
+                 f"时间：{repeats} 次交错前向的 CPU 秒数中位数，batch 1，不计梯度")]  # fmt: skip
     for backend in BACKENDS:
         ratios = [timings[(backend, t)][1] for t in lengths]
         outside = [f"T={t} x{r:.2f}" for t, r in zip(lengths, ratios, strict=True)
                    if not TIME_LOW <= r <= TIME_HIGH]  # fmt: skip
-        notes.append(f"{backend}: 8 heads / 1 head time ratio {min(ratios):.2f}-{max(ratios):.2f}"
-                     + (f"; outside [{TIME_LOW}, {TIME_HIGH}]: {', '.join(outside)}"
-                        if outside else ""))  # fmt: skip
-    notes.append(
+        low, high, listed = min(ratios), max(ratios), ", ".join(outside)
+        notes.append(say(f"{backend}: 8 heads / 1 head time ratio {low:.2f}-{high:.2f}"
+                         + (f"; outside [{TIME_LOW}, {TIME_HIGH}]: {listed}" if outside else ""),
+                         f"{backend}：8 头 / 1 头的时间比为 {low:.2f}-{high:.2f}"
+                         + (f"；超出 [{TIME_LOW}, {TIME_HIGH}] 的：{listed}"
+                            if outside else "")))  # fmt: skip
+    notes.append(say(
         "the FLOP counter counts matmuls only; the eager path also scales, masks and softmaxes "
-        "H x T² score elements one by one, 8 times as many with 8 heads"
-    )
+        "H x T² score elements one by one, 8 times as many with 8 heads",
+        "FLOP 计数器只统计矩阵乘法；eager 路径还要对 H x T² 个分数元素逐个做缩放、掩码和 "
+        "softmax，8 个头时元素数是 1 个头的 8 倍"))  # fmt: skip
     return notes
 
 

@@ -17,6 +17,7 @@ in both sentences of a held-out pair?
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,19 @@ HELD_OUT = (  # the head is judged here
 ALPHA = 0.05
 QUESTION = ' Here "it" means the'
 SPECIAL = ("[cls]", "[sep]", "<|endoftext|>", "<|im_start|>")  # not words of the sentence
+ROW_KEYS_ZH = {
+    "model": "模型",
+    "sentence pair": "句对",
+    "role": "用途",
+    "head": "头",
+    "it→1st − it→2nd, adj fits 1st": "it→第 1 个名词 − it→第 2 个名词，形容词指第 1 个",
+    "it→1st − it→2nd, adj fits 2nd": "it→第 1 个名词 − it→第 2 个名词，形容词指第 2 个",
+    "shift toward the right noun": "向正确名词的偏移",
+    "right noun wins in both": "两句中正确名词都胜出",
+    "right noun is the top word in both": "两句中正确名词都是权重最大的词",
+}
+ROLES_ZH = {"chooses the head": "用于选头", "held out": "留出",
+            "causal: not testable": "因果模型：无法检验"}  # fmt: skip
 
 
 def sign_test_min(n: int, alpha: float = ALPHA) -> int:
@@ -177,6 +191,9 @@ def _row(model: str, role: str, found: PairAttention, head: tuple[int, int]) -> 
 
 @lab.register("it-animal")  # its claim: lab/claims.toml
 def run(ctx: lab.RunContext) -> lab.Result:
+    say = ctx.say
+    for en, zh in (ROW_KEYS_ZH | ROLES_ZH).items():
+        say(en, zh)
     models = _models(ctx)
     model, tokenizer = models["minilm"]
     choosing = [pair_attention(model, tokenizer, pair) for pair in CHOOSING]
@@ -195,51 +212,79 @@ def run(ctx: lab.RunContext) -> lab.Result:
     resolved = sum(bool(found.resolved[head]) for found in held)
     top = sum(bool(found.top_first[head] & found.top_second[head]) for found in held)
     # Precondition: the choice found a head that moves the right way on the seed's own pair.
+    name, n_choosing = f"L{head[0]} H{head[1]}", len(CHOOSING)
     checks = [
-        lab.precondition(lab.at_least(f"minilm L{head[0]} H{head[1]}: choosing pairs (of "
-                                      f"{len(CHOOSING)}) where it moves toward the right noun",
+        lab.precondition(lab.at_least(say(f"minilm {name}: choosing pairs (of "
+                                          f"{n_choosing}) where it moves toward the right noun",
+                                          f"minilm {name}：选头句对（共 {n_choosing} 对）中它移向"
+                                          "正确名词的对数"),
                                       votes[head].item(), sign_test_min(len(CHOOSING)))),
-        lab.at_least(f"held-out pairs (of {n}) where the chosen head's 'it' moves toward the "
-                     "right noun as the adjective flips", shifted, need, group="the flip"),
-        lab.at_least(f"held-out pairs (of {n}) where the right noun outweighs the other in both "
-                     "sentences", resolved, need, group="it → the right noun"),
-        lab.at_least(f"held-out pairs (of {n}) where the right noun is the word 'it' weighs "
-                     "most ('权重最大') in both sentences", top, need, group="权重最大"),
+        lab.at_least(say(f"held-out pairs (of {n}) where the chosen head's 'it' moves toward the "
+                         "right noun as the adjective flips",
+                         f"留出句对（共 {n} 对）中，形容词一换、所选头的 'it' 就移向正确名词"
+                         "的对数"),
+                     shifted, need, group=say("the flip", "翻转")),
+        lab.at_least(say(f"held-out pairs (of {n}) where the right noun outweighs the other in "
+                         "both sentences",
+                         f"留出句对（共 {n} 对）中，两句里正确名词的权重都超过另一个名词的对数"),
+                     resolved, need, group=say("it → the right noun", "it → 正确的名词")),
+        lab.at_least(say(f"held-out pairs (of {n}) where the right noun is the word 'it' weighs "
+                         "most ('权重最大') in both sentences",
+                         f"留出句对（共 {n} 对）中，两句里正确名词都是 'it' 权重最大的词"
+                         "（'权重最大'）的对数"),
+                     top, need, group=say("权重最大", "权重最大")),
     ]  # fmt: skip
 
     pairs_shifted = sum((found.shift > 0).int() for found in held)  # (L, H) count per head
     consistent = [f"L{layer} H{h}" for layer, h in (pairs_shifted >= need).nonzero().tolist()]
+    n_all, n_votes, seed_shift = (
+        chosen_on.shift.numel(),
+        int(votes[head]),
+        chosen_on.shift[head].item(),
+    )
+    listed, ranks = ", ".join(consistent), _ranks_of(score, pairs_shifted >= need)
     notes = [
-        f"minilm (bidirectional, {chosen_on.shift.numel()} heads): the head is chosen on "
-        f"{len(CHOOSING)} pairs (L{head[0]} H{head[1]}, right in {int(votes[head])} of them, on "
-        f"the seed's pair a shift of {chosen_on.shift[head].item():+.3f}); "
-        f"on the {n} held-out pairs it moves toward the right noun in {shifted}, the right noun "
-        f"outweighs the other in both sentences in {resolved}, and is the top word in both in "
-        f"{top} (a sign test at {ALPHA} needs {need})",
-        f"for comparison, looking at the held-out pairs themselves (so not evidence): "
-        f"{len(consistent)} of the {chosen_on.shift.numel()} heads move toward the right noun in "
-        f"at least {need} of the {n} ({', '.join(consistent) or 'none'}); the choosing pairs "
-        f"rank these at {_ranks_of(score, pairs_shifted >= need) or 'no place'}",
-    ]
+        say(f"minilm (bidirectional, {n_all} heads): the head is chosen on "
+            f"{n_choosing} pairs ({name}, right in {n_votes} of them, on "
+            f"the seed's pair a shift of {seed_shift:+.3f}); "
+            f"on the {n} held-out pairs it moves toward the right noun in {shifted}, the right "
+            f"noun outweighs the other in both sentences in {resolved}, and is the top word in "
+            f"both in {top} (a sign test at {ALPHA} needs {need})",
+            f"minilm（双向，共 {n_all} 个头）：头在 {n_choosing} 个句对上选出（{name}，其中 "
+            f"{n_votes} 对方向正确，在原文的句对上偏移 {seed_shift:+.3f}）；在 {n} 个留出句对上，"
+            f"它在 {shifted} 对中移向正确名词，在 {resolved} 对中两句里正确名词的权重都超过另一个"
+            f"名词，在 {top} 对中两句里正确名词都是权重最大的词（显著性水平 {ALPHA} 的符号检验"
+            f"需要 {need} 对）"),
+        say(f"for comparison, looking at the held-out pairs themselves (so not evidence): "
+            f"{len(consistent)} of the {n_all} heads move toward the right noun in "
+            f"at least {need} of the {n} ({listed or 'none'}); the choosing pairs "
+            f"rank these at {ranks or 'no place'}",
+            f"作为对照，直接看留出句对本身（因此不算证据）：{n_all} 个头中有 {len(consistent)} 个"
+            f"在 {n} 对里至少 {need} 对移向正确名词（{listed or '没有'}）；"
+            + (f"选头句对把它们排在第 {ranks} 位" if ranks else "选头句对没有给它们排名")),
+    ]  # fmt: skip
     if "smollm2" in models:
-        rows_smol, note = _causal(models["smollm2"])
+        rows_smol, note = _causal(models["smollm2"], say)
         rows.append(rows_smol)
         notes.append(note)
         smol, smol_tok = models["smollm2"]
         readings = [reading(smol, smol_tok, pair) for pair in HELD_OUT]
         right = sum(a > 0 and b < 0 for a, b in readings)
-        checks.append(lab.at_least(
+        checks.append(lab.at_least(say(
             f"smollm2: held-out pairs (of {n}) where, after the whole sentence, the right noun "
-            "is the likelier next word in both sentences", right, need,
-            group="smollm2 reads it → the right noun"))  # fmt: skip
-        notes.append(
+            "is the likelier next word in both sentences",
+            f"smollm2：留出句对（共 {n} 对）中，读完整句后两句里正确名词都是更可能的下一个词的"
+            "对数"), right, need,
+            group=say("smollm2 reads it → the right noun",
+                      "smollm2 把 it 读作正确的名词")))  # fmt: skip
+        per_pair = [f"{p.first}/{p.second} {a:+.2f}, {b:+.2f}"
+                    for p, (a, b) in zip(HELD_OUT, readings, strict=True)]  # fmt: skip
+        notes.append(say(
             f"smollm2's reading after {QUESTION!r}: log P(1st noun) - log P(2nd noun) "
-            "per held-out pair, (adjective fits the 1st, fits the 2nd): "
-            + "; ".join(
-                f"{p.first}/{p.second} {a:+.2f}, {b:+.2f}"
-                for p, (a, b) in zip(HELD_OUT, readings, strict=True)
-            )
-        )
+            "per held-out pair, (adjective fits the 1st, fits the 2nd): " + "; ".join(per_pair),
+            f"smollm2 在 {QUESTION!r} 之后的读法：每个留出句对的 log P(第 1 个名词) - "
+            "log P(第 2 个名词)，（形容词指第 1 个名词，指第 2 个名词）："
+            + "；".join(per_pair)))  # fmt: skip
         data_smol = [list(r) for r in readings]
     else:
         data_smol = []
@@ -280,7 +325,7 @@ def _ranks_of(shift: torch.Tensor, wanted: torch.Tensor) -> str:
     return ", ".join(str(p) for p in places.tolist())
 
 
-def _causal(loaded) -> tuple[dict, str]:
+def _causal(loaded, say: Callable[[str, str], str]) -> tuple[dict, str]:
     """SmolLM2's row and note: the head that prefers animal most in the "tired" sentence, and
     how much the "it" row differs between the two sentences anywhere in the model."""
     model, tokenizer = loaded
@@ -293,12 +338,18 @@ def _causal(loaded) -> tuple[dict, str]:
     layers, heads = found.shift.shape
     if differs < 1e-5:
         said = f"is the same in both sentences (largest difference {differs:.1e})"
+        said_zh = f"在两句中完全相同（最大差异 {differs:.1e}）"
     else:
         said = f"differs between the sentences by up to {differs:.3g}"
-    note = (
+        said_zh = f"在两句之间最多相差 {differs:.3g}"
+    first_adj, second_adj = SELECTION.first_adjective, SELECTION.second_adjective
+    note = say(
         f"smollm2 is causal: the two sentences are identical up to 'it', which cannot see "
-        f"'{SELECTION.first_adjective}' or '{SELECTION.second_adjective}'; its attention row "
-        f"over all {layers} layers x {heads} heads {said}, so the flip cannot be tested there"
+        f"'{first_adj}' or '{second_adj}'; its attention row "
+        f"over all {layers} layers x {heads} heads {said}, so the flip cannot be tested there",
+        f"smollm2 是因果模型：两句在 'it' 之前完全相同，而 'it' 看不到 '{first_adj}' 或 "
+        f"'{second_adj}'；它在全部 {layers} 层 x {heads} 个头上的注意力行{said_zh}，所以无法在"
+        "这里检验翻转",
     )
     return row, note
 

@@ -134,7 +134,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
     ]  # fmt: skip
     cond_col = say("condition", "条件")
     rows = [{cond_col: say(c, _zh(c)),
-             "LayerNorm": out["LayerNorm"][c], "BatchNorm": out["BatchNorm"][c]}
+             say("LayerNorm", "LayerNorm"): out["LayerNorm"][c],
+             say("BatchNorm", "BatchNorm"): out["BatchNorm"][c]}
             for c in (*conditions, "batch of one token")]  # fmt: skip
     notes = [ctx.say(
         f"inputs: {meta['name']}'s token embeddings (d={meta['dim']}) of {meta['sentences']} "

@@ -169,14 +169,14 @@ def _row(say, r: dict) -> dict:
     return {
         say("language", "语言"): r["language"],
         say("call", "调用"): r["kind"],
-        "finish_reason": r["finish_reason"],
+        say("finish_reason", "finish_reason"): r["finish_reason"],
         say("characters", "字符数"): r["characters"],
-        "prompt_tokens": usage["prompt_tokens"],
+        say("prompt_tokens", "prompt_tokens"): usage["prompt_tokens"],
         say("tokenizer's prompt count", "分词器的提示计数"): r["prompt_reference"],
-        "completion_tokens": usage["completion_tokens"],
+        say("completion_tokens", "completion_tokens"): usage["completion_tokens"],
         say("tokens generated in this process", "本进程生成的 token 数"): r["completion_reference"],
         say("reply re-encoded (tokens)", "回复文本重新分词（token 数）"): r["reply_reencoded"],
-        "total_tokens": usage["total_tokens"],
+        say("total_tokens", "total_tokens"): usage["total_tokens"],
         say("billed prompt tokens per character", "每字计费的提示 token 数"): usage["prompt_tokens"]
         / r["characters"],
     }
