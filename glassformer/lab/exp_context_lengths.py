@@ -118,7 +118,7 @@ def run(ctx: lab.RunContext) -> lab.Result:
             continue
         checks.append(lab.approx(say(f"{s.model}: {s.where}", f"{s.model}：{s.where_zh}"),
                                  s.positions, (low + high) / 2, (high - low) / 2,
-                                 group=ctx.say(s.model, s.model)))  # fmt: skip
+                                 group=say(s.model, s.model)))  # fmt: skip
     notes = _notes(sources, say)
     figure = _plot(sources)
     data = {"sources": [{"model": s.model, "where": s.where, "positions": s.positions}

@@ -237,11 +237,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
 
     pairs_shifted = sum((found.shift > 0).int() for found in held)  # (L, H) count per head
     consistent = [f"L{layer} H{h}" for layer, h in (pairs_shifted >= need).nonzero().tolist()]
-    n_all, n_votes, seed_shift = (
-        chosen_on.shift.numel(),
-        int(votes[head]),
-        chosen_on.shift[head].item(),
-    )
+    n_all, n_votes = chosen_on.shift.numel(), int(votes[head])
+    seed_shift = chosen_on.shift[head].item()
     listed, ranks = ", ".join(consistent), _ranks_of(score, pairs_shifted >= need)
     notes = [
         say(f"minilm (bidirectional, {n_all} heads): the head is chosen on "
