@@ -23,7 +23,7 @@ from glassformer.lab.report import (
     verdict_label,
     write_report_zh,
 )
-from glassformer.lab.runner import code_hash, run_many, run_one
+from glassformer.lab.runner import code_hash, program, run_many, run_one
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,6 +103,17 @@ def test_resume_skips_only_current_results(tmp_path: Path, capsys) -> None:
     assert len(run_many(["gqa-cache"], ctx, echo=False, resume=True)) == 1
     assert main(["lab", "run", "gqa-cache", "--tiny", "--resume", "--out", str(tmp_path)]) == 0
     assert "skipped" in capsys.readouterr().out
+
+
+def test_a_result_stays_current_through_layout_but_not_through_a_changed_number() -> None:
+    source = 'def run(ctx):\n    """Train."""\n    return ctx.pick(full=1000, quick=200, tiny=10)\n'
+    relaid = (
+        '"""A module docstring."""\n\n\ndef run(ctx):  # the sizes\n    """Train longer."""\n'
+        "    return ctx.pick(\n        full=1000,\n        quick=200,\n        tiny=10,\n    )\n"
+    )
+    assert program(source) == program(relaid)
+    assert program(source) != program(source.replace("1000", "1500"))
+    assert program(source) != program(source.replace('"""Train."""', '"""Train."""\n    x = 1'))
 
 
 def test_modes_are_exclusive(capsys) -> None:

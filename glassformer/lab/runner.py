@@ -4,6 +4,7 @@ the figure Experiment.run saved as out_dir/NAME.png). The JSON is what `lab repo
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -29,9 +30,10 @@ SHARED_MODULES = ("base", "char_gpt", "fit", "runner")
 
 
 def code_hash(exp: Experiment, ctx: RunContext) -> str:
-    """What makes a result current: the experiment's own source, the lab modules it imports from,
-    the lab's shared modules, the mode and the seed. `lab run --resume` skips an experiment
-    whose JSON has this hash."""
+    """What makes a result current: the program of the experiment's module, of the lab modules
+    it imports from and of the lab's shared modules, with the mode and the seed. `lab run
+    --resume` skips an experiment whose JSON has this hash. The program, not the text: a change
+    of formatting, comments or docstrings leaves the numbers alone, so it leaves results current."""
     import importlib
     import inspect
 
@@ -45,8 +47,25 @@ def code_hash(exp: Experiment, ctx: RunContext) -> str:
     modules = [own.__name__, *(f"glassformer.lab.{m}" for m in SHARED_MODULES)]
     modules += sorted(used - set(modules))
     for module in modules:
-        digest.update(inspect.getsource(importlib.import_module(module)).encode())
+        digest.update(program(inspect.getsource(importlib.import_module(module))).encode())
     return digest.hexdigest()[:16]
+
+
+def program(source: str) -> str:
+    """The source as its syntax tree without docstrings: equal for two texts that differ only in
+    layout, comments or docstrings."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def is_current(exp: Experiment, ctx: RunContext) -> bool:
