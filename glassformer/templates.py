@@ -208,9 +208,13 @@ def _tojson_size(value: Any, indent: Any = None) -> int:
 
 
 def _urlize_size(
-    value: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None,
-    rel: Any = None, **_: Any,
-) -> int:  # fmt: skip
+    value: Any,
+    trim_url_limit: Any = None,
+    nofollow: Any = False,
+    target: Any = None,
+    rel: Any = None,
+    **_: Any,
+) -> int:
     # A link repeats its address and adds rel and target: at most one link per word.
     extra = 64 + len(str(target or "")) + len(str(rel or ""))
     return 2 * len(str(value)) + len(str(value).split()) * extra
@@ -504,14 +508,30 @@ def _compile(source: str):
 _UNTRACED = frozenset(
     id(f.__code__)  # a code object's own hash reads all its bytecode: 2x the render time
     for f in (
-        _size, _lines_and_depth, _checked, _materialized, _number, _printf_size, _refuse_growth,
-        _refuse_sizes, _run_filter, _refuse_binop, _bits, *_FILTER_SIZES.values(),
-        *_METHOD_SIZES.values(), _SizedFields.format_field, _SizedBuffer.append,
-        _SizedBuffer.extend, _SizedBuffer._grow, BoundedSandbox.call_binop,
-        BoundedSandbox.call_concat, BoundedSandbox.new_buffer, BoundedSandbox.concat,
+        _size,
+        _lines_and_depth,
+        _checked,
+        _materialized,
+        _number,
+        _printf_size,
+        _refuse_growth,
+        _refuse_sizes,
+        _run_filter,
+        _refuse_binop,
+        _bits,
+        *_FILTER_SIZES.values(),
+        *_METHOD_SIZES.values(),
+        _SizedFields.format_field,
+        _SizedBuffer.append,
+        _SizedBuffer.extend,
+        _SizedBuffer._grow,
+        BoundedSandbox.call_binop,
+        BoundedSandbox.call_concat,
+        BoundedSandbox.new_buffer,
+        BoundedSandbox.concat,
         BoundedSandbox.call,
     )
-)  # fmt: skip
+)
 
 
 @contextmanager

@@ -532,8 +532,14 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
 # With only these, and a BPE that gives every character a token (byte-level or byte fallback),
 # each character of a text lies inside the string of some token of its encoding.
 _KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase", "ByteLevel", "Replace"}
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split",
-                           "UnicodeScripts"}  # fmt: skip
+_KEEPING_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "Punctuation",
+    "Split",
+    "UnicodeScripts",
+}
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

@@ -202,8 +202,10 @@ def _block_rows(cfg: ModelConfig, layers: int, cross: bool, prefix: str = "") ->
     rows = [_attention_row(cfg, layers, f"{prefix}Attention W_Q/W_K/W_V/W_O")]
     if cross:
         rows.append(_attention_row(cfg, layers, f"{prefix}Cross-attention W_Q/W_K/W_V/W_O"))
-    rows += [Row(prefix + r.name, r.shape, r.count, r.component, layers, r.active, r.matmul)
-             for r in _ffn_rows(cfg, layers)]  # fmt: skip
+    rows += [
+        Row(prefix + r.name, r.shape, r.count, r.component, layers, r.active, r.matmul)
+        for r in _ffn_rows(cfg, layers)
+    ]
     n_norms = 3 if cross else 2  # one before (or after) each sublayer
     rows.append(
         Row(
@@ -224,12 +226,19 @@ def _embedding_rows(cfg: ModelConfig, n_tables: int = 1) -> list[Row]:
         rows.append(Row("Decoder embedding table", _m(V, d), V * d, "embedding"))
     if cfg.position == "learned":
         n = cfg.max_seq_len + (cfg.position_offset if cfg.family == "seq2seq" else 0)
-        rows.append(Row("Positions (learned table)", _times(n_tables, _m(n, d)), n_tables * n * d,
-                        "positions"))  # fmt: skip
+        rows.append(
+            Row(
+                "Positions (learned table)",
+                _times(n_tables, _m(n, d)),
+                n_tables * n * d,
+                "positions",
+            )
+        )
     if cfg.position == "relative":  # T5: a bias per (distance bucket, head), per stack
         B, H = cfg.relative_buckets, cfg.n_heads
-        rows.append(Row("Relative position bias", _times(n_tables, _m(B, H)), n_tables * B * H,
-                        "positions"))  # fmt: skip
+        rows.append(
+            Row("Relative position bias", _times(n_tables, _m(B, H)), n_tables * B * H, "positions")
+        )
     return rows
 
 
@@ -251,8 +260,14 @@ def _bert_rows(cfg: ModelConfig) -> list[Row]:
     d, V = cfg.d_model, cfg.vocab_size
     rows = _embedding_rows(cfg)
     if cfg.type_vocab_size:
-        rows.append(Row("Token types (segment A/B)", _m(cfg.type_vocab_size, d),
-                        cfg.type_vocab_size * d, "other"))  # fmt: skip
+        rows.append(
+            Row(
+                "Token types (segment A/B)",
+                _m(cfg.type_vocab_size, d),
+                cfg.type_vocab_size * d,
+                "other",
+            )
+        )
     if cfg.embedding_norm:
         rows.append(Row("Embedding norm", _norm_shape(cfg), norm_size(cfg), "norms"))
     rows += _block_rows(cfg, cfg.n_layers, cross=False)
@@ -265,8 +280,7 @@ def _bert_rows(cfg: ModelConfig) -> list[Row]:
         rows.append(Row("Masked-LM head norm", _norm_shape(cfg), norm_size(cfg), "norms"))
         decoder = 0 if cfg.tie_embeddings else V * d
         tied = " bias (weight tied)" if cfg.tie_embeddings else " + bias"
-        rows.append(Row(f"Masked-LM decoder{tied}", _m(d, V), decoder + V, "other",
-                        matmul=V * d))  # fmt: skip
+        rows.append(Row(f"Masked-LM decoder{tied}", _m(d, V), decoder + V, "other", matmul=V * d))
     if cfg.n_classes:
         n = cfg.n_classes
         rows.append(Row("Classifier head", _m(d, n), d * n + n, "other"))
@@ -279,8 +293,7 @@ def _seq2seq_rows(cfg: ModelConfig) -> list[Row]:
     n_enc = cfg.n_encoder_layers or cfg.n_layers
     rows = _embedding_rows(cfg, n_tables=2)  # the encoder and the decoder have their own
     if cfg.embedding_norm:
-        rows.append(Row("Embedding norms", _norm_shape(cfg, 2), 2 * norm_size(cfg),
-                        "norms"))  # fmt: skip
+        rows.append(Row("Embedding norms", _norm_shape(cfg, 2), 2 * norm_size(cfg), "norms"))
     rows += _block_rows(cfg, n_enc, cross=False, prefix="Encoder ")
     rows += _block_rows(cfg, cfg.n_layers, cross=True, prefix="Decoder ")
     rows += _final_norm_rows(cfg, 2, "Final norms (encoder, decoder)")
@@ -302,34 +315,67 @@ def _mla_moe_rows(cfg: MLAMoEConfig) -> list[Row]:
     expert = 3 * d * cfg.moe_d_ff  # one SwiGLU expert: gate, up, down
     routed = n_moe * cfg.n_routed_experts * expert
     rows = [
-        Row("Embedding table (token embedding)", _m(cfg.vocab_size, d), cfg.vocab_size * d,
-            "embedding"),
-        Row("Attention (MLA) W_DQ/W_UQ/W_DKV/W_UKV/W_O",
+        Row(
+            "Embedding table (token embedding)",
+            _m(cfg.vocab_size, d),
+            cfg.vocab_size * d,
+            "embedding",
+        ),
+        Row(
+            "Attention (MLA) W_DQ/W_UQ/W_DKV/W_UKV/W_O",
             f"{_m(d, cfg.q_lora_rank)} + {_m(cfg.q_lora_rank, H * qk_head)} + "
             f"{_m(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim)} + "
             f"{_m(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))} + "
             f"{_m(H * cfg.v_head_dim, d)}",
-            L * attention, "attention", L, matmul=L * attention),
-        Row("MLA latent norms (q, kv)", f"{_m(cfg.q_lora_rank)} + {_m(cfg.kv_lora_rank)}",
-            L * (cfg.q_lora_rank + cfg.kv_lora_rank), "norms", L),
-        Row(f"FFN W_gate/W_up/W_down (SwiGLU), first {cfg.n_dense_layers} layers",
-            f"3 x {_m(d, cfg.d_ff)}", cfg.n_dense_layers * 3 * d * cfg.d_ff, "ffn",
-            cfg.n_dense_layers, matmul=cfg.n_dense_layers * 3 * d * cfg.d_ff),
-        Row("MoE shared experts (run for every token)",
+            L * attention,
+            "attention",
+            L,
+            matmul=L * attention,
+        ),
+        Row(
+            "MLA latent norms (q, kv)",
+            f"{_m(cfg.q_lora_rank)} + {_m(cfg.kv_lora_rank)}",
+            L * (cfg.q_lora_rank + cfg.kv_lora_rank),
+            "norms",
+            L,
+        ),
+        Row(
+            f"FFN W_gate/W_up/W_down (SwiGLU), first {cfg.n_dense_layers} layers",
+            f"3 x {_m(d, cfg.d_ff)}",
+            cfg.n_dense_layers * 3 * d * cfg.d_ff,
+            "ffn",
+            cfg.n_dense_layers,
+            matmul=cfg.n_dense_layers * 3 * d * cfg.d_ff,
+        ),
+        Row(
+            "MoE shared experts (run for every token)",
             f"{cfg.n_shared_experts} x 3 x {_m(d, cfg.moe_d_ff)}",
-            n_moe * cfg.n_shared_experts * expert, "ffn", n_moe,
-            matmul=n_moe * cfg.n_shared_experts * expert),
-        Row(f"MoE routed experts (top-{cfg.n_experts_per_token} per token)",
-            f"{cfg.n_routed_experts} x 3 x {_m(d, cfg.moe_d_ff)}", routed, "ffn", n_moe,
+            n_moe * cfg.n_shared_experts * expert,
+            "ffn",
+            n_moe,
+            matmul=n_moe * cfg.n_shared_experts * expert,
+        ),
+        Row(
+            f"MoE routed experts (top-{cfg.n_experts_per_token} per token)",
+            f"{cfg.n_routed_experts} x 3 x {_m(d, cfg.moe_d_ff)}",
+            routed,
+            "ffn",
+            n_moe,
             active=n_moe * cfg.n_experts_per_token * expert,
-            matmul=n_moe * cfg.n_experts_per_token * expert),
+            matmul=n_moe * cfg.n_experts_per_token * expert,
+        ),
         # the router's weight and its load-balancing bias (added to scores when picking experts)
-        Row("MoE router + selection bias", f"{_m(d, cfg.n_routed_experts)} + "
-            f"{_m(cfg.n_routed_experts)}", n_moe * (d + 1) * cfg.n_routed_experts, "moe router",
-            n_moe, matmul=n_moe * d * cfg.n_routed_experts),
+        Row(
+            "MoE router + selection bias",
+            f"{_m(d, cfg.n_routed_experts)} + {_m(cfg.n_routed_experts)}",
+            n_moe * (d + 1) * cfg.n_routed_experts,
+            "moe router",
+            n_moe,
+            matmul=n_moe * d * cfg.n_routed_experts,
+        ),
         Row("RMSNorm gamma", f"2 x {_m(d)}", L * 2 * d, "norms", L),
         Row("Final norm", _m(d), d, "norms"),
-    ]  # fmt: skip
+    ]
     V = cfg.vocab_size
     if cfg.tie_embeddings:
         rows.append(

@@ -66,10 +66,13 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     step_dir = resolve_checkpoint(args.model)
     config_file = next(
-        (d / "run_config.json" for d in (Path(args.model), step_dir.parent) if d.is_dir()
-         and (d / "run_config.json").is_file()),
+        (
+            d / "run_config.json"
+            for d in (Path(args.model), step_dir.parent)
+            if d.is_dir() and (d / "run_config.json").is_file()
+        ),
         None,
-    )  # fmt: skip
+    )
     if config_file is None:
         raise ValueError(f"{args.model} has no run_config.json: evaluate reads a trained run")
     set_threads(args.threads)

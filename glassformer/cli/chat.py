@@ -40,9 +40,13 @@ def cmd_chat(args: argparse.Namespace) -> None:
         sys.stdin.reconfigure(errors="replace")
     engine = Engine(model, tokenizer=tokenizer, fast=not options.plain)
     session = ChatSession(
-        engine, tokenizer, system=args.system, sampling=sampling,
-        parse_special=args.parse_special, no_think_suffix=tuple(suffix),
-    )  # fmt: skip
+        engine,
+        tokenizer,
+        system=args.system,
+        sampling=sampling,
+        parse_special=args.parse_special,
+        no_think_suffix=tuple(suffix),
+    )
     run_chat(session)
 
 

@@ -331,9 +331,14 @@ class DecodeOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
         return cls(
-            args.device, args.dtype, args.quantize, args.plain, compile, args.threads,
+            args.device,
+            args.dtype,
+            args.quantize,
+            args.plain,
+            compile,
+            args.threads,
             getattr(args, "adapter", None),
-        )  # fmt: skip
+        )
 
     @property
     def cpu_only_flag(self) -> str | None:

@@ -75,26 +75,36 @@ def cmd_inspect_attention(args: argparse.Namespace) -> None:
     out = Path(args.out)
     name = f"{view.kind} attention of {label!r} (position {query})"
     fig = plots.layer_grid(
-        weights, view.query_tokens, view.key_tokens, f"{args.model}: {name}, mean over "
-        "heads", query=query, max_tokens=args.max_view,
-    )  # fmt: skip
+        weights,
+        view.query_tokens,
+        view.key_tokens,
+        f"{args.model}: {name}, mean over heads",
+        query=query,
+        max_tokens=args.max_view,
+    )
     written = [plots.save(fig, out)]
     if args.head is None:
         fig = plots.head_grid(
-            weights[layer], view.query_tokens, view.key_tokens,
-            f"{args.model}: {name}, layer {layer}, every head", query=query,
+            weights[layer],
+            view.query_tokens,
+            view.key_tokens,
+            f"{args.model}: {name}, layer {layer}, every head",
+            query=query,
             max_tokens=args.max_view,
-        )  # fmt: skip
+        )
         path = out.with_name(f"{out.stem}-layer{layer}-heads{out.suffix or '.png'}")
     else:
         found = top_attended(weights[layer][args.head : args.head + 1, query], args.top)
         cells = [f"{view.key_tokens[a.key]}@{a.key} {a.mean_weight:.3f}" for a in found]
         print(f"  layer {layer} head {args.head}: " + " | ".join(cells))
         fig = plots.attention_heatmap(
-            weights[layer][args.head], view.query_tokens, view.key_tokens,
-            f"{args.model}: {name}, layer {layer} head {args.head}", query=query,
+            weights[layer][args.head],
+            view.query_tokens,
+            view.key_tokens,
+            f"{args.model}: {name}, layer {layer} head {args.head}",
+            query=query,
             max_tokens=args.max_view,
-        )  # fmt: skip
+        )
         path = out.with_name(f"{out.stem}-layer{layer}-head{args.head}{out.suffix or '.png'}")
     written.append(plots.save(fig, path))
     print("wrote " + " and ".join(str(p) for p in written))
@@ -110,25 +120,31 @@ plots the attention matrices.
 def add_parser(sub: argparse._SubParsersAction) -> None:
     inspect_sub = add_command_group(sub, "inspect", GROUP_HELP, dest="what")
     p = add_command(inspect_sub, "attention", cmd_inspect_attention)
-    p.add_argument("text", metavar="TEXT", help="e.g. \"The animal didn't cross the street "
-                   "because it was too tired\"")  # fmt: skip
     p.add_argument(
-        "--model", required=True, help="alias (minilm, smollm2), Hugging Face folder, .gguf "
-        "or checkpoint directory",
-    )  # fmt: skip
+        "text",
+        metavar="TEXT",
+        help='e.g. "The animal didn\'t cross the street because it was too tired"',
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="alias (minilm, smollm2), Hugging Face folder, .gguf or checkpoint directory",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument(
-        "--token", help="the query token by its text (markers like Ġ ## ▁ ignored; the first "
+        "--token",
+        help="the query token by its text (markers like Ġ ## ▁ ignored; the first "
         "if it occurs several times)",
-    )  # fmt: skip
+    )
     where.add_argument(
         "--position", type=int, help="the query token by index (default: the last token)"
     )
     p.add_argument(
-        "--kind", choices=("self", "encoder", "decoder", "cross"),
+        "--kind",
+        choices=("self", "encoder", "decoder", "cross"),
         help="which attention (default: self; encoder for seq2seq, where --token is matched "
         "in the source for encoder, in the decoder input for decoder and cross)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--target", help="seq2seq: the decoder's text (default: the model's greedy output)"
     )
@@ -136,18 +152,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head", type=int, help="plot only this head of --layer")
     p.add_argument("--top", type=positive_int, default=3, help="keys printed per layer (3)")
     p.add_argument(
-        "--out", default="attention.png",
+        "--out",
+        default="attention.png",
         help="PNG of the layers (default attention.png); the head plot goes beside it as "
         "NAME-layerL-heads.png (NAME-layerL-headH.png with --head)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-tokens", type=positive_int, default=512,
+        "--max-tokens",
+        type=positive_int,
+        default=512,
         help="cut longer texts to this many tokens (default 512; memory grows as T^2)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-view", type=positive_int, default=48,
+        "--max-view",
+        type=positive_int,
+        default=48,
         help="most query/key tokens a heatmap shows, around the query (default 48)",
-    )  # fmt: skip
+    )
     add_adapter_flag(p)
     add_threads_flag(p)
     add_device_flag(

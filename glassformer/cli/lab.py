@@ -31,8 +31,9 @@ def cmd_lab_run(args: argparse.Namespace) -> None:
         raise ValueError("give one experiment NAME or --all (glassformer lab list shows them)")
     if args.full + args.quick + args.tiny > 1:
         raise ValueError("give one of --full, --quick and --tiny (full is the default)")
-    ctx = RunContext(out_dir=args.out, quick=args.quick, tiny=args.tiny, threads=args.threads,
-                     seed=args.seed)  # fmt: skip
+    ctx = RunContext(
+        out_dir=args.out, quick=args.quick, tiny=args.tiny, threads=args.threads, seed=args.seed
+    )
     if ctx.mode == "full":
         print(
             "full mode: the sizes the claims deserve, at least 3 seeds per training experiment; "

@@ -49,13 +49,17 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "merge", cmd_merge)
     p.add_argument(
-        "--model", required=True, help="the base model the adapter was trained on: alias "
+        "--model",
+        required=True,
+        help="the base model the adapter was trained on: alias "
         "(smollm2), Hugging Face folder, .gguf file or checkpoint directory",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--adapter", required=True, metavar="DIR",
+        "--adapter",
+        required=True,
+        metavar="DIR",
         help="the LoRA adapter folder (adapter_config.json + adapter_model.safetensors)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", required=True, help="folder to write the merged model into")
     p.add_argument(
         "--overwrite", action="store_true", help="replace --out if it already holds a model"

@@ -42,8 +42,9 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
     <e6 99>. Special-token spellings in TEXT count as plain text.
     """
     for name in args.model:
-        for line in format_tokenized(tokenize(args.text, vocabulary_for(name)), args.text,
-                                     args.ids):  # fmt: skip
+        for line in format_tokenized(
+            tokenize(args.text, vocabulary_for(name)), args.text, args.ids
+        ):
             print(line)
 
 

@@ -62,10 +62,16 @@ FOLIO_GENRES: dict[str, str] = {
 
 # Held out for testing: three whole plays per genre, fixed so every run scores the same set.
 TEST_PLAYS = (
-    "twelfe-night", "tempest", "much_ado_about_nothing",
-    "richard_ii", "henry_v", "henry_vi_part_2",
-    "macbeth", "othello", "julius_caesar",
-)  # fmt: skip
+    "twelfe-night",
+    "tempest",
+    "much_ado_about_nothing",
+    "richard_ii",
+    "henry_v",
+    "henry_vi_part_2",
+    "macbeth",
+    "othello",
+    "julius_caesar",
+)
 
 # A speech opens with an indented speaker label ("  Macb. ", "   1. "); stage directions and
 # act/scene headings are not indented. The label is dropped: it names characters, not genre.

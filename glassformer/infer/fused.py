@@ -31,37 +31,89 @@ from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.nn.kv_cache import KVCache
 
 _STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
-_ACTIVATION = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
-               "swiglu": 3, "geglu": 1, "geglu_tanh": 2}  # fmt: skip
+_ACTIVATION = {
+    "relu": 0,
+    "gelu": 1,
+    "gelu_tanh": 2,
+    "silu": 3,
+    "swiglu": 3,
+    "geglu": 1,
+    "geglu_tanh": 2,
+}
 _GATED = ("swiglu", "geglu", "geglu_tanh")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _P), ("scale", _P), ("mins", _P), ("bias", _P),
-                ("in_", _I), ("out", _I), ("group", _I), ("storage", _I)]  # fmt: skip
+    _fields_ = [
+        ("weight", _P),
+        ("scale", _P),
+        ("mins", _P),
+        ("bias", _P),
+        ("in_", _I),
+        ("out", _I),
+        ("group", _I),
+        ("storage", _I),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm_weight", _P), ("attn_norm_bias", _P), ("q_norm_weight", _P),
-                ("k_norm_weight", _P), ("ffn_norm_weight", _P), ("ffn_norm_bias", _P),
-                ("qkv", _Linear), ("out", _Linear), ("up", _Linear), ("down", _Linear),
-                ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+    _fields_ = [
+        ("attn_norm_weight", _P),
+        ("attn_norm_bias", _P),
+        ("q_norm_weight", _P),
+        ("k_norm_weight", _P),
+        ("ffn_norm_weight", _P),
+        ("ffn_norm_bias", _P),
+        ("qkv", _Linear),
+        ("out", _Linear),
+        ("up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(name, _I) for name in ("n_layers", "d_model", "n_heads", "n_kv_heads",
-                                        "head_dim", "d_ff", "vocab_size", "cache_head_stride",
-                                        "cache_pos_stride", "rms_norm", "gated", "activation",
-                                        "cache_bf16", "emb_storage")] + [
-        ("norm_eps", _F), ("attn_scale", _F), ("rope_factor", _F),
-        ("inv_freq", _P), ("tok_emb", _P), ("pos_emb", _P),
-        ("final_norm_weight", _P), ("final_norm_bias", _P), ("head", _Linear),
+    _fields_ = [
+        (name, _I)
+        for name in (
+            "n_layers",
+            "d_model",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "vocab_size",
+            "cache_head_stride",
+            "cache_pos_stride",
+            "rms_norm",
+            "gated",
+            "activation",
+            "cache_bf16",
+            "emb_storage",
+        )
+    ] + [
+        ("norm_eps", _F),
+        ("attn_scale", _F),
+        ("rope_factor", _F),
+        ("inv_freq", _P),
+        ("tok_emb", _P),
+        ("pos_emb", _P),
+        ("final_norm_weight", _P),
+        ("final_norm_bias", _P),
+        ("head", _Linear),
         ("layers", ctypes.POINTER(_Layer)),
-        ("x", _P), ("h", _P), ("qkv", _P), ("att", _P), ("scores", _P), ("ff", _P), ("x_sums", _P),
+        ("x", _P),
+        ("h", _P),
+        ("qkv", _P),
+        ("att", _P),
+        ("scores", _P),
+        ("ff", _P),
+        ("x_sums", _P),
         ("max_positions", _I),
-    ]  # fmt: skip
+    ]
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -154,9 +206,16 @@ class FusedStep:
         scales, mins = getattr(module, "scales", None), getattr(module, "mins", None)
         out, width = weight.shape[0], kernels.in_features(weight)
         group = width // scales.shape[1] if scales is not None else width
-        return _Linear(weight.data_ptr(), self._f32(scales), self._f32(mins),
-                       self._f32(module.bias), width, out, group,
-                       _STORAGE[weight.dtype])  # fmt: skip
+        return _Linear(
+            weight.data_ptr(),
+            self._f32(scales),
+            self._f32(mins),
+            self._f32(module.bias),
+            width,
+            out,
+            group,
+            _STORAGE[weight.dtype],
+        )
 
     def _norm(self, norm: nn.Module) -> tuple[int | None, int | None]:
         return self._f32(norm.weight), self._f32(getattr(norm, "bias", None))
@@ -185,20 +244,36 @@ class FusedStep:
         scale = cfg.attention_scale if cfg.attention_scale is not None else D**-0.5
         rope = model.rope
         struct = _Model(
-            n_layers=cfg.n_layers, d_model=C, n_heads=H, n_kv_heads=Hkv, head_dim=D,
-            d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, rms_norm=int(cfg.norm == "rms"),
-            gated=int(gated), activation=_ACTIVATION[cfg.ffn], emb_storage=_STORAGE[tok_emb.dtype],
-            norm_eps=cfg.norm_eps, attn_scale=scale,
+            n_layers=cfg.n_layers,
+            d_model=C,
+            n_heads=H,
+            n_kv_heads=Hkv,
+            head_dim=D,
+            d_ff=cfg.d_ff,
+            vocab_size=cfg.vocab_size,
+            rms_norm=int(cfg.norm == "rms"),
+            gated=int(gated),
+            activation=_ACTIVATION[cfg.ffn],
+            emb_storage=_STORAGE[tok_emb.dtype],
+            norm_eps=cfg.norm_eps,
+            attn_scale=scale,
             rope_factor=rope.attention_factor if rope is not None else 1.0,
             inv_freq=self._f32(rope.inv_freq) if rope is not None else None,
             tok_emb=tok_emb.data_ptr(),
             pos_emb=self._f32(model.pos_emb.weight) if model.pos_emb is not None else None,
-            final_norm_weight=final_weight, final_norm_bias=final_bias,
-            head=self._linear(model.lm_head), layers=layers,
-        )  # fmt: skip
-        scratch = {"x": C, "h": C, "qkv": (H + 2 * Hkv) * D, "att": H * D,
-                   "ff": (2 if gated else 1) * cfg.d_ff,
-                   "x_sums": max(C, H * D, cfg.d_ff) // kernels.Q4_GROUP + 1}  # fmt: skip
+            final_norm_weight=final_weight,
+            final_norm_bias=final_bias,
+            head=self._linear(model.lm_head),
+            layers=layers,
+        )
+        scratch = {
+            "x": C,
+            "h": C,
+            "qkv": (H + 2 * Hkv) * D,
+            "att": H * D,
+            "ff": (2 if gated else 1) * cfg.d_ff,
+            "x_sums": max(C, H * D, cfg.d_ff) // kernels.Q4_GROUP + 1,
+        }
         for name, size in scratch.items():  # per token, for up to max_tokens
             buffer = torch.zeros(self.max_tokens * size)
             self._keep.append(buffer)
@@ -260,8 +335,9 @@ class FusedStep:
         self._point_at(cache, slot)
         ids = (ctypes.c_int64 * n)(*tokens)
         logits = torch.empty(n, self.cfg.vocab_size)
-        self._function(ctypes.byref(self._struct), ids, n, position, logits.data_ptr(),
-                       torch.get_num_threads())  # fmt: skip
+        self._function(
+            ctypes.byref(self._struct), ids, n, position, logits.data_ptr(), torch.get_num_threads()
+        )
         cache.length = position + n  # as cache.begin() does for the torch path
         return logits  # float32 whatever the weights: the C step computes in float32
 

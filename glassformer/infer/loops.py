@@ -32,9 +32,14 @@ class Loops:
         """Yield new token ids one by one as they are sampled. Further keywords are
         SamplingParams fields (min_p, repetition_penalty, stop, stop_token_ids)."""
         params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **sampling,
-        )  # fmt: skip
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            **sampling,
+        )
         row = self.add(prompt_ids, params, on_full_context=on_full_context)
         return TokenStream(self.follow(row), row.stats)
 

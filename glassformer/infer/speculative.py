@@ -188,9 +188,14 @@ class SpeculativeDecoder(Engine):
     def add(self, prompt_ids, params: SamplingParams | None = None, **kwargs) -> Row:
         """Engine.add, refusing what a speculative round does not apply: the draft proposes
         from plain logits, so penalties would make its tokens differ from the target's rule."""
-        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                          ("frequency_penalty", 0.0), ("logprobs", None),
-                          ("min_tokens", 0), ("logit_bias", ())):  # fmt: skip
+        for name, off in (
+            ("repetition_penalty", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("logprobs", None),
+            ("min_tokens", 0),
+            ("logit_bias", ()),
+        ):
             value = getattr(params, name, off)
             if value != off:
                 raise ValueError(
@@ -244,9 +249,14 @@ class SpeculativeDecoder(Engine):
         n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
         t_draft = time.perf_counter()
         proposals, draft_probs = propose(
-            self.draft, self.draft_cache, context, n_proposals, params, row.generator,
+            self.draft,
+            self.draft_cache,
+            context,
+            n_proposals,
+            params,
+            row.generator,
             self.draft_step,
-        )  # fmt: skip
+        )
         t_target = time.perf_counter()
         # The target's slot holds context[:-1]: the last token and the proposals go at the
         # next positions. Positions past the accepted tokens are simply written over later.
@@ -298,7 +308,12 @@ def speculative_generate(
     """
     decoder = SpeculativeDecoder(target, draft, k)
     result = decoder.generate(
-        prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, eos_token_id=eos_token_id,
-    )  # fmt: skip
+        prompt_ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+    )
     return SpeculativeResult(token_ids=result.token_ids, stats=result.stats)

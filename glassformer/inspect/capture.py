@@ -274,8 +274,10 @@ def find_token(tokenizer, ids: Sequence[int], token: str) -> tuple[int, str | No
     """The position of the first token whose text is `token` (markers like Ġ ## ▁ ignored; case
     ignored if no exact match), and a note when it occurs several times."""
     labels = token_texts(tokenizer, ids)
-    keys = [{_match_key(label), _match_key(_raw_token(tokenizer, i) or label)} for label, i in
-            zip(labels, ids, strict=True)]  # fmt: skip
+    keys = [
+        {_match_key(label), _match_key(_raw_token(tokenizer, i) or label)}
+        for label, i in zip(labels, ids, strict=True)
+    ]
     wanted = _match_key(token)
     hits = [p for p, k in enumerate(keys) if wanted in k]
     if not hits:

@@ -158,38 +158,92 @@ def check_finite(name: str, tensor: Tensor, path: Path | str) -> None:
 # config.json keys the name tables read, by what each must hold. Counts are >= 1; null is
 # allowed only where transformers itself writes it for "use the default".
 COUNT_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim", "n_embd",
-    "n_layer", "n_head", "n_inner", "n_positions", "n_ctx", "d_model", "d_ff", "d_kv",
-    "num_layers", "num_heads", "encoder_layers", "decoder_layers", "encoder_attention_heads",
-    "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "num_local_experts",
-    "num_experts_per_tok", "sliding_window", "relative_attention_num_buckets",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "head_dim",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "n_ctx",
+    "d_model",
+    "d_ff",
+    "d_kv",
+    "num_layers",
+    "num_heads",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "sliding_window",
+    "relative_attention_num_buckets",
     "relative_attention_max_distance",
-)  # fmt: skip
+)
 INDEX_KEYS = ("num_decoder_layers", "max_window_layers", "type_vocab_size")  # >= 0
 NUMBER_KEYS = (
-    "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "initializer_range",
-    "init_std", "router_aux_loss_coef", "partial_rotary_factor",
-)  # fmt: skip
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "rope_theta",
+    "initializer_range",
+    "init_std",
+    "router_aux_loss_coef",
+    "partial_rotary_factor",
+)
 FLAG_KEYS = (
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "scale_embedding", "use_sliding_window",
-    "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
-    "is_decoder", "scale_decoder_outputs",
-)  # fmt: skip
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "scale_embedding",
+    "use_sliding_window",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "add_cross_attention",
+    "is_decoder",
+    "scale_decoder_outputs",
+)
 TEXT_KEYS = (
-    "model_type", "hidden_act", "activation_function", "feed_forward_proj",
+    "model_type",
+    "hidden_act",
+    "activation_function",
+    "feed_forward_proj",
     "position_embedding_type",
-)  # fmt: skip
+)
 TABLE_KEYS = ("rope_scaling", "rope_parameters", "id2label")
 LIST_KEYS = ("architectures", "layer_types")
 CHECKED_KEYS = {
-    *COUNT_KEYS, *INDEX_KEYS, *NUMBER_KEYS, *FLAG_KEYS, *TEXT_KEYS, *TABLE_KEYS, *LIST_KEYS
-}  # fmt: skip
+    *COUNT_KEYS,
+    *INDEX_KEYS,
+    *NUMBER_KEYS,
+    *FLAG_KEYS,
+    *TEXT_KEYS,
+    *TABLE_KEYS,
+    *LIST_KEYS,
+}
 NULLABLE_KEYS = {
-    "num_key_value_heads", "head_dim", "n_inner", "sliding_window", "num_decoder_layers",
-    "rope_scaling", "rope_parameters", "id2label", "architectures", "layer_types",
-    "partial_rotary_factor", "max_window_layers",
-}  # fmt: skip
+    "num_key_value_heads",
+    "head_dim",
+    "n_inner",
+    "sliding_window",
+    "num_decoder_layers",
+    "rope_scaling",
+    "rope_parameters",
+    "id2label",
+    "architectures",
+    "layer_types",
+    "partial_rotary_factor",
+    "max_window_layers",
+}
 
 
 def _wrong_type(key: str, value: Any) -> str:

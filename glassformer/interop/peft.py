@@ -81,8 +81,11 @@ def hf_pieces(model: nn.Module) -> tuple[str, dict[str, list[HFPiece]]]:
             continue
         out = linears[module]
         # A fused rule splits along dim 0; a single source (maybe transposed) is the whole.
-        sizes = [out] if len(rule.sources) == 1 else [p.shape[0] for p in rule.split(
-            torch.empty(out, 1))]  # fmt: skip
+        sizes = (
+            [out]
+            if len(rule.sources) == 1
+            else [p.shape[0] for p in rule.split(torch.empty(out, 1))]
+        )
         start = 0
         pieces[module] = []
         for source, size in zip(rule.sources, sizes, strict=True):

@@ -53,8 +53,9 @@ def _cpu_flags() -> set[str]:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return set()
-    return set(next((line.split(":", 1)[1].split() for line in lines
-                     if line.startswith("flags")), []))  # fmt: skip
+    return set(
+        next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    )
 
 
 def build_flags() -> tuple[str, ...]:
@@ -74,8 +75,14 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "")  # fmt: skip
+    cpu = next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "",
+    )
     flags = build_flags()
     key = hashlib.sha256(
         "\n".join(
@@ -214,14 +221,30 @@ def matvec(
     y = torch.empty(rows, n_out, dtype=torch.float32)
     if weight.dtype == torch.uint8:
         sums = torch.empty(rows, n_in // Q4_GROUP)
-        library().matvec_q4(x2d.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-                            mins.data_ptr(), y.data_ptr(), sums.data_ptr(), rows, n_in, n_out,
-                            torch.get_num_threads())  # fmt: skip
+        library().matvec_q4(
+            x2d.data_ptr(),
+            weight.data_ptr(),
+            scale.data_ptr(),
+            mins.data_ptr(),
+            y.data_ptr(),
+            sums.data_ptr(),
+            rows,
+            n_in,
+            n_out,
+            torch.get_num_threads(),
+        )
     else:
-        _functions()[weight.dtype](x2d.data_ptr(), weight.data_ptr(),
-                                   None if scale is None else scale.data_ptr(),
-                                   y.data_ptr(), rows, n_in, n_out, _group_size(weight, scale),
-                                   torch.get_num_threads())  # fmt: skip
+        _functions()[weight.dtype](
+            x2d.data_ptr(),
+            weight.data_ptr(),
+            None if scale is None else scale.data_ptr(),
+            y.data_ptr(),
+            rows,
+            n_in,
+            n_out,
+            _group_size(weight, scale),
+            torch.get_num_threads(),
+        )
     y = y.view(*x.shape[:-1], n_out)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -319,8 +342,9 @@ def _matmul_by_slices(x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | N
         w = buffer[: rows * n_in].view(rows, n_in)
         source, scales = weight[start].data_ptr(), scale[start].data_ptr()
         if weight.dtype == torch.uint8:
-            library.dequant_q4(source, scales, mins[start].data_ptr(), w.data_ptr(), rows, n_in,
-                               threads)  # fmt: skip
+            library.dequant_q4(
+                source, scales, mins[start].data_ptr(), w.data_ptr(), rows, n_in, threads
+            )
         else:
             library.dequant_int8(source, scales, w.data_ptr(), rows, n_in, group, threads)
         part = linear(x2d, w)  # (rows of x, rows of this slice)

@@ -149,8 +149,10 @@ def converged(what: str, losses: Sequence[float], window: int, tolerance: float)
     and its numbers say nothing yet about a trained model). Name it for what it shows:
     ctx.say("loss drop over the last 100 steps (baseline)", "...")."""
     if len(losses) < 2 * window:
-        raise ValueError(f"{what}: {len(losses)} losses cannot show a plateau of {window}: "
-                         f"log at least {2 * window}")  # fmt: skip
+        raise ValueError(
+            f"{what}: {len(losses)} losses cannot show a plateau of {window}: "
+            f"log at least {2 * window}"
+        )
     last = sum(losses[-window:]) / window
     before = sum(losses[-2 * window : -window]) / window
     drop = (before - last) / abs(before) if before else 0.0

@@ -41,9 +41,14 @@ class CharGPTRecipe:
     def config(self, vocab_size: int) -> ModelConfig:
         # RoPE: relative positions make a "previous token" head, half of an induction circuit,
         # easy to learn; the rest is the house default (pre-norm LayerNorm, GELU, tied embeddings).
-        return ModelConfig(vocab_size=vocab_size, d_model=self.d_model, n_layers=self.n_layers,
-                           n_heads=self.n_heads, max_seq_len=self.context,
-                           position="rope")  # fmt: skip
+        return ModelConfig(
+            vocab_size=vocab_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            max_seq_len=self.context,
+            position="rope",
+        )
 
     @property
     def shape(self) -> str:

@@ -76,8 +76,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
     batch, seq_len = ctx.pick((4, 256), (2, 128), (1, 64))
     rows, checks, ratios, points = [], [], {}, []
     for backend in BACKENDS:
-        base = ModelConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
-                           max_seq_len=2 * seq_len, attention_backend=backend)  # fmt: skip
+        base = ModelConfig(
+            vocab_size=vocab,
+            d_model=d,
+            n_layers=layers,
+            n_heads=heads,
+            max_seq_len=2 * seq_len,
+            attention_backend=backend,
+        )
         ref = measure(base, batch, seq_len, ctx.seed)
         points.append((f"{backend} base", ref))
         rows.append(
@@ -90,8 +96,10 @@ def run(ctx: lab.RunContext) -> lab.Result:
             ratios[(backend, factor)] = ratio
             points.append((f"{backend} {factor} x2", got))
             rows.append(_row(ctx, backend, f"{factor} x2", got, ratio))
-            what = ctx.say(f"{backend}: bytes ratio with {factor} doubled",
-                           f"{backend}：{FACTOR_ZH[factor]}翻倍时的字节数之比")  # fmt: skip
+            what = ctx.say(
+                f"{backend}: bytes ratio with {factor} doubled",
+                f"{backend}：{FACTOR_ZH[factor]}翻倍时的字节数之比",
+            )
             group = ctx.say(f"linear in {factor}", f"与{FACTOR_ZH[factor]}成正比")
             checks.append(lab.approx(what, ratio, RATIO, RATIO_TOL, group=group))
     # Precondition: the hook counts what calc's bill lists (activations, not weights, each once).
@@ -111,17 +119,22 @@ def run(ctx: lab.RunContext) -> lab.Result:
     )
     notes = _notes(ctx, ratios, batch, seq_len, heads)
     figure = _plot(ratios, points)
-    data = {"ratios": {f"{b} {f}": r for (b, f), r in ratios.items()},
-            "points": {name: p for name, p in points}}  # fmt: skip
+    data = {
+        "ratios": {f"{b} {f}": r for (b, f), r in ratios.items()},
+        "points": {name: p for name, p in points},
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _row(ctx: lab.RunContext, backend: str, what: str, point: dict, ratio: float) -> dict:
-    return {ctx.say("attention", "注意力实现"): backend, ctx.say("run", "运行"): what,
-            ctx.say("saved MiB", "保存的 MiB"): point["bytes"] / 2**20,
-            ctx.say("tensors", "张量数"): point["tensors"],
-            ctx.say("calc MiB", "calc 估算 MiB"): point["calc"] / 2**20,
-            ctx.say("ratio to base", "与基准之比"): ratio}  # fmt: skip
+    return {
+        ctx.say("attention", "注意力实现"): backend,
+        ctx.say("run", "运行"): what,
+        ctx.say("saved MiB", "保存的 MiB"): point["bytes"] / 2**20,
+        ctx.say("tensors", "张量数"): point["tensors"],
+        ctx.say("calc MiB", "calc 估算 MiB"): point["calc"] / 2**20,
+        ctx.say("ratio to base", "与基准之比"): ratio,
+    }
 
 
 def _doubling_note(ctx: lab.RunContext, backend: str, ratios: dict) -> str:
@@ -143,23 +156,31 @@ def _doubling_note(ctx: lab.RunContext, backend: str, ratios: dict) -> str:
 def _notes(ctx: lab.RunContext, ratios: dict, batch: int, seq_len: int, heads: int) -> list[str]:
     notes = [_doubling_note(ctx, backend, ratios) for backend in BACKENDS]
     t_gap = ratios[("eager", "length T")] - ratios[("sdpa", "length T")]
-    notes.append(ctx.say(
-        f"length T: eager's ratio is {t_gap:+.2f} from sdpa's; eager saves {heads} x T softmax "
-        "weights per token (a T² term), the fused kernel only a logsumexp per head and recomputes"
-        " the scores in backward",
-        f"长度 T：eager 的比值与 sdpa 相差 {t_gap:+.2f}；eager 为每个 token 保存 {heads} x T 个 "
-        "softmax 权重（一个 T² 项），融合 kernel 每个头只保存一个 logsumexp，反向时重算注意力分数",
-    ))  # fmt: skip
+    notes.append(
+        ctx.say(
+            f"length T: eager's ratio is {t_gap:+.2f} from sdpa's; eager saves {heads} x T softmax "
+            "weights per token (a T² term), the fused kernel only a logsumexp per head and "
+            "recomputes"
+            " the scores in backward",
+            f"长度 T：eager 的比值与 sdpa 相差 {t_gap:+.2f}；eager 为每个 token 保存 {heads} x T "
+            "个 "
+            "softmax 权重（一个 T² 项），融合 kernel 每个头只保存一个 logsumexp，"
+            "反向时重算注意力分数",
+        )
+    )
     gpt2 = ModelConfig.preset("gpt2-124m")
     base = calc.activation_bytes(gpt2, batch, seq_len)
     wide = calc.activation_bytes(gpt2.replace(d_model=1536, n_heads=24), batch, seq_len)
     deep = calc.activation_bytes(gpt2.replace(n_layers=24), batch, seq_len)
-    notes.append(ctx.say(
-        f"calc memory for GPT-2 124M (vocab 50257): doubling d gives x{wide / base:.2f}, layers "
-        f"x{deep / base:.2f}: a large vocabulary's logits do not grow with either",
-        f"GPT-2 124M（词表 50257）的 calc memory：d 翻倍得到 x{wide / base:.2f}，层数翻倍 "
-        f"x{deep / base:.2f}：大词表的 logits 不随二者增长",
-    ))  # fmt: skip
+    notes.append(
+        ctx.say(
+            f"calc memory for GPT-2 124M (vocab 50257): doubling d gives x{wide / base:.2f}, "
+            "layers "
+            f"x{deep / base:.2f}: a large vocabulary's logits do not grow with either",
+            f"GPT-2 124M（词表 50257）的 calc memory：d 翻倍得到 x{wide / base:.2f}，层数翻倍 "
+            f"x{deep / base:.2f}：大词表的 logits 不随二者增长",
+        )
+    )
     return notes
 
 

@@ -63,8 +63,9 @@ def make_prompt(encode, text: str, n_filler: int, rng: random.Random) -> Prompt:
     if len(filler) < n_filler:
         raise ValueError(f"{8 * n_filler + 100} characters gave fewer than {n_filler} tokens")
     needle = head + digits + tail
-    return Prompt(needle, slice(len(head), len(head) + len(digits)), filler,
-                  encode("\nThe password is"))  # fmt: skip
+    return Prompt(
+        needle, slice(len(head), len(head) + len(digits)), filler, encode("\nThe password is")
+    )
 
 
 @dataclass
@@ -118,8 +119,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
     layer, head = divmod(int(chosen.mean(0).argmax()), chosen.shape[-1])
 
     readings = [[read_prompt(model, p, n) for p in evaluation] for n in fillers]  # [n][prompt]
-    selected = [lab.over_seeds([float(r.needle_weight[layer, head]) for r in rs])
-                for rs in readings]  # fmt: skip
+    selected = [
+        lab.over_seeds([float(r.needle_weight[layer, head]) for r in rs]) for rs in readings
+    ]
     strongest = [lab.over_seeds([float(r.needle_weight.max()) for r in rs]) for rs in readings]
     logprob = [lab.over_seeds([r.logprob for r in rs]) for rs in readings]
     recall = [sum(r.recalled for r in rs) / len(rs) for rs in readings]
@@ -127,65 +129,112 @@ def run(ctx: lab.RunContext) -> lab.Result:
     hd = f"L{layer}H{head}"
     say = ctx.say
     rows = [
-        {say("filler tokens n", "填充 token 数 n"): n,
-         say("keys in the row", "该行的键数"): round(n_keys[i]),
-         say(f"{hd} weight on digits", f"{hd} 在数字上的权重"): str(selected[i]),
-         say("strongest head's weight", "最强头的权重"): str(strongest[i]),
-         say("uniform 1/keys", "均匀分布 1/键数"): 1 / n_keys[i],
-         say("log p(digits) (nats)", "log p(数字)（nats）"): str(logprob[i]),
-         say("greedy recall", "贪心解码召回率"): recall[i]}
+        {
+            say("filler tokens n", "填充 token 数 n"): n,
+            say("keys in the row", "该行的键数"): round(n_keys[i]),
+            say(f"{hd} weight on digits", f"{hd} 在数字上的权重"): str(selected[i]),
+            say("strongest head's weight", "最强头的权重"): str(strongest[i]),
+            say("uniform 1/keys", "均匀分布 1/键数"): 1 / n_keys[i],
+            say("log p(digits) (nats)", "log p(数字)（nats）"): str(logprob[i]),
+            say("greedy recall", "贪心解码召回率"): recall[i],
+        }
         for i, n in enumerate(fillers)
-    ]  # fmt: skip
+    ]
     first, last = fillers[0], fillers[-1]
-    diluted = say("a softmax row thins the weight on a far token as keys grow",
-                  "键越多，softmax 的一行分给远处 token 的权重越稀薄")  # fmt: skip
-    forgets = say("the model forgets the beginning as the context grows",
-                  "上下文越长，模型越会忘掉开头")  # fmt: skip
+    diluted = say(
+        "a softmax row thins the weight on a far token as keys grow",
+        "键越多，softmax 的一行分给远处 token 的权重越稀薄",
+    )
+    forgets = say(
+        "the model forgets the beginning as the context grows", "上下文越长，模型越会忘掉开头"
+    )
     checks = [
-        lab.precondition(lab.at_least(
-            say(f"{hd} weight on the digits at n={first}", f"n={first} 时 {hd} 在数字上的权重"),
-            selected[0].mean, MIN_HEAD_WEIGHT)),
-        lab.precondition(lab.at_least(
-            say(f"greedy recall at n={first}", f"n={first} 时的贪心解码召回率"),
-            recall[0], MIN_RECALL)),
-        lab.at_most(say(f"{hd} weight on the digits: n={last} / n={first}",
-                        f"{hd} 在数字上的权重：n={last} / n={first}"),
-                    _ratio(selected[-1].mean, selected[0].mean), MAX_WEIGHT_RATIO, group=diluted),
-        lab.at_most(say(f"strongest head's weight on the digits: n={last} / n={first}",
-                        f"最强头在数字上的权重：n={last} / n={first}"),
-                    _ratio(strongest[-1].mean, strongest[0].mean), MAX_WEIGHT_RATIO,
-                    group=diluted),
-        lab.exceeds_spread(say(f"log p(digits): n={first} - n={last} (nats)",
-                               f"log p(数字)：n={first} 减 n={last}（nats）"), logprob[0],
-                           logprob[-1], MIN_LOGPROB_DROP, group=forgets),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(f"{hd} weight on the digits at n={first}", f"n={first} 时 {hd} 在数字上的权重"),
+                selected[0].mean,
+                MIN_HEAD_WEIGHT,
+            )
+        ),
+        lab.precondition(
+            lab.at_least(
+                say(f"greedy recall at n={first}", f"n={first} 时的贪心解码召回率"),
+                recall[0],
+                MIN_RECALL,
+            )
+        ),
+        lab.at_most(
+            say(
+                f"{hd} weight on the digits: n={last} / n={first}",
+                f"{hd} 在数字上的权重：n={last} / n={first}",
+            ),
+            _ratio(selected[-1].mean, selected[0].mean),
+            MAX_WEIGHT_RATIO,
+            group=diluted,
+        ),
+        lab.at_most(
+            say(
+                f"strongest head's weight on the digits: n={last} / n={first}",
+                f"最强头在数字上的权重：n={last} / n={first}",
+            ),
+            _ratio(strongest[-1].mean, strongest[0].mean),
+            MAX_WEIGHT_RATIO,
+            group=diluted,
+        ),
+        lab.exceeds_spread(
+            say(
+                f"log p(digits): n={first} - n={last} (nats)",
+                f"log p(数字)：n={first} 减 n={last}（nats）",
+            ),
+            logprob[0],
+            logprob[-1],
+            MIN_LOGPROB_DROP,
+            group=forgets,
+        ),
+    ]
     weight_0 = min(max(selected[0].mean, 1e-6), 1 - 1e-6)
     delta = delta_for(weight_0, round(n_keys[0]))
     reference = [fixed_score_weight(round(k), delta) for k in n_keys]
     notes = [
-        say(f"model: {name}; head L{layer}H{head} chosen on {n_select} selection prompt(s) at "
+        say(
+            f"model: {name}; head L{layer}H{head} chosen on {n_select} selection prompt(s) at "
             f"n={first}, measured on {n_eval} other prompt(s); ± is the spread over prompts",
             f"模型：{name}；头 {hd} 在 n={first} 时由 {n_select} 条选择用提示选出，在另外 "
-            f"{n_eval} 条提示上测量；± 是各提示间的波动（标准差）"),
-        say(f"keys grow {n_keys[-1] / n_keys[0]:.1f}x; L{layer}H{head}'s weight on the digits goes "
+            f"{n_eval} 条提示上测量；± 是各提示间的波动（标准差）",
+        ),
+        say(
+            f"keys grow {n_keys[-1] / n_keys[0]:.1f}x; L{layer}H{head}'s weight on the digits goes "
             f"{selected[0].mean:.3f} -> {selected[-1].mean:.3f}; a row whose scores stayed fixed "
             f"(margin {delta:.2f} fitted at n={first}) would go {reference[0]:.3f} -> "
             f"{reference[-1]:.3f}, a uniform row {1 / n_keys[0]:.3f} -> {1 / n_keys[-1]:.4f}",
             f"键数增长 {n_keys[-1] / n_keys[0]:.1f} 倍；{hd} 在数字上的权重从 "
             f"{selected[0].mean:.3f} 变为 {selected[-1].mean:.3f}；若分数保持不变（在 n={first} "
             f"拟合的差值为 {delta:.2f}），权重会从 {reference[0]:.3f} 变为 {reference[-1]:.3f}，"
-            f"均匀分布的一行从 {1 / n_keys[0]:.3f} 变为 {1 / n_keys[-1]:.4f}"),
-        say(f"the seed speaks of thousands of keys; the longest row here has {round(n_keys[-1])}",
-            f"教程说的是成千上万个键；这里最长的一行有 {round(n_keys[-1])} 个"),
-    ]  # fmt: skip
+            f"均匀分布的一行从 {1 / n_keys[0]:.3f} 变为 {1 / n_keys[-1]:.4f}",
+        ),
+        say(
+            f"the seed speaks of thousands of keys; the longest row here has {round(n_keys[-1])}",
+            f"教程说的是成千上万个键；这里最长的一行有 {round(n_keys[-1])} 个",
+        ),
+    ]
     if ctx.tiny:
-        notes.append(say("tiny mode: a random 1-layer character GPT stands in for SmolLM2",
-                         "tiny 模式：用一个随机初始化的 1 层字符级 GPT 代替 SmolLM2"))  # fmt: skip
-    data = {"fillers": list(fillers), "n_keys": n_keys, "head": [layer, head],
-            "selected_weight": [list(s.values) for s in selected],
-            "strongest_weight": [list(s.values) for s in strongest],
-            "logprob": [list(s.values) for s in logprob], "recall": recall,
-            "fixed_score_reference": reference, "delta": delta}  # fmt: skip
+        notes.append(
+            say(
+                "tiny mode: a random 1-layer character GPT stands in for SmolLM2",
+                "tiny 模式：用一个随机初始化的 1 层字符级 GPT 代替 SmolLM2",
+            )
+        )
+    data = {
+        "fillers": list(fillers),
+        "n_keys": n_keys,
+        "head": [layer, head],
+        "selected_weight": [list(s.values) for s in selected],
+        "strongest_weight": [list(s.values) for s in strongest],
+        "logprob": [list(s.values) for s in logprob],
+        "recall": recall,
+        "fixed_score_reference": reference,
+        "delta": delta,
+    }
     figure = _plot(n_keys, selected, strongest, reference, logprob, f"L{layer}H{head}", name)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -207,8 +256,14 @@ def _model(ctx: lab.RunContext):
         text = text[:20_000]
         tokenizer = CharTokenizer.from_text(text + "The password is 0123456789.\n")
         torch.manual_seed(ctx.seed)
-        cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                          max_seq_len=256, position="rope")  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            max_seq_len=256,
+            position="rope",
+        )
         return build_model(cfg).eval(), tokenizer.encode, text, "tiny random character GPT"
     from glassformer.interop.pretrained import from_pretrained
 
@@ -219,10 +274,18 @@ def _model(ctx: lab.RunContext):
 
 def _plot(n_keys, selected, strongest, reference, logprob, head: str, name: str):
     fig, (left, right) = lab.new_figure(9.0, 3.4, ncols=2)
-    for label, values in ((f"{head} (chosen on other prompts)", selected),
-                          ("strongest head per prompt", strongest)):  # fmt: skip
-        left.errorbar(n_keys, [s.mean for s in values], yerr=[s.spread for s in values],
-                      marker="o", capsize=3, label=label)  # fmt: skip
+    for label, values in (
+        (f"{head} (chosen on other prompts)", selected),
+        ("strongest head per prompt", strongest),
+    ):
+        left.errorbar(
+            n_keys,
+            [s.mean for s in values],
+            yerr=[s.spread for s in values],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     left.plot(n_keys, reference, "k--", label="fixed scores (fitted at the left)")
     left.plot(n_keys, [1 / k for k in n_keys], ":", color="grey", label="uniform 1/keys")
     left.set(
@@ -233,8 +296,14 @@ def _plot(n_keys, selected, strongest, reference, logprob, head: str, name: str)
         title=f"attention on a far token ({name})",
     )
     left.legend(fontsize=7)
-    right.errorbar(n_keys, [s.mean for s in logprob], yerr=[s.spread for s in logprob],
-                   marker="o", capsize=3, color="C2")  # fmt: skip
+    right.errorbar(
+        n_keys,
+        [s.mean for s in logprob],
+        yerr=[s.spread for s in logprob],
+        marker="o",
+        capsize=3,
+        color="C2",
+    )
     right.set(
         xscale="log",
         xlabel="keys in the query's attention row",

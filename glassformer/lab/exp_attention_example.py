@@ -51,8 +51,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
             }
         )
         what = ctx.say(f"numpy weight {token}", f"numpy 权重 {token}")
-        checks.append(lab.approx(what, example.weights[i], PRINTED_WEIGHTS[i],
-                                 PRINTED_TOL, group=NUMPY))  # fmt: skip
+        checks.append(
+            lab.approx(what, example.weights[i], PRINTED_WEIGHTS[i], PRINTED_TOL, group=NUMPY)
+        )
     for i, printed in enumerate(PRINTED_OUTPUT):
         what = ctx.say(f"output[{i}]", f"输出[{i}]")
         checks.append(lab.approx(what, example.output[i], printed, OUTPUT_TOL, NUMPY))
@@ -117,12 +118,16 @@ def _lead(weights: np.ndarray) -> float:
 
 def _plot(numpy_weights: np.ndarray, prose: np.ndarray):
     fig, ax = lab.new_figure(6.4, 3.4)
-    lab.grouped_bars(ax, [f"「它」→「{t}」" for t in TOKENS], {
-        "numpy run (ours)": numpy_weights,
-        "printed ≈[0.503 0.237 0.260]": PRINTED_WEIGHTS,
-        "softmax(8,2,3 / √64) (ours)": prose,
-        "prose claims 0.60/0.16/0.24": PROSE_WEIGHTS,
-    })  # fmt: skip
+    lab.grouped_bars(
+        ax,
+        [f"「它」→「{t}」" for t in TOKENS],
+        {
+            "numpy run (ours)": numpy_weights,
+            "printed ≈[0.503 0.237 0.260]": PRINTED_WEIGHTS,
+            "softmax(8,2,3 / √64) (ours)": prose,
+            "prose claims 0.60/0.16/0.24": PROSE_WEIGHTS,
+        },
+    )
     ax.set_ylabel("attention weight")
     ax.set_title("seed 002: 它 attends to 猫 / 累 / 它")
     ax.legend(fontsize=7)

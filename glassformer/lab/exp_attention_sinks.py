@@ -75,48 +75,76 @@ def run(ctx: lab.RunContext) -> lab.Result:
     covered, position, column = readings[name]
     hot = covered >= 0.5  # (L, H): heads with a hot key in most windows
     column_of_hot = float(column[hot].mean()) if hot.any() else 0.0
-    group = say("one token is weighted heavily by every position at once",
-                "一个热门 token 被所有位置同时重仓")  # fmt: skip
+    group = say(
+        "one token is weighted heavily by every position at once",
+        "一个热门 token 被所有位置同时重仓",
+    )
     checks = [
-        lab.at_least(say(f"{name}: share of heads with a hot key",
-                         f"{name}：有热门 key 的头所占比例"), share[name], MIN_SHARE, group=group),
-        lab.at_least(say("share of heads with a hot key: trained - random weights",
-                         "有热门 key 的头所占比例：训练过的 - 随机权重"),
-                     share[name] - share["random weights"], MIN_SHARE, group=group),
-        lab.at_least(say(f"{name}: hot key's column sum over the queries, those heads (a row "
-                         "sums to 1)", f"{name}：这些头里热门 key 那一列对所有查询的和（一行之和"
-                         "为 1）"), column_of_hot, MIN_COLUMN_OVER_ROW,
-                     group=say("columns are not normalised", "列不归一")),
-    ]  # fmt: skip
+        lab.at_least(
+            say(f"{name}: share of heads with a hot key", f"{name}：有热门 key 的头所占比例"),
+            share[name],
+            MIN_SHARE,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                "share of heads with a hot key: trained - random weights",
+                "有热门 key 的头所占比例：训练过的 - 随机权重",
+            ),
+            share[name] - share["random weights"],
+            MIN_SHARE,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                f"{name}: hot key's column sum over the queries, those heads (a row sums to 1)",
+                f"{name}：这些头里热门 key 那一列对所有查询的和（一行之和为 1）",
+            ),
+            column_of_hot,
+            MIN_COLUMN_OVER_ROW,
+            group=say("columns are not normalised", "列不归一"),
+        ),
+    ]
     positions = position[hot].tolist()
     at_first = sum(p == 0 for p in positions)
     model_col, share_col = say("model", "模型"), say("heads with a hot key", "有热门 key 的头")
     column_col = say("mean hottest column sum", "最热一列之和的均值")
-    rows = [{model_col: say(n, "随机权重" if n == "random weights" else n),
-             share_col: f"{int((c >= 0.5).sum())} / {c.numel()}",
-             column_col: float(col.amax(dim=-1).mean())}
-            for n, (c, _, col) in readings.items()]  # fmt: skip
+    rows = [
+        {
+            model_col: say(n, "随机权重" if n == "random weights" else n),
+            share_col: f"{int((c >= 0.5).sum())} / {c.numel()}",
+            column_col: float(col.amax(dim=-1).mean()),
+        }
+        for n, (c, _, col) in readings.items()
+    ]
     n_queries = ids.shape[1] - MIN_QUERY
     notes = [
-        ctx.say(f"{ids.shape[0]} windows of {ids.shape[1]} tokens of held-out Shakespeare; "
-                f"queries from position {MIN_QUERY} on ({n_queries} per window, so a column can "
-                f"hold up to {n_queries}); a hot key takes >= {HEAVY} of >= {COVERAGE:.0%} of "
-                "them in one window, and a head has one when most windows do",
-                f"{ids.shape[0]} 个取自留出莎士比亚文本的 {ids.shape[1]} token 窗口；只计位置 "
-                f"{MIN_QUERY} 起的查询（每个窗口 {n_queries} 个，所以一列之和最多为 {n_queries}）；"
-                f"热门 key：在一个窗口里拿到至少 {COVERAGE:.0%} 查询的 >= {HEAVY} 权重，"
-                "多数窗口都有时，这个头就算有热门 key"),
-        ctx.say(f"{name}: of the {len(positions)} heads with a hot key, {at_first} have it at "
-                "the window's first token (an attention sink: a place to park weight when no "
-                "key is relevant, Xiao et al. 2023)",
-                f"{name}：{len(positions)} 个有热门 key 的头中，{at_first} 个的热门 key 是窗口的"
-                "第一个 token（注意力汇点：没有相关的 key 时用来安放权重的位置，Xiao et al. "
-                "2023）"),
-    ]  # fmt: skip
-    data = {n: {"hot_share_by_head": c.tolist(), "hot_position": p.tolist(),
-                "column": col.tolist()} for n, (c, p, col) in readings.items()}  # fmt: skip
-    return lab.Result.from_checks(rows, checks, figure=_plot(readings, name), data=data,
-                                  notes=notes)  # fmt: skip
+        ctx.say(
+            f"{ids.shape[0]} windows of {ids.shape[1]} tokens of held-out Shakespeare; "
+            f"queries from position {MIN_QUERY} on ({n_queries} per window, so a column can "
+            f"hold up to {n_queries}); a hot key takes >= {HEAVY} of >= {COVERAGE:.0%} of "
+            "them in one window, and a head has one when most windows do",
+            f"{ids.shape[0]} 个取自留出莎士比亚文本的 {ids.shape[1]} token 窗口；只计位置 "
+            f"{MIN_QUERY} 起的查询（每个窗口 {n_queries} 个，所以一列之和最多为 {n_queries}）；"
+            f"热门 key：在一个窗口里拿到至少 {COVERAGE:.0%} 查询的 >= {HEAVY} 权重，"
+            "多数窗口都有时，这个头就算有热门 key",
+        ),
+        ctx.say(
+            f"{name}: of the {len(positions)} heads with a hot key, {at_first} have it at "
+            "the window's first token (an attention sink: a place to park weight when no "
+            "key is relevant, Xiao et al. 2023)",
+            f"{name}：{len(positions)} 个有热门 key 的头中，{at_first} 个的热门 key 是窗口的"
+            "第一个 token（注意力汇点：没有相关的 key 时用来安放权重的位置，Xiao et al. "
+            "2023）",
+        ),
+    ]
+    data = {
+        n: {"hot_share_by_head": c.tolist(), "hot_position": p.tolist(), "column": col.tolist()}
+        for n, (c, p, col) in readings.items()
+    }
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(readings, name), data=data, notes=notes
+    )
 
 
 def _plot(readings: dict, name: str):

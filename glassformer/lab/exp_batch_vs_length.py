@@ -41,39 +41,75 @@ def run(ctx: lab.RunContext) -> lab.Result:
     lengths = [l0 * f for f in (1, 2, 4, 8)]
     fits = {}
     for backend in BACKENDS:
-        cfg = ModelConfig(vocab_size=256, d_model=d, n_layers=layers, n_heads=heads,
-                          max_seq_len=lengths[-1], attention_backend=backend)  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=256,
+            d_model=d,
+            n_layers=layers,
+            n_heads=heads,
+            max_seq_len=lengths[-1],
+            attention_backend=backend,
+        )
         budget = measure(cfg, b0, l0, ctx.seed)["bytes"]
         fits[backend] = [largest_batch(cfg, t, budget, ctx.seed, 2 * b0) for t in lengths]
-    product = {b: [n * t / (b0 * l0) for n, t in zip(fits[b], lengths, strict=True)]
-               for b in BACKENDS}  # fmt: skip
+    product = {
+        b: [n * t / (b0 * l0) for n, t in zip(fits[b], lengths, strict=True)] for b in BACKENDS
+    }
     group = say("batch and length trade off", "batch 和长度此消彼长")
     checks = [
-        lab.at_most(say("sdpa: largest |batch x length / (B0 x L0) - 1| over the lengths",
-                        "sdpa：各长度下 |batch x 长度 / (B0 x L0) - 1| 的最大值"),
-                    max(abs(p - 1) for p in product["sdpa"]), KEEP_PRODUCT, group=group),
-        lab.at_most(say(f"eager: batch x length / (B0 x L0) at length {lengths[-1]}",
-                        f"eager：长度 {lengths[-1]} 时的 batch x 长度 / (B0 x L0)"),
-                    product["eager"][-1], 1.0 - 1e-9, group=group),
-        lab.at_least(say(f"sdpa: largest batch at length {l0} / at {lengths[-1]}",
-                         f"sdpa：长度 {l0} 时最大 batch / 长度 {lengths[-1]} 时"),
-                     fits["sdpa"][0] / max(fits["sdpa"][-1], 1), 4.0, group=group),
-    ]  # fmt: skip
+        lab.at_most(
+            say(
+                "sdpa: largest |batch x length / (B0 x L0) - 1| over the lengths",
+                "sdpa：各长度下 |batch x 长度 / (B0 x L0) - 1| 的最大值",
+            ),
+            max(abs(p - 1) for p in product["sdpa"]),
+            KEEP_PRODUCT,
+            group=group,
+        ),
+        lab.at_most(
+            say(
+                f"eager: batch x length / (B0 x L0) at length {lengths[-1]}",
+                f"eager：长度 {lengths[-1]} 时的 batch x 长度 / (B0 x L0)",
+            ),
+            product["eager"][-1],
+            1.0 - 1e-9,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                f"sdpa: largest batch at length {l0} / at {lengths[-1]}",
+                f"sdpa：长度 {l0} 时最大 batch / 长度 {lengths[-1]} 时",
+            ),
+            fits["sdpa"][0] / max(fits["sdpa"][-1], 1),
+            4.0,
+            group=group,
+        ),
+    ]
     t_col = say("length L", "长度 L")
-    rows = [{t_col: t, **{say(f"largest batch, {b}", f"最大 batch，{b}"): fits[b][i]
-                          for b in BACKENDS},
-             **{say(f"batch x L / (B0 x L0), {b}", f"batch x L / (B0 x L0)，{b}"): product[b][i]
-                for b in BACKENDS}}
-            for i, t in enumerate(lengths)]  # fmt: skip
-    notes = [ctx.say(
-        f"a GPT of {layers} layers, d={d}, {heads} heads, fp32; the budget is the activation "
-        f"memory of a training step at batch {b0} and length {l0} on each path; the largest batch "
-        f"that fits is searched up to {2 * b0}",
-        f"GPT：{layers} 层，d={d}，{heads} 个头，fp32；预算是每条路径上 batch {b0}、长度 {l0} "
-        f"时一个训练步的激活值内存；在不超过 {2 * b0} 的范围内搜索装得下的最大 batch")]  # fmt: skip
+    rows = [
+        {
+            t_col: t,
+            **{say(f"largest batch, {b}", f"最大 batch，{b}"): fits[b][i] for b in BACKENDS},
+            **{
+                say(f"batch x L / (B0 x L0), {b}", f"batch x L / (B0 x L0)，{b}"): product[b][i]
+                for b in BACKENDS
+            },
+        }
+        for i, t in enumerate(lengths)
+    ]
+    notes = [
+        ctx.say(
+            f"a GPT of {layers} layers, d={d}, {heads} heads, fp32; the budget is the activation "
+            f"memory of a training step at batch {b0} and length {l0} on each path; the largest "
+            "batch "
+            f"that fits is searched up to {2 * b0}",
+            f"GPT：{layers} 层，d={d}，{heads} 个头，fp32；预算是每条路径上 batch {b0}、长度 {l0} "
+            f"时一个训练步的激活值内存；在不超过 {2 * b0} 的范围内搜索装得下的最大 batch",
+        )
+    ]
     data = {"lengths": lengths, "fits": fits, "budget_batch": b0, "budget_length": l0}
-    return lab.Result.from_checks(rows, checks, figure=_plot(lengths, fits, b0, l0), data=data,
-                                  notes=notes)  # fmt: skip
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(lengths, fits, b0, l0), data=data, notes=notes
+    )
 
 
 def _plot(lengths: list[int], fits: dict, b0: int, l0: int):
@@ -81,7 +117,12 @@ def _plot(lengths: list[int], fits: dict, b0: int, l0: int):
     for backend in BACKENDS:
         ax.plot(lengths, fits[backend], "o-", label=backend)
     ax.plot(lengths, [b0 * l0 / t for t in lengths], "k:", label="B0 x L0 / L")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length L",
-           ylabel="largest batch in the budget", title="one activation-memory budget")  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length L",
+        ylabel="largest batch in the budget",
+        title="one activation-memory budget",
+    )
     ax.legend(fontsize=7)
     return fig

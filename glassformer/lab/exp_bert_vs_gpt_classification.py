@@ -37,8 +37,11 @@ from glassformer.tokenizers import CharTokenizer
 
 SPLITS = {"train": 0.75, "val": 0.10, "test": 0.15}  # of every play, in this order
 READINGS = ("first character", "last character", "mean over the word")
-READINGS_ZH = {"first character": "首字符", "last character": "末字符",
-               "mean over the word": "全词平均"}  # fmt: skip
+READINGS_ZH = {
+    "first character": "首字符",
+    "last character": "末字符",
+    "mean over the word": "全词平均",
+}
 MODELS = ("GPT (causal)", "BERT (bidirectional)")
 MODELS_ZH = {"GPT (causal)": "GPT（因果）", "BERT (bidirectional)": "BERT（双向）"}
 NAME_SHARE = 0.5  # training windows that hold a name: names are 1% of the words
@@ -124,9 +127,12 @@ def name_data(chars_per_play: int | None = None) -> NameData:
     pieces = [cut(dialogue(p)[:chars_per_play]) for p in plays]
     texts = {split: " ".join(p[i] for p in pieces) for i, split in enumerate(SPLITS)}
     tokenizer = CharTokenizer.from_text("".join(texts.values()))
-    splits = {split: Split(torch.tensor(tokenizer.encode(t)), torch.tensor(name_tags(t, names)),
-                           word_spans(t))
-              for split, t in texts.items()}  # fmt: skip
+    splits = {
+        split: Split(
+            torch.tensor(tokenizer.encode(t)), torch.tensor(name_tags(t, names)), word_spans(t)
+        )
+        for split, t in texts.items()
+    }
     return NameData(tokenizer, names, splits)
 
 
@@ -243,28 +249,44 @@ class Sizes:
 
 
 def sizes(ctx: lab.RunContext) -> Sizes:
-    return ctx.pick(full=Sizes(None, 64, 96, 3, 2400, 32, 300),
-                    quick=Sizes(30_000, 64, 64, 2, 900, 32, 150),
-                    tiny=Sizes(3_000, 32, 16, 1, 8, 8, 2))  # fmt: skip
+    return ctx.pick(
+        full=Sizes(None, 64, 96, 3, 2400, 32, 300),
+        quick=Sizes(30_000, 64, 64, 2, 900, 32, 150),
+        tiny=Sizes(3_000, 32, 16, 1, 8, 8, 2),
+    )
 
 
 def train_and_score(data: NameData, size: Sizes, seed: int) -> dict[str, dict]:
     """Both twins trained on the same batches: per model its losses and every reading's F1 on
     the validation and the test split."""
-    cfg = ModelConfig(vocab_size=data.tokenizer.vocab_size, d_model=size.d_model,
-                      n_layers=size.n_layers, n_heads=4 if size.d_model >= 64 else 2,
-                      max_seq_len=size.length, position="learned", norm="layer",
-                      norm_position="pre", ffn="gelu")  # fmt: skip
-    schedule = Schedule(max_steps=size.steps, learning_rate=2e-3,
-                        warmup_steps=min(50, size.steps // 4), weight_decay=0.0)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=data.tokenizer.vocab_size,
+        d_model=size.d_model,
+        n_layers=size.n_layers,
+        n_heads=4 if size.d_model >= 64 else 2,
+        max_seq_len=size.length,
+        position="learned",
+        norm="layer",
+        norm_position="pre",
+        ffn="gelu",
+    )
+    schedule = Schedule(
+        max_steps=size.steps,
+        learning_rate=2e-3,
+        warmup_steps=min(50, size.steps // 4),
+        weight_decay=0.0,
+    )
     out = {}
     for name, model in twin_taggers(cfg, seed).items():
-        losses = fit(model, batches(data.splits["train"], size.batch_size, size.length, seed),
-                     schedule)  # fmt: skip
-        out[name] = {"losses": losses,
-                     "val": reading_f1(model, data.splits["val"], size.length),
-                     "test": reading_f1(model, data.splits["test"], size.length),
-                     "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+        losses = fit(
+            model, batches(data.splits["train"], size.batch_size, size.length, seed), schedule
+        )
+        out[name] = {
+            "losses": losses,
+            "val": reading_f1(model, data.splits["val"], size.length),
+            "test": reading_f1(model, data.splits["test"], size.length),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
     return out
 
 
@@ -279,50 +301,82 @@ def run(ctx: lab.RunContext) -> lab.Result:
     data = name_data(size.chars_per_play)
     seeds = ctx.seeds()
     runs = [train_and_score(data, size, seed) for seed in seeds]  # per seed: model -> run
-    test = {m: {r: lab.over_seeds([run[m]["test"][r] for run in runs]) for r in READINGS}
-            for m in MODELS}  # fmt: skip
-    best = {m: lab.over_seeds([run[m]["test"][best_reading(run[m])] for run in runs])
-            for m in MODELS}  # fmt: skip
+    test = {
+        m: {r: lab.over_seeds([run[m]["test"][r] for run in runs]) for r in READINGS}
+        for m in MODELS
+    }
+    best = {
+        m: lab.over_seeds([run[m]["test"][best_reading(run[m])] for run in runs]) for m in MODELS
+    }
     chosen = {m: [best_reading(run[m]) for run in runs] for m in MODELS}
     say = ctx.say
     rows = [_row(say, m, runs, test[m], best[m], chosen[m]) for m in MODELS]
-    checks = [_converged(say, m, seed, run[m]["losses"], size.plateau_window)
-              for seed, run in zip(seeds, runs, strict=True) for m in MODELS]  # fmt: skip
-    checks += [lab.precondition(lab.at_least(
-        say(f"{m}: held-out F1 at its best reading", f"{MODELS_ZH[m]}：最佳读法的留出 F1"),
-        best[m].mean, MIN_LEARNED)) for m in MODELS]  # fmt: skip
+    checks = [
+        _converged(say, m, seed, run[m]["losses"], size.plateau_window)
+        for seed, run in zip(seeds, runs, strict=True)
+        for m in MODELS
+    ]
+    checks += [
+        lab.precondition(
+            lab.at_least(
+                say(f"{m}: held-out F1 at its best reading", f"{MODELS_ZH[m]}：最佳读法的留出 F1"),
+                best[m].mean,
+                MIN_LEARNED,
+            )
+        )
+        for m in MODELS
+    ]
     gpt, bert = MODELS
     checks += [
         lab.exceeds_spread(
-            say("held-out F1 at the word's first character: BERT - GPT",
-                "在词的首字符读出的留出 F1：BERT − GPT"),
-            test[bert]["first character"], test[gpt]["first character"], MIN_ADVANTAGE,
-            group=say("each position uses what comes after it", "每个位置都用上它后面的信息")),
+            say(
+                "held-out F1 at the word's first character: BERT - GPT",
+                "在词的首字符读出的留出 F1：BERT − GPT",
+            ),
+            test[bert]["first character"],
+            test[gpt]["first character"],
+            MIN_ADVANTAGE,
+            group=say("each position uses what comes after it", "每个位置都用上它后面的信息"),
+        ),
         lab.exceeds_spread(
-            say("held-out F1, each at its best reading: BERT - GPT",
-                "各自最佳读法的留出 F1：BERT − GPT"),
-            best[bert], best[gpt], MIN_ADVANTAGE,
-            group=say("BERT beats GPT at tagging names, same size",
-                      "同等规模下 BERT 标注人名胜过 GPT")),
-    ]  # fmt: skip
+            say(
+                "held-out F1, each at its best reading: BERT - GPT",
+                "各自最佳读法的留出 F1：BERT − GPT",
+            ),
+            best[bert],
+            best[gpt],
+            MIN_ADVANTAGE,
+            group=say(
+                "BERT beats GPT at tagging names, same size", "同等规模下 BERT 标注人名胜过 GPT"
+            ),
+        ),
+    ]
     notes = _notes(ctx, data, size, seeds, test, best, chosen)
-    data_out = {"test_f1": {m: [run[m]["test"] for run in runs] for m in MODELS},
-                "val_f1": {m: [run[m]["val"] for run in runs] for m in MODELS},
-                "best_reading": chosen, "seeds": seeds, "sizes": vars(size),
-                "names": len(data.names)}  # fmt: skip
+    data_out = {
+        "test_f1": {m: [run[m]["test"] for run in runs] for m in MODELS},
+        "val_f1": {m: [run[m]["val"] for run in runs] for m in MODELS},
+        "best_reading": chosen,
+        "seeds": seeds,
+        "sizes": vars(size),
+        "names": len(data.names),
+    }
     figure = _plot(ctx, test, runs)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data_out, notes=notes)
 
 
 def _converged(say, model: str, seed: int, losses: list[float], window: int) -> lab.Check:
-    what = say(f"{model}, seed {seed}: loss drop over the last {window} steps",
-               f"{MODELS_ZH[model]}，随机种子 {seed}：最后 {window} 步的损失降幅")  # fmt: skip
+    what = say(
+        f"{model}, seed {seed}: loss drop over the last {window} steps",
+        f"{MODELS_ZH[model]}，随机种子 {seed}：最后 {window} 步的损失降幅",
+    )
     return lab.converged(what, losses, window, PLATEAU_TOLERANCE)
 
 
 def _row(say, model: str, runs: list[dict], test: dict, best: lab.Spread, chosen: list) -> dict:
-    row = {say("model", "模型"): say(model, MODELS_ZH[model]),
-           say("parameters", "参数量"): runs[0][model]["parameters"]}  # fmt: skip
+    row = {
+        say("model", "模型"): say(model, MODELS_ZH[model]),
+        say("parameters", "参数量"): runs[0][model]["parameters"],
+    }
     for reading in READINGS:
         key = say(f"held-out F1, {reading}", f"留出 F1，{READINGS_ZH[reading]}")
         row[key] = str(test[reading])
@@ -342,32 +396,42 @@ def _notes(ctx, data: NameData, size: Sizes, seeds, test, best, chosen) -> list[
     first = test[bert]["first character"].mean - test[gpt]["first character"].mean
     gpt_zh, bert_zh = ("、".join(READINGS_ZH[r] for r in chosen[m]) for m in (gpt, bert))
     notes = [
-        ctx.say(f"task: tag the characters of {len(data.names)} speakers' names in the plays' "
-                f"dialogue; {size.steps} steps of {size.batch_size} windows of {size.length} "
-                f"characters ({NAME_SHARE:.0%} placed to hold a name), {len(seeds)} seed(s); "
-                f"test: the plays' last 15%, {len(test_split.words)} words of which {n_names} "
-                "are names",
-                f"任务：在剧本台词里标出 {len(data.names)} 个角色名的每个字符；训练 "
-                f"{size.steps} 步，每步 {size.batch_size} 个 {size.length} 字符的窗口"
-                f"（{NAME_SHARE:.0%} 的窗口特意含人名），{len(seeds)} 个随机种子；测试集为每部剧的"
-                f"最后 15%，共 {len(test_split.words)} 个词，其中 {n_names} 个是人名"),
-        ctx.say(f"at a word's first character the GPT has not seen the rest of the word: BERT - "
-                f"GPT there is {first:+.3f} F1; each at its best reading (chosen on the "
-                f"validation slice: GPT {', '.join(chosen[gpt])}; BERT "
-                f"{', '.join(chosen[bert])}), BERT - GPT is "
-                f"{best[bert].mean - best[gpt].mean:+.3f}",
-                f"在词的首字符，GPT 还没看到这个词的其余部分：此处 BERT − GPT 为 {first:+.3f} F1；"
-                f"各取验证集上选出的最佳读法（GPT：{gpt_zh}；BERT：{bert_zh}），BERT − GPT 为 "
-                f"{best[bert].mean - best[gpt].mean:+.3f}"),
-        ctx.say("the GPT's last character of a word is its best causal reading: it has seen the "
-                "whole word and everything before, only not what follows; both start from the same "
-                "weights and see the same batches, so the causal mask is the only difference",
-                "词的末字符是 GPT 最好的因果读法：它已看过整个词及其前文，只是看不到后文；"
-                "两个模型初始权重相同、训练批次相同，唯一的区别是因果掩码"),
-    ]  # fmt: skip
+        ctx.say(
+            f"task: tag the characters of {len(data.names)} speakers' names in the plays' "
+            f"dialogue; {size.steps} steps of {size.batch_size} windows of {size.length} "
+            f"characters ({NAME_SHARE:.0%} placed to hold a name), {len(seeds)} seed(s); "
+            f"test: the plays' last 15%, {len(test_split.words)} words of which {n_names} "
+            "are names",
+            f"任务：在剧本台词里标出 {len(data.names)} 个角色名的每个字符；训练 "
+            f"{size.steps} 步，每步 {size.batch_size} 个 {size.length} 字符的窗口"
+            f"（{NAME_SHARE:.0%} 的窗口特意含人名），{len(seeds)} 个随机种子；测试集为每部剧的"
+            f"最后 15%，共 {len(test_split.words)} 个词，其中 {n_names} 个是人名",
+        ),
+        ctx.say(
+            f"at a word's first character the GPT has not seen the rest of the word: BERT - "
+            f"GPT there is {first:+.3f} F1; each at its best reading (chosen on the "
+            f"validation slice: GPT {', '.join(chosen[gpt])}; BERT "
+            f"{', '.join(chosen[bert])}), BERT - GPT is "
+            f"{best[bert].mean - best[gpt].mean:+.3f}",
+            f"在词的首字符，GPT 还没看到这个词的其余部分：此处 BERT − GPT 为 {first:+.3f} F1；"
+            f"各取验证集上选出的最佳读法（GPT：{gpt_zh}；BERT：{bert_zh}），BERT − GPT 为 "
+            f"{best[bert].mean - best[gpt].mean:+.3f}",
+        ),
+        ctx.say(
+            "the GPT's last character of a word is its best causal reading: it has seen the "
+            "whole word and everything before, only not what follows; both start from the same "
+            "weights and see the same batches, so the causal mask is the only difference",
+            "词的末字符是 GPT 最好的因果读法：它已看过整个词及其前文，只是看不到后文；"
+            "两个模型初始权重相同、训练批次相同，唯一的区别是因果掩码",
+        ),
+    ]
     if ctx.tiny:
-        notes.append(ctx.say("tiny mode: a few steps; the scores say nothing about the claim",
-                             "tiny 模式：只训练几步，分数与论断无关"))  # fmt: skip
+        notes.append(
+            ctx.say(
+                "tiny mode: a few steps; the scores say nothing about the claim",
+                "tiny 模式：只训练几步，分数与论断无关",
+            )
+        )
     return notes
 
 
@@ -383,14 +447,21 @@ def _plot(ctx, test: dict, runs: list[dict]):
             values = test[model][reading].values
             left.plot([x[j]] * len(values), values, "k.", markersize=4)
     left.set_xticks(range(len(READINGS)), READINGS)
-    left.set(ylabel="held-out F1 (names)", ylim=(0, 1), xlabel="where a word's tag is read",
-             title="same network, causal vs bidirectional mask")  # fmt: skip
+    left.set(
+        ylabel="held-out F1 (names)",
+        ylim=(0, 1),
+        xlabel="where a word's tag is read",
+        title="same network, causal vs bidirectional mask",
+    )
     left.legend(fontsize=8)
     for i, model in enumerate(MODELS):
         for k, run in enumerate(runs):
             curve = lab.trailing_mean(run[model]["losses"], 50)
             right.plot(curve, color=f"C{i}", alpha=0.8, label=model if k == 0 else None)
-    right.set(xlabel="training step", ylabel="tagging loss (nats, 50-step mean)",
-              title=f"training, {len(runs)} seed(s) each")  # fmt: skip
+    right.set(
+        xlabel="training step",
+        ylabel="tagging loss (nats, 50-step mean)",
+        title=f"training, {len(runs)} seed(s) each",
+    )
     right.legend(fontsize=8)
     return fig

@@ -51,11 +51,18 @@ class UnmaskedGPT(GPT):
     """A GPT whose attention also sees the positions after each query: the seed's "without
     the causal mask". Its parameters are a GPT's, so its weights load into one."""
 
-    def _attention_mask(self, positions, key_positions, padding_mask, document_ids,
-                        simplify: bool = True) -> AttentionMask:  # fmt: skip
-        return attention_mask(positions, key_positions, causal=False,
-                              sliding_window=self.cfg.sliding_window, padding_mask=padding_mask,
-                              document_ids=document_ids, simplify=simplify)  # fmt: skip
+    def _attention_mask(
+        self, positions, key_positions, padding_mask, document_ids, simplify: bool = True
+    ) -> AttentionMask:
+        return attention_mask(
+            positions,
+            key_positions,
+            causal=False,
+            sliding_window=self.cfg.sliding_window,
+            padding_mask=padding_mask,
+            document_ids=document_ids,
+            simplify=simplify,
+        )
 
 
 def causal_copy(model: UnmaskedGPT) -> GPT:
@@ -66,17 +73,28 @@ def causal_copy(model: UnmaskedGPT) -> GPT:
 
 
 def config(ctx: lab.RunContext, vocab_size: int, context: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, d_model=ctx.pick(96, 64, 16), n_layers=2,
-                       n_heads=4, max_seq_len=context, position="rope")  # fmt: skip
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=ctx.pick(96, 64, 16),
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=context,
+        position="rope",
+    )
 
 
-def train_pair(ctx: lab.RunContext, seed: int, ids: torch.Tensor, vocab_size: int,
-               context: int) -> dict[str, tuple[torch.nn.Module, list[float]]]:  # fmt: skip
+def train_pair(
+    ctx: lab.RunContext, seed: int, ids: torch.Tensor, vocab_size: int, context: int
+) -> dict[str, tuple[torch.nn.Module, list[float]]]:
     """{"causal": (model, losses), "unmasked": (...)}: one seed's two models, trained from the
     same initial weights on the same batches."""
     steps = ctx.pick(1500, 600, 10)
-    schedule = Schedule(max_steps=steps, learning_rate=ctx.pick(3e-3, 4e-3, 3e-3),
-                        warmup_steps=max(1, steps // 20), weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=steps,
+        learning_rate=ctx.pick(3e-3, 4e-3, 3e-3),
+        warmup_steps=max(1, steps // 20),
+        weight_decay=0.0,
+    )
     batch_size = ctx.pick(16, 16, 4)
     out = {}
     for name, cls in (("causal", GPT), ("unmasked", UnmaskedGPT)):
@@ -91,8 +109,9 @@ def tail_mean(losses: list[float], window: int) -> float:
     return sum(losses[-window:]) / window
 
 
-def plateau(ctx: lab.RunContext, name: str, seed: int, losses: list[float],
-            window: int) -> lab.Check:  # fmt: skip
+def plateau(
+    ctx: lab.RunContext, name: str, seed: int, losses: list[float], window: int
+) -> lab.Check:
     """Precondition: the run stopped learning. The causal model: lab.converged's relative drop;
     the unmasked one: the drop in nats, as its loss heads to 0."""
     if name == "causal":
@@ -100,13 +119,13 @@ def plateau(ctx: lab.RunContext, name: str, seed: int, losses: list[float],
             f"causal model, seed {seed}: relative loss drop over the last fifth of training",
             f"有因果掩码的模型，随机种子 {seed}：训练最后五分之一的损失相对降幅",
         )
-        return lab.converged(what, losses, window, PLATEAU_TOL)  # fmt: skip
+        return lab.converged(what, losses, window, PLATEAU_TOL)
     drop = tail_mean(losses[:-window], window) - tail_mean(losses, window)
     what = ctx.say(
         f"unmasked model, seed {seed}: loss drop over the last fifth of training (nats)",
         f"无因果掩码的模型，随机种子 {seed}：训练最后五分之一的损失降幅（nats）",
     )
-    return lab.precondition(lab.at_most(what, drop, PLATEAU_NATS))  # fmt: skip
+    return lab.precondition(lab.at_most(what, drop, PLATEAU_NATS))
 
 
 def greedy_text(model: GPT, tokenizer, prompt: str, n: int) -> str:
@@ -137,9 +156,10 @@ def run(ctx: lab.RunContext) -> lab.Result:
         held_out["unmasked, reading ahead"].append(eval_loss(unmasked, corpus.val, context, n_eval))
         if seed == seeds[0]:
             n_new = ctx.pick(80, 80, 8)
-            samples = {"causal": greedy_text(causal, corpus.tokenizer, prompt, n_new),
-                       "unmasked": greedy_text(causal_copy(unmasked), corpus.tokenizer, prompt,
-                                               n_new)}  # fmt: skip
+            samples = {
+                "causal": greedy_text(causal, corpus.tokenizer, prompt, n_new),
+                "unmasked": greedy_text(causal_copy(unmasked), corpus.tokenizer, prompt, n_new),
+            }
     unigram = unigram_entropy(corpus.train)
     train = {k: lab.over_seeds(v) for k, v in train_loss.items()}
     held = {k: lab.over_seeds(v) for k, v in held_out.items()}
@@ -147,39 +167,79 @@ def run(ctx: lab.RunContext) -> lab.Result:
     rows = _rows(ctx, train, held, unigram)
     notes = _notes(ctx, held, unigram, prompt, samples, seeds, vocab)
     figure = _plot(curves, held, unigram)
-    data = {"seeds": seeds, "train_loss_last_fifth": train_loss, "held_out_loss": held_out,
-            "unigram_entropy": unigram, "context": context, "samples": samples,
-            "steps": len(curves["causal"][0])}  # fmt: skip
+    data = {
+        "seeds": seeds,
+        "train_loss_last_fifth": train_loss,
+        "held_out_loss": held_out,
+        "unigram_entropy": unigram,
+        "context": context,
+        "samples": samples,
+        "steps": len(curves["causal"][0]),
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-_ZH = {"causal": "有因果掩码的模型", "unmasked": "无因果掩码的模型",
-       "unmasked, reading ahead": "无因果掩码的模型（照样看后文）"}  # fmt: skip
+_ZH = {
+    "causal": "有因果掩码的模型",
+    "unmasked": "无因果掩码的模型",
+    "unmasked, reading ahead": "无因果掩码的模型（照样看后文）",
+}
 COPIES = ("without the mask, training copies the answer", "不加掩码，训练就是抄答案")
-USELESS = ("generation, which cannot see the future, gets nothing from it",
-           "生成时看不到未来，抄来的本事用不上")  # fmt: skip
+USELESS = (
+    "generation, which cannot see the future, gets nothing from it",
+    "生成时看不到未来，抄来的本事用不上",
+)
 
 
 def _checks(ctx: lab.RunContext, train: dict, held: dict, unigram: float) -> list[lab.Check]:
     copies, useless = ctx.say(*COPIES), ctx.say(*USELESS)
     return [
-        lab.precondition(lab.at_least(
-            ctx.say("unigram entropy - causal model's held-out loss (nats)",
-                    "一元熵 - 有因果掩码模型的留出损失（nats）"),
-            unigram - held["causal"].mean, MIN_LEARNED)),
-        lab.at_most(ctx.say("unmasked model's training loss, last fifth (nats)",
-                            "无因果掩码模型最后五分之一训练的损失（nats）"),
-                    train["unmasked"].mean, NEAR_ZERO, group=copies),
-        lab.exceeds_spread(ctx.say("causal - unmasked training loss (nats)",
-                                   "训练损失：有掩码 - 无掩码（nats）"),
-                           train["causal"], train["unmasked"], MIN_GAP, group=copies),
-        lab.exceeds_spread(ctx.say("held-out loss read causally: unmasked - causal (nats)",
-                                   "按因果方式读留出文本的损失：无掩码 - 有掩码（nats）"),
-                           held["unmasked"], held["causal"], MIN_GAP, group=useless),
-        lab.at_least(ctx.say("unmasked model's causal held-out loss - unigram entropy (nats)",
-                             "无掩码模型按因果方式的留出损失 - 一元熵（nats）"),
-                     held["unmasked"].mean - unigram, 0.0, group=useless),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                ctx.say(
+                    "unigram entropy - causal model's held-out loss (nats)",
+                    "一元熵 - 有因果掩码模型的留出损失（nats）",
+                ),
+                unigram - held["causal"].mean,
+                MIN_LEARNED,
+            )
+        ),
+        lab.at_most(
+            ctx.say(
+                "unmasked model's training loss, last fifth (nats)",
+                "无因果掩码模型最后五分之一训练的损失（nats）",
+            ),
+            train["unmasked"].mean,
+            NEAR_ZERO,
+            group=copies,
+        ),
+        lab.exceeds_spread(
+            ctx.say("causal - unmasked training loss (nats)", "训练损失：有掩码 - 无掩码（nats）"),
+            train["causal"],
+            train["unmasked"],
+            MIN_GAP,
+            group=copies,
+        ),
+        lab.exceeds_spread(
+            ctx.say(
+                "held-out loss read causally: unmasked - causal (nats)",
+                "按因果方式读留出文本的损失：无掩码 - 有掩码（nats）",
+            ),
+            held["unmasked"],
+            held["causal"],
+            MIN_GAP,
+            group=useless,
+        ),
+        lab.at_least(
+            ctx.say(
+                "unmasked model's causal held-out loss - unigram entropy (nats)",
+                "无掩码模型按因果方式的留出损失 - 一元熵（nats）",
+            ),
+            held["unmasked"].mean - unigram,
+            0.0,
+            group=useless,
+        ),
+    ]
 
 
 def _rows(ctx: lab.RunContext, train: dict, held: dict, unigram: float) -> list[dict]:
@@ -187,44 +247,74 @@ def _rows(ctx: lab.RunContext, train: dict, held: dict, unigram: float) -> list[
         ctx.say("model", "模型"),
         ctx.say("training loss, last fifth", "训练损失（最后五分之一）"),
     )
-    causal_read = ctx.say("held-out loss, read causally (as in generation)",
-                          "留出损失（按因果方式读，与生成相同）")  # fmt: skip
+    causal_read = ctx.say(
+        "held-out loss, read causally (as in generation)", "留出损失（按因果方式读，与生成相同）"
+    )
     ahead = ctx.say("held-out loss, seeing the next characters", "留出损失（看得到后面的字符）")
     return [
-        {model: ctx.say("causal (masked)", "有因果掩码"), training: str(train["causal"]),
-         causal_read: str(held["causal"]), ahead: "-"},
-        {model: ctx.say("unmasked", "无因果掩码"), training: str(train["unmasked"]),
-         causal_read: str(held["unmasked"]), ahead: str(held["unmasked, reading ahead"])},
-        {model: ctx.say("unigram baseline (ignores context)", "一元基线（不看上下文）"),
-         training: unigram, causal_read: unigram, ahead: "-"},
-    ]  # fmt: skip
+        {
+            model: ctx.say("causal (masked)", "有因果掩码"),
+            training: str(train["causal"]),
+            causal_read: str(held["causal"]),
+            ahead: "-",
+        },
+        {
+            model: ctx.say("unmasked", "无因果掩码"),
+            training: str(train["unmasked"]),
+            causal_read: str(held["unmasked"]),
+            ahead: str(held["unmasked, reading ahead"]),
+        },
+        {
+            model: ctx.say("unigram baseline (ignores context)", "一元基线（不看上下文）"),
+            training: unigram,
+            causal_read: unigram,
+            ahead: "-",
+        },
+    ]
 
 
-def _notes(ctx: lab.RunContext, held: dict, unigram: float, prompt: str, samples: dict,
-           seeds: list[int], vocab: int) -> list[str]:  # fmt: skip
+def _notes(
+    ctx: lab.RunContext,
+    held: dict,
+    unigram: float,
+    prompt: str,
+    samples: dict,
+    seeds: list[int],
+    vocab: int,
+) -> list[str]:
     notes = [
-        ctx.say(f"seeds {seeds}; {vocab} characters; both models of a seed start from the same "
-                "weights and see the same batches; held-out text is the corpus's last tenth",
-                f"随机种子 {seeds}；{vocab} 个字符；同一随机种子的两个模型初始权重相同、"
-                "训练批次相同；留出文本是语料最后的十分之一"),
+        ctx.say(
+            f"seeds {seeds}; {vocab} characters; both models of a seed start from the same "
+            "weights and see the same batches; held-out text is the corpus's last tenth",
+            f"随机种子 {seeds}；{vocab} 个字符；同一随机种子的两个模型初始权重相同、"
+            "训练批次相同；留出文本是语料最后的十分之一",
+        ),
         _copy_note(ctx, held, unigram),
-    ]  # fmt: skip
+    ]
     if samples:
-        notes.append(ctx.say(
-            f"greedy continuations of {prompt!r} (seed {seeds[0]}): causal {samples['causal']!r}; "
-            f"unmasked {samples['unmasked']!r}",
-            f"对 {prompt!r} 的贪心续写（随机种子 {seeds[0]}）：有掩码 {samples['causal']!r}；"
-            f"无掩码 {samples['unmasked']!r}"))  # fmt: skip
+        notes.append(
+            ctx.say(
+                f"greedy continuations of {prompt!r} (seed {seeds[0]}): causal "
+                f"{samples['causal']!r}; "
+                f"unmasked {samples['unmasked']!r}",
+                f"对 {prompt!r} 的贪心续写（随机种子 {seeds[0]}）：有掩码 {samples['causal']!r}；"
+                f"无掩码 {samples['unmasked']!r}",
+            )
+        )
     return notes
 
 
 def _copy_note(ctx: lab.RunContext, held: dict, unigram: float) -> str:
     """What the unmasked model does on text it never saw, allowed to look ahead and not."""
-    ahead, causal, unmasked = (held[k].mean for k in ("unmasked, reading ahead", "causal",
-                                                      "unmasked"))  # fmt: skip
+    ahead, causal, unmasked = (
+        held[k].mean for k in ("unmasked, reading ahead", "causal", "unmasked")
+    )
     copies = ahead <= NEAR_ZERO
-    en = ("it copies there too: what it learned is to read position i + 1, not Shakespeare"
-          if copies else "it does not copy there")  # fmt: skip
+    en = (
+        "it copies there too: what it learned is to read position i + 1, not Shakespeare"
+        if copies
+        else "it does not copy there"
+    )
     zh = "它在那里也照抄：它学会的是读位置 i + 1，而不是莎士比亚" if copies else "它在那里并不照抄"
     return ctx.say(
         f"on held-out text, allowed to look ahead, the unmasked model scores {ahead:.3f} nats: "
@@ -243,16 +333,25 @@ def _plot(curves: dict, held: dict, unigram: float):
         mean = [sum(v) / len(v) for v in zip(*smooth, strict=True)]
         left.plot(range(steps), mean, label=name)
     left.axhline(unigram, color="grey", linestyle=":", label="unigram entropy")
-    left.set(xlabel="training step", ylabel="training loss (nats, mean over seeds)",
-             title="training: the unmasked model copies", ylim=(0, None))  # fmt: skip
+    left.set(
+        xlabel="training step",
+        ylabel="training loss (nats, mean over seeds)",
+        title="training: the unmasked model copies",
+        ylim=(0, None),
+    )
     left.legend(fontsize=8)
     names = list(held)
-    right.bar(range(len(names)), [held[n].mean for n in names],
-              yerr=[held[n].spread for n in names], capsize=4,
-              color=["tab:blue", "tab:orange", "tab:green"])  # fmt: skip
+    right.bar(
+        range(len(names)),
+        [held[n].mean for n in names],
+        yerr=[held[n].spread for n in names],
+        capsize=4,
+        color=["tab:blue", "tab:orange", "tab:green"],
+    )
     right.axhline(unigram, color="grey", linestyle=":", label="unigram entropy")
-    right.set_xticks(range(len(names)), ["causal", "unmasked,\nread causally",
-                                         "unmasked,\nreading ahead"])  # fmt: skip
+    right.set_xticks(
+        range(len(names)), ["causal", "unmasked,\nread causally", "unmasked,\nreading ahead"]
+    )
     right.set(ylabel="held-out loss (nats, mean ± sd)", title="held-out text")
     right.legend(fontsize=8)
     return fig

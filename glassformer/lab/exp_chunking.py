@@ -161,8 +161,10 @@ def run(ctx: lab.RunContext) -> lab.Result:
     on_boundary = after_first & (position < boundary)
     boundary_loss = {k: v[on_boundary].mean().item() for k, v in loss.items()}
     overall_loss = {k: v.mean().item() for k, v in loss.items()}
-    by_position = {k: [v[after_first & (position == j)].mean().item() for j in range(max_len)]
-                   for k, v in loss.items()}  # fmt: skip
+    by_position = {
+        k: [v[after_first & (position == j)].mean().item() for j in range(max_len)]
+        for k, v in loss.items()
+    }
     # per chunk after the first: truncation - sliding, on its boundary tokens and on all
     gain = (loss["truncation"] - loss["sliding"])[max_len:].view(n_chunks - 1, max_len)
     boundary_gain = lower_bound(gain[:, :boundary].mean(dim=1))
@@ -171,54 +173,93 @@ def run(ctx: lab.RunContext) -> lab.Result:
     say = ctx.say
     part, case, tokens = say("part", "部分"), say("case", "情形"), say("tokens", "token 数")
     rows = [
-        {part: "A packing", case: f"document {d} alone vs packed", tokens: n,
-         say("max |Δ logit|, doc mask", "max |Δ logit|，有文档掩码"): a,
-         say("max |Δ logit|, no mask", "max |Δ logit|，无掩码"): b}
+        {
+            part: "A packing",
+            case: f"document {d} alone vs packed",
+            tokens: n,
+            say("max |Δ logit|, doc mask", "max |Δ logit|，有文档掩码"): a,
+            say("max |Δ logit|, no mask", "max |Δ logit|，无掩码"): b,
+        }
         for d, (n, a, b) in enumerate(zip(lengths, with_mask, without_mask, strict=True))
-    ]  # fmt: skip
+    ]
     for scheme, step in (("truncation", max_len), ("sliding", stride)):
-        rows.append({part: "B chunking", case: f"{scheme}: {max_len} tokens, stride {step}",
-                     tokens: len(ids) - 1,
-                     say(f"boundary loss (first {boundary})",
-                         f"边界损失（前 {boundary} 个）"): boundary_loss[scheme],
-                     say("mean loss (all)", "平均损失（全部）"): overall_loss[scheme]})  # fmt: skip
+        rows.append(
+            {
+                part: "B chunking",
+                case: f"{scheme}: {max_len} tokens, stride {step}",
+                tokens: len(ids) - 1,
+                say(
+                    f"boundary loss (first {boundary})", f"边界损失（前 {boundary} 个）"
+                ): boundary_loss[scheme],
+                say("mean loss (all)", "平均损失（全部）"): overall_loss[scheme],
+            }
+        )
     packing = say(PACKING, "打包：掩码把各文档隔开")
     sliding_group = say(SLIDING, "滑动窗口保留跨块边界的上下文")
     checks = [
-        lab.at_most(say("packed with document mask vs alone: max |Δ logit|",
-                        "带文档掩码打包 vs 单独运行：max |Δ logit|"), max(with_mask),
-                    MAX_PACKED_DIFF, group=packing),
-        lab.precondition(lab.at_least(say("packed without the mask vs alone: max |Δ logit|",
-                                          "不带掩码打包 vs 单独运行：max |Δ logit|"),
-                                      max(without_mask), MIN_UNMASKED_DIFF)),
-        lab.at_least(say(f"boundary loss (first {boundary} tokens of a chunk), truncation - "
-                         "sliding: mean - 2 SE over chunks",
-                         f"边界损失（每块前 {boundary} 个 token），截断减滑动："
-                         "各块均值减 2 倍标准误"),
-                     boundary_gain[2], MIN_BOUNDARY_GAIN, group=sliding_group),
-        lab.at_least(say("loss over all tokens of a chunk, truncation - sliding: mean - 2 SE over "
-                         "chunks", "整块所有 token 的损失，截断减滑动：各块均值减 2 倍标准误"),
-                     overall_gain[2], MIN_OVERALL_GAIN, group=sliding_group),
-    ]  # fmt: skip
+        lab.at_most(
+            say(
+                "packed with document mask vs alone: max |Δ logit|",
+                "带文档掩码打包 vs 单独运行：max |Δ logit|",
+            ),
+            max(with_mask),
+            MAX_PACKED_DIFF,
+            group=packing,
+        ),
+        lab.precondition(
+            lab.at_least(
+                say(
+                    "packed without the mask vs alone: max |Δ logit|",
+                    "不带掩码打包 vs 单独运行：max |Δ logit|",
+                ),
+                max(without_mask),
+                MIN_UNMASKED_DIFF,
+            )
+        ),
+        lab.at_least(
+            say(
+                f"boundary loss (first {boundary} tokens of a chunk), truncation - "
+                "sliding: mean - 2 SE over chunks",
+                f"边界损失（每块前 {boundary} 个 token），截断减滑动：各块均值减 2 倍标准误",
+            ),
+            boundary_gain[2],
+            MIN_BOUNDARY_GAIN,
+            group=sliding_group,
+        ),
+        lab.at_least(
+            say(
+                "loss over all tokens of a chunk, truncation - sliding: mean - 2 SE over chunks",
+                "整块所有 token 的损失，截断减滑动：各块均值减 2 倍标准误",
+            ),
+            overall_gain[2],
+            MIN_OVERALL_GAIN,
+            group=sliding_group,
+        ),
+    ]
     n_windows = {k: len(set(v)) for k, v in (("truncation", truncation), ("sliding", sliding))}
     n_targets, n_boundary = len(ids) - 1, int(on_boundary.sum())
     (b_mean, b_se, _), (o_mean, o_se, _) = boundary_gain, overall_gain
     notes = [
-        say(f"SmolLM2-135M in float32 on {PLAY}; part A packs {len(lengths)} paragraphs into one "
+        say(
+            f"SmolLM2-135M in float32 on {PLAY}; part A packs {len(lengths)} paragraphs into one "
             f"block of {pack_len} tokens; document 0 comes first, so without the mask it is "
             "unchanged, and every later one reads the documents before it",
             f"SmolLM2-135M，float32，文本为 {PLAY}；A 部分把 {len(lengths)} 个段落打包进一个 "
             f"{pack_len} token 的块；文档 0 排在最前，所以不加掩码它也不变，之后的每个文档都会"
-            "读到排在它前面的文档"),
-        say(f"part B: {n_targets} target tokens, every one scored once; truncation runs "
+            "读到排在它前面的文档",
+        ),
+        say(
+            f"part B: {n_targets} target tokens, every one scored once; truncation runs "
             f"{n_windows['truncation']} windows, sliding {n_windows['sliding']} (the overlap is "
             f"computed twice, the seed's 计算量 cost); in sliding every token after the first "
             f"chunk has at least {max_len - stride + 1} tokens of context",
             f"B 部分：{n_targets} 个目标 token，每个只评分一次；截断跑 "
             f"{n_windows['truncation']} 个窗口，滑动跑 {n_windows['sliding']} 个（重叠部分算两遍，"
             f"即教程说的计算量代价）；滑动时第一块之后的每个 token 至少有 "
-            f"{max_len - stride + 1} 个 token 的上下文"),
-        say(f"boundary tokens: the first {boundary} targets of each chunk after the first "
+            f"{max_len - stride + 1} 个 token 的上下文",
+        ),
+        say(
+            f"boundary tokens: the first {boundary} targets of each chunk after the first "
             f"({n_boundary} tokens); the first chunk is the same under both schemes; "
             f"truncation - sliding per chunk: {b_mean:.3f} ± {b_se:.3f} (SE) "
             f"nats on the boundary tokens, {o_mean:.3f} ± {o_se:.3f} on all, "
@@ -226,39 +267,63 @@ def run(ctx: lab.RunContext) -> lab.Result:
             f"边界 token：第一块之后每块的前 {boundary} 个目标（共 {n_boundary} 个 token）；"
             f"第一块在两种方案下相同；逐块的截断减滑动：边界 token 上 {b_mean:.3f} ± "
             f"{b_se:.3f}（标准误）nats，全部 token 上 {o_mean:.3f} ± {o_se:.3f}，"
-            f"共 {n_chunks - 1} 块"),
-        say("no chunk or window starts with a start-of-text token (the play is tokenized once "
+            f"共 {n_chunks - 1} 块",
+        ),
+        say(
+            "no chunk or window starts with a start-of-text token (the play is tokenized once "
             "and cut); a model also finds a stream cut mid-sentence odd at its first positions, so "
             "part of truncation's excess on the very first tokens may be the cut itself, not only "
             "the lost context",
             "没有哪个块或窗口以文本起始 token 开头（整部剧只分词一次再切开）；模型在开头几个位置"
             "也会觉得从句子中间切开的文本流很怪，所以截断在最前几个 token 上多出的损失，可能有一"
-            "部分来自切口本身，而不只是丢掉的上下文"),
-    ]  # fmt: skip
+            "部分来自切口本身，而不只是丢掉的上下文",
+        ),
+    ]
     figure = _plot(lengths, with_mask, without_mask, by_position, boundary)
-    data = {"documents": {"tokens": lengths, "max_diff_masked": with_mask,
-                          "max_diff_unmasked": without_mask},
-            "loss_by_position": by_position, "boundary_loss": boundary_loss,
-            "overall_loss": overall_loss, "max_len": max_len, "stride": stride,
-            "boundary_tokens": boundary, "n_targets": len(ids) - 1,
-            "gain_per_chunk": {"boundary": boundary_gain, "overall": overall_gain}}  # fmt: skip
+    data = {
+        "documents": {
+            "tokens": lengths,
+            "max_diff_masked": with_mask,
+            "max_diff_unmasked": without_mask,
+        },
+        "loss_by_position": by_position,
+        "boundary_loss": boundary_loss,
+        "overall_loss": overall_loss,
+        "max_len": max_len,
+        "stride": stride,
+        "boundary_tokens": boundary,
+        "n_targets": len(ids) - 1,
+        "gain_per_chunk": {"boundary": boundary_gain, "overall": overall_gain},
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _plot(lengths, with_mask, without_mask, by_position, boundary):
     fig, (left, right) = lab.new_figure(10.0, 3.6, ncols=2)
-    lab.grouped_bars(left, [str(d) for d in range(len(lengths))], {  # log axis: floor at 1e-9
-        "packed, document mask": [max(v, 1e-9) for v in with_mask],
-        "packed, no mask": [max(v, 1e-9) for v in without_mask],
-    })  # fmt: skip
+    lab.grouped_bars(
+        left,
+        [str(d) for d in range(len(lengths))],
+        {  # log axis: floor at 1e-9
+            "packed, document mask": [max(v, 1e-9) for v in with_mask],
+            "packed, no mask": [max(v, 1e-9) for v in without_mask],
+        },
+    )
     left.axhline(MAX_PACKED_DIFF, color="grey", linestyle=":", label="threshold (mask)")
-    left.set(yscale="log", xlabel="document in the packed block",
-             ylabel="max |logit difference| vs alone", title="A: packing")  # fmt: skip
+    left.set(
+        yscale="log",
+        xlabel="document in the packed block",
+        ylabel="max |logit difference| vs alone",
+        title="A: packing",
+    )
     left.legend(fontsize=7, loc="center left")
     for scheme, values in by_position.items():
         right.plot(range(1, len(values) + 1), values, label=scheme, linewidth=1)
     right.axvspan(1, boundary, color="grey", alpha=0.15, label=f"first {boundary} tokens")
-    right.set(xscale="log", xlabel="position of the target within its non-overlapping chunk",
-              ylabel="mean loss (nats)", title="B: truncation vs sliding window")  # fmt: skip
+    right.set(
+        xscale="log",
+        xlabel="position of the target within its non-overlapping chunk",
+        ylabel="mean loss (nats)",
+        title="B: truncation vs sliding window",
+    )
     right.legend(fontsize=7)
     return fig

@@ -83,12 +83,19 @@ def copy_accuracy(model, ids: torch.Tensor, n_windows: int) -> dict[int, float]:
 
 def train(ctx: lab.RunContext, chunk: int, seed: int, ids: torch.Tensor):
     steps = ctx.pick(1200, 400, 6)
-    cfg = ModelConfig(vocab_size=VOCAB, d_model=ctx.pick(64, 64, 16), n_layers=2, n_heads=4,
-                      max_seq_len=EVAL_WINDOW, position="rope")  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        d_model=ctx.pick(64, 64, 16),
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=EVAL_WINDOW,
+        position="rope",
+    )
     torch.manual_seed(seed)
     model = build_model(cfg)
-    schedule = Schedule(max_steps=steps, learning_rate=3e-3, warmup_steps=max(1, steps // 20),
-                        weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=steps, learning_rate=3e-3, warmup_steps=max(1, steps // 20), weight_decay=0.0
+    )
     losses = fit(model, chunk_batches(ids, chunk, ctx.pick(3072, 3072, 192), seed), schedule)
     return model.eval(), losses
 
@@ -104,55 +111,100 @@ def run(ctx: lab.RunContext) -> lab.Result:
         for chunk in acc:
             model, losses = train(ctx, chunk, seed, ids)
             acc[chunk].append(copy_accuracy(model, held, n_eval))
-            plateaus.append(lab.converged(
-                say(f"chunks of {chunk}, seed {seed}: relative loss drop over the last fifth",
-                    f"块长 {chunk}，随机种子 {seed}：最后五分之一的损失相对降幅"),
-                losses, max(1, len(losses) // 5), PLATEAU_TOLERANCE))  # fmt: skip
+            plateaus.append(
+                lab.converged(
+                    say(
+                        f"chunks of {chunk}, seed {seed}: relative loss drop over the last fifth",
+                        f"块长 {chunk}，随机种子 {seed}：最后五分之一的损失相对降幅",
+                    ),
+                    losses,
+                    max(1, len(losses) // 5),
+                    PLATEAU_TOLERANCE,
+                )
+            )
     spread = {(c, d): lab.over_seeds([a[d] for a in acc[c]]) for c in acc for d in (SHORT, LONG)}
     group = say(
         "a relation longer than the chunk is lost in training", "跨块的长程关系，训练时就丢了"
     )
     small_long, large_long = spread[(CHUNK_SMALL, LONG)], spread[(CHUNK_LARGE, LONG)]
-    checks = [*plateaus,
-              lab.precondition(lab.at_least(
-                  say(f"chunks of {CHUNK_SMALL}: short copy ({SHORT} apart) accuracy",
-                      f"块长 {CHUNK_SMALL}：短距离复制（相隔 {SHORT}）准确率"),
-                  spread[(CHUNK_SMALL, SHORT)].mean, MIN_LEARNED)),
-              lab.at_most(say(f"chunks of {CHUNK_SMALL}: long copy ({LONG} apart) accuracy / "
-                              "chance",
-                              f"块长 {CHUNK_SMALL}：长距离复制（相隔 {LONG}）准确率 / 随机猜测"),
-                          small_long.mean / CHANCE, MAX_OVER_CHANCE, group=group),
-              lab.at_least(say(f"chunks of {CHUNK_LARGE}: long copy accuracy",
-                               f"块长 {CHUNK_LARGE}：长距离复制准确率"),
-                           large_long.mean, MIN_LEARNED, group=group),
-              lab.exceeds_spread(say(f"long copy accuracy: chunks of {CHUNK_LARGE} - of "
-                                     f"{CHUNK_SMALL}",
-                                     f"长距离复制准确率：块长 {CHUNK_LARGE} - 块长 {CHUNK_SMALL}"),
-                                 large_long, small_long, MIN_GAP, group=group)]  # fmt: skip
+    checks = [
+        *plateaus,
+        lab.precondition(
+            lab.at_least(
+                say(
+                    f"chunks of {CHUNK_SMALL}: short copy ({SHORT} apart) accuracy",
+                    f"块长 {CHUNK_SMALL}：短距离复制（相隔 {SHORT}）准确率",
+                ),
+                spread[(CHUNK_SMALL, SHORT)].mean,
+                MIN_LEARNED,
+            )
+        ),
+        lab.at_most(
+            say(
+                f"chunks of {CHUNK_SMALL}: long copy ({LONG} apart) accuracy / chance",
+                f"块长 {CHUNK_SMALL}：长距离复制（相隔 {LONG}）准确率 / 随机猜测",
+            ),
+            small_long.mean / CHANCE,
+            MAX_OVER_CHANCE,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                f"chunks of {CHUNK_LARGE}: long copy accuracy",
+                f"块长 {CHUNK_LARGE}：长距离复制准确率",
+            ),
+            large_long.mean,
+            MIN_LEARNED,
+            group=group,
+        ),
+        lab.exceeds_spread(
+            say(
+                f"long copy accuracy: chunks of {CHUNK_LARGE} - of {CHUNK_SMALL}",
+                f"长距离复制准确率：块长 {CHUNK_LARGE} - 块长 {CHUNK_SMALL}",
+            ),
+            large_long,
+            small_long,
+            MIN_GAP,
+            group=group,
+        ),
+    ]
     chunk_col = say("training chunk", "训练块长")
     short_col = say(f"short copy ({SHORT} apart)", f"短距离复制（相隔 {SHORT}）")
     long_col = say(f"long copy ({LONG} apart)", f"长距离复制（相隔 {LONG}）")
-    rows = [{chunk_col: c, short_col: str(spread[(c, SHORT)]), long_col: str(spread[(c, LONG)])}
-            for c in acc]  # fmt: skip
-    notes = [ctx.say(
-        f"two GPTs (2 layers) per seed ({seeds}), the same stream and tokens per step, cut into "
-        f"chunks of {CHUNK_SMALL} or {CHUNK_LARGE}; read on {n_eval} held-out windows of "
-        f"{EVAL_WINDOW}; {N_KEYS} keys, chance {CHANCE:.3f}",
-        f"每个随机种子（{seeds}）两个 GPT（2 层），同样的 token 流、每步同样多的 token，切成 "
-        f"{CHUNK_SMALL} 或 {CHUNK_LARGE} 的块；在 {n_eval} 个 {EVAL_WINDOW} 长的留出窗口上读取；"
-        f"{N_KEYS} 个 key，随机猜测 {CHANCE:.3f}")]  # fmt: skip
-    data = {"accuracy": {str(c): [{str(d): a[d] for d in a} for a in v] for c, v in acc.items()},
-            "seeds": seeds}  # fmt: skip
+    rows = [
+        {chunk_col: c, short_col: str(spread[(c, SHORT)]), long_col: str(spread[(c, LONG)])}
+        for c in acc
+    ]
+    notes = [
+        ctx.say(
+            f"two GPTs (2 layers) per seed ({seeds}), the same stream and tokens per step, cut "
+            "into "
+            f"chunks of {CHUNK_SMALL} or {CHUNK_LARGE}; read on {n_eval} held-out windows of "
+            f"{EVAL_WINDOW}; {N_KEYS} keys, chance {CHANCE:.3f}",
+            f"每个随机种子（{seeds}）两个 GPT（2 层），同样的 token 流、每步同样多的 token，切成 "
+            f"{CHUNK_SMALL} 或 {CHUNK_LARGE} 的块；在 {n_eval} 个 {EVAL_WINDOW} "
+            "长的留出窗口上读取；"
+            f"{N_KEYS} 个 key，随机猜测 {CHANCE:.3f}",
+        )
+    ]
+    data = {
+        "accuracy": {str(c): [{str(d): a[d] for d in a} for a in v] for c, v in acc.items()},
+        "seeds": seeds,
+    }
     return lab.Result.from_checks(rows, checks, figure=_plot(spread), data=data, notes=notes)
 
 
 def _plot(spread: dict):
     fig, ax = lab.new_figure(6.0, 3.4)
     for i, chunk in enumerate((CHUNK_SMALL, CHUNK_LARGE)):
-        ax.bar([j + (i - 0.5) * 0.38 for j in range(2)],
-               [spread[(chunk, d)].mean for d in (SHORT, LONG)], 0.38,
-               yerr=[spread[(chunk, d)].spread for d in (SHORT, LONG)], capsize=3,
-               label=f"trained on chunks of {chunk}")  # fmt: skip
+        ax.bar(
+            [j + (i - 0.5) * 0.38 for j in range(2)],
+            [spread[(chunk, d)].mean for d in (SHORT, LONG)],
+            0.38,
+            yerr=[spread[(chunk, d)].spread for d in (SHORT, LONG)],
+            capsize=3,
+            label=f"trained on chunks of {chunk}",
+        )
     ax.axhline(CHANCE, color="grey", linestyle=":", label="chance")
     ax.set_xticks(range(2), [f"KEY {SHORT} before QUERY", f"KEY {LONG} before QUERY"])
     ax.set(ylabel="copy accuracy, held-out (mean ± spread)", ylim=(0, 1.05))

@@ -51,9 +51,16 @@ MIN_GAP_SHRINK = 1.0
 
 
 def config(vocab_size: int) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, d_model=48, n_layers=2, n_heads=4,
-                       max_seq_len=CONTEXT + 8, position="rope", norm="rms",
-                       ffn="swiglu")  # fmt: skip
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=48,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=CONTEXT + 8,
+        position="rope",
+        norm="rms",
+        ffn="swiglu",
+    )
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,9 @@ class Budget:
 
 
 def budget(ctx: lab.RunContext) -> Budget:
-    return ctx.pick(full=Budget(1500, 16, 48, 256), quick=Budget(700, 16, 24, 128),
-                    tiny=Budget(6, 4, 2, 4))  # fmt: skip
+    return ctx.pick(
+        full=Budget(1500, 16, 48, 256), quick=Budget(700, 16, 24, 128), tiny=Budget(6, 4, 2, 4)
+    )
 
 
 @dataclass
@@ -107,22 +115,36 @@ def train_reading(ctx: lab.RunContext, corpus: CharCorpus, n_chars: int, seed: i
     train = corpus.train[:n_chars]
     torch.manual_seed(seed)
     model = build_model(config(corpus.tokenizer.vocab_size))
-    schedule = Schedule(max_steps=size.steps, learning_rate=3e-3,
-                        warmup_steps=max(1, size.steps // 20), weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=size.steps,
+        learning_rate=3e-3,
+        warmup_steps=max(1, size.steps // 20),
+        weight_decay=0.0,
+    )
     losses = fit(model, window_batches(train, size.batch_size, CONTEXT, seed), schedule)
     held = eval_loss(model, corpus.val, CONTEXT, size.n_val, seed=seed)
     engine, rng = Engine(model), random.Random(seed)
     seen = verbatim(engine, train, size.n_probes, rng)
     held_out = verbatim(engine, corpus.val, size.n_probes, rng)
     window = max(1, len(losses) // 5)
-    return Reading(n_chars, sum(p.numel() for p in model.parameters()), losses,
-                   sum(losses[-window:]) / window, held, seen, held_out)  # fmt: skip
+    return Reading(
+        n_chars,
+        sum(p.numel() for p in model.parameters()),
+        losses,
+        sum(losses[-window:]) / window,
+        held,
+        seen,
+        held_out,
+    )
 
 
 def sizes(ctx: lab.RunContext, corpus: CharCorpus) -> list[int]:
     everything = len(corpus.train)
-    return ctx.pick(full=[2_000, 20_000, 200_000, everything], quick=[2_000, 40_000, everything],
-                    tiny=[500, everything])  # fmt: skip
+    return ctx.pick(
+        full=[2_000, 20_000, 200_000, everything],
+        quick=[2_000, 40_000, everything],
+        tiny=[500, everything],
+    )
 
 
 def corpus_for(ctx: lab.RunContext) -> CharCorpus:
@@ -135,101 +157,191 @@ def run(ctx: lab.RunContext) -> lab.Result:
     n_chars = sizes(ctx, corpus)
     readings = {n: [train_reading(ctx, corpus, n, seed) for seed in seeds] for n in n_chars}
     params = readings[n_chars[0]][0].params
-    stat = {n: {"train": lab.over_seeds([r.train_loss for r in rs]),
-                "held": lab.over_seeds([r.held_out_loss for r in rs]),
-                "gap": lab.over_seeds([r.held_out_loss - r.train_loss for r in rs]),
-                "seen": lab.over_seeds([r.extracted("seen") for r in rs]),
-                "held-out": lab.over_seeds([r.extracted("held") for r in rs])}
-            for n, rs in readings.items()}  # fmt: skip
+    stat = {
+        n: {
+            "train": lab.over_seeds([r.train_loss for r in rs]),
+            "held": lab.over_seeds([r.held_out_loss for r in rs]),
+            "gap": lab.over_seeds([r.held_out_loss - r.train_loss for r in rs]),
+            "seen": lab.over_seeds([r.extracted("seen") for r in rs]),
+            "held-out": lab.over_seeds([r.extracted("held") for r in rs]),
+        }
+        for n, rs in readings.items()
+    }
     small, large = n_chars[0], n_chars[-1]
     window = max(1, len(readings[large][0].losses) // 5)
     checks = [
-        lab.precondition(lab.at_most(
-            say(f"training loss on the smallest text ({small:,} chars; nats/char, mean)",
-                f"最小训练文本（{small:,} 字符）上的训练损失（nats/字符，均值）"),
-            stat[small]["train"].mean, MAX_MEMORISED_TRAIN_LOSS)),
-        max((lab.converged(say(f"largest text ({large:,} chars): relative loss drop over the "
-                               "last fifth of training, worst seed",
-                               f"最大训练文本（{large:,} 字符）：训练最后五分之一的损失相对降幅"
-                               "（最差的随机种子）"), r.losses, window, PLATEAU_TOLERANCE)
-             for r in readings[large]), key=lambda c: c.measured),
-    ]  # fmt: skip
-    storing = say("data >> parameters: the training text cannot be stored",
-                  "数据远超参数：训练原文装不下")  # fmt: skip
+        lab.precondition(
+            lab.at_most(
+                say(
+                    f"training loss on the smallest text ({small:,} chars; nats/char, mean)",
+                    f"最小训练文本（{small:,} 字符）上的训练损失（nats/字符，均值）",
+                ),
+                stat[small]["train"].mean,
+                MAX_MEMORISED_TRAIN_LOSS,
+            )
+        ),
+        max(
+            (
+                lab.converged(
+                    say(
+                        f"largest text ({large:,} chars): relative loss drop over the "
+                        "last fifth of training, worst seed",
+                        f"最大训练文本（{large:,} 字符）：训练最后五分之一的损失相对降幅"
+                        "（最差的随机种子）",
+                    ),
+                    r.losses,
+                    window,
+                    PLATEAU_TOLERANCE,
+                )
+                for r in readings[large]
+            ),
+            key=lambda c: c.measured,
+        ),
+    ]
+    storing = say(
+        "data >> parameters: the training text cannot be stored", "数据远超参数：训练原文装不下"
+    )
     rules = say("forced to compress rules", "被迫压缩出规律")
     checks += [
-        lab.at_most(say(f"largest text: share of training prefixes continued {EXTRACT_CHARS} "
-                        "chars verbatim - held-out prefixes'",
-                        f"最大训练文本：训练前缀逐字续写 {EXTRACT_CHARS} 个字符的比例 - "
-                        "留出前缀的"),
-                    stat[large]["seen"].mean - stat[large]["held-out"].mean, SAME_AS_HELD_OUT,
-                    group=storing),
-        lab.at_least(say(f"smallest text: share of training prefixes continued {EXTRACT_CHARS} "
-                         "chars verbatim", f"最小训练文本：训练前缀逐字续写 {EXTRACT_CHARS} "
-                         "个字符的比例"),
-                     stat[small]["seen"].mean, MIN_SMALL_EXTRACTED, group=storing),
-        lab.exceeds_spread(say("generalisation gap (held-out - training loss): smallest - "
-                               "largest text (nats)", "泛化差距（留出损失 - 训练损失）：最小 - "
-                               "最大训练文本（nats）"),
-                           stat[small]["gap"], stat[large]["gap"], MIN_GAP_SHRINK, group=rules),
-        lab.exceeds_spread(say("held-out loss: smallest - largest text (nats)",
-                               "留出损失：最小 - 最大训练文本（nats）"),
-                           stat[small]["held"], stat[large]["held"], group=rules),
-    ]  # fmt: skip
+        lab.at_most(
+            say(
+                f"largest text: share of training prefixes continued {EXTRACT_CHARS} "
+                "chars verbatim - held-out prefixes'",
+                f"最大训练文本：训练前缀逐字续写 {EXTRACT_CHARS} 个字符的比例 - 留出前缀的",
+            ),
+            stat[large]["seen"].mean - stat[large]["held-out"].mean,
+            SAME_AS_HELD_OUT,
+            group=storing,
+        ),
+        lab.at_least(
+            say(
+                f"smallest text: share of training prefixes continued {EXTRACT_CHARS} "
+                "chars verbatim",
+                f"最小训练文本：训练前缀逐字续写 {EXTRACT_CHARS} 个字符的比例",
+            ),
+            stat[small]["seen"].mean,
+            MIN_SMALL_EXTRACTED,
+            group=storing,
+        ),
+        lab.exceeds_spread(
+            say(
+                "generalisation gap (held-out - training loss): smallest - largest text (nats)",
+                "泛化差距（留出损失 - 训练损失）：最小 - 最大训练文本（nats）",
+            ),
+            stat[small]["gap"],
+            stat[large]["gap"],
+            MIN_GAP_SHRINK,
+            group=rules,
+        ),
+        lab.exceeds_spread(
+            say(
+                "held-out loss: smallest - largest text (nats)",
+                "留出损失：最小 - 最大训练文本（nats）",
+            ),
+            stat[small]["held"],
+            stat[large]["held"],
+            group=rules,
+        ),
+    ]
     rows = _rows(ctx, stat, params, budget(ctx))
     notes = _notes(ctx, params, budget(ctx), seeds, n_chars)
-    data = {"seeds": seeds, "params": params, "sizes": n_chars,
-            "readings": {str(n): [{"train_loss": r.train_loss, "held_out_loss": r.held_out_loss,
-                                   "seen": r.seen, "held_out": r.held_out} for r in rs]
-                         for n, rs in readings.items()}}  # fmt: skip
+    data = {
+        "seeds": seeds,
+        "params": params,
+        "sizes": n_chars,
+        "readings": {
+            str(n): [
+                {
+                    "train_loss": r.train_loss,
+                    "held_out_loss": r.held_out_loss,
+                    "seen": r.seen,
+                    "held_out": r.held_out,
+                }
+                for r in rs
+            ]
+            for n, rs in readings.items()
+        },
+    }
     figure = _plot(stat, params)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _rows(ctx, stat: dict, params: int, size: Budget) -> list[dict]:
     say, seen_per_step = ctx.say, size.steps * size.batch_size * CONTEXT
-    columns = (say("training text (chars)", "训练文本（字符）"),
-               say("chars / parameters", "字符数 / 参数量"),
-               say("times each char was seen", "每个字符被看到的次数"),
-               say("training loss", "训练损失"), say("held-out loss", "留出损失"),
-               say("gap", "差距"),
-               say(f"training prefixes with {EXTRACT_CHARS} chars verbatim",
-                   f"逐字续写 {EXTRACT_CHARS} 字符的训练前缀"),
-               say(f"held-out prefixes with {EXTRACT_CHARS} chars verbatim",
-                   f"逐字续写 {EXTRACT_CHARS} 字符的留出前缀"))  # fmt: skip
-    return [dict(zip(columns, (n, n / params, seen_per_step / n, str(s["train"]), str(s["held"]),
-                               str(s["gap"]), str(s["seen"]), str(s["held-out"])), strict=True))
-            for n, s in stat.items()]  # fmt: skip
+    columns = (
+        say("training text (chars)", "训练文本（字符）"),
+        say("chars / parameters", "字符数 / 参数量"),
+        say("times each char was seen", "每个字符被看到的次数"),
+        say("training loss", "训练损失"),
+        say("held-out loss", "留出损失"),
+        say("gap", "差距"),
+        say(
+            f"training prefixes with {EXTRACT_CHARS} chars verbatim",
+            f"逐字续写 {EXTRACT_CHARS} 字符的训练前缀",
+        ),
+        say(
+            f"held-out prefixes with {EXTRACT_CHARS} chars verbatim",
+            f"逐字续写 {EXTRACT_CHARS} 字符的留出前缀",
+        ),
+    )
+    return [
+        dict(
+            zip(
+                columns,
+                (
+                    n,
+                    n / params,
+                    seen_per_step / n,
+                    str(s["train"]),
+                    str(s["held"]),
+                    str(s["gap"]),
+                    str(s["seen"]),
+                    str(s["held-out"]),
+                ),
+                strict=True,
+            )
+        )
+        for n, s in stat.items()
+    ]
 
 
 def _notes(ctx, params: int, size: Budget, seeds: list[int], n_chars: list[int]) -> list[str]:
     tokens = size.steps * size.batch_size * CONTEXT
     return [
-        ctx.say(f"one character GPT of {params:,} parameters (2 layers, d=48), trained "
-                f"{size.steps} steps of {size.batch_size}x{CONTEXT} characters ({tokens:,} "
-                f"characters seen) on the first {', '.join(f'{n:,}' for n in n_chars)} "
-                f"characters of the plays; seeds {seeds}; {size.n_probes} extraction prefixes of "
-                f"{PREFIX_CHARS} characters per text",
-                f"同一个 {params:,} 参数的字符级 GPT（2 层，d=48），训练 {size.steps} 步、每步 "
-                f"{size.batch_size}x{CONTEXT} 个字符（共看到 {tokens:,} 个字符），训练文本取剧本的"
-                f"前 {'、'.join(f'{n:,}' for n in n_chars)} 个字符；随机种子 {seeds}；每段文本取 "
-                f"{size.n_probes} 个 {PREFIX_CHARS} 字符的前缀做提取"),
-        ctx.say("the seed's regime is 7B parameters and trillions of tokens, about 1,000 tokens "
-                f"per parameter; the largest text here is {n_chars[-1] / params:.0f} characters "
-                "per parameter",
-                "原文说的是 7B 参数、万亿 token，约每个参数 1,000 个 token；这里最大的训练文本是"
-                "每个"
-                f"参数 {n_chars[-1] / params:.0f} 个字符"),
-    ]  # fmt: skip
+        ctx.say(
+            f"one character GPT of {params:,} parameters (2 layers, d=48), trained "
+            f"{size.steps} steps of {size.batch_size}x{CONTEXT} characters ({tokens:,} "
+            f"characters seen) on the first {', '.join(f'{n:,}' for n in n_chars)} "
+            f"characters of the plays; seeds {seeds}; {size.n_probes} extraction prefixes of "
+            f"{PREFIX_CHARS} characters per text",
+            f"同一个 {params:,} 参数的字符级 GPT（2 层，d=48），训练 {size.steps} 步、每步 "
+            f"{size.batch_size}x{CONTEXT} 个字符（共看到 {tokens:,} 个字符），训练文本取剧本的"
+            f"前 {'、'.join(f'{n:,}' for n in n_chars)} 个字符；随机种子 {seeds}；每段文本取 "
+            f"{size.n_probes} 个 {PREFIX_CHARS} 字符的前缀做提取",
+        ),
+        ctx.say(
+            "the seed's regime is 7B parameters and trillions of tokens, about 1,000 tokens "
+            f"per parameter; the largest text here is {n_chars[-1] / params:.0f} characters "
+            "per parameter",
+            "原文说的是 7B 参数、万亿 token，约每个参数 1,000 个 token；这里最大的训练文本是"
+            "每个"
+            f"参数 {n_chars[-1] / params:.0f} 个字符",
+        ),
+    ]
 
 
 def _plot(stat: dict, params: int):
     fig, (losses, extraction) = lab.new_figure(10.0, 3.6, ncols=2)
     ratio = [n / params for n in stat]
     for key, label in (("train", "training loss"), ("held", "held-out loss")):
-        losses.errorbar(ratio, [s[key].mean for s in stat.values()],
-                        yerr=[s[key].spread for s in stat.values()], marker="o", capsize=3,
-                        label=label)  # fmt: skip
+        losses.errorbar(
+            ratio,
+            [s[key].mean for s in stat.values()],
+            yerr=[s[key].spread for s in stat.values()],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     losses.set(
         xscale="log",
         xlabel="training characters / parameters",
@@ -239,12 +351,21 @@ def _plot(stat: dict, params: int):
     losses.axvline(1.0, color="grey", linestyle=":")
     losses.legend(fontsize=7)
     for key, label in (("seen", "training prefixes"), ("held-out", "held-out prefixes")):
-        extraction.errorbar(ratio, [s[key].mean for s in stat.values()],
-                            yerr=[s[key].spread for s in stat.values()], marker="o", capsize=3,
-                            label=label)  # fmt: skip
-    extraction.set(xscale="log", xlabel="training characters / parameters", ylim=(-0.05, 1.05),
-                   ylabel=f"share continued {EXTRACT_CHARS} chars verbatim",
-                   title="can the training text be taken back out?")  # fmt: skip
+        extraction.errorbar(
+            ratio,
+            [s[key].mean for s in stat.values()],
+            yerr=[s[key].spread for s in stat.values()],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
+    extraction.set(
+        xscale="log",
+        xlabel="training characters / parameters",
+        ylim=(-0.05, 1.05),
+        ylabel=f"share continued {EXTRACT_CHARS} chars verbatim",
+        title="can the training text be taken back out?",
+    )
     extraction.axvline(1.0, color="grey", linestyle=":")
     extraction.legend(fontsize=7)
     return fig

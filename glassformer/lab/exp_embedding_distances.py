@@ -23,11 +23,43 @@ from glassformer.lab import base as lab
 WORDS = {"zh": ("猫", "狗", "发票"), "en": ("cat", "dog", "invoice")}
 # Unrelated everyday nouns: their pairwise similarities are the baseline scatter of a model.
 UNRELATED = {
-    "zh": ("桌子", "河流", "音乐", "窗户", "面包", "山", "电脑", "鞋", "云", "钱", "花园", "信",
-           "发动机", "纸", "学校", "锤子"),
-    "en": ("table", "river", "music", "window", "bread", "mountain", "computer", "shoe", "cloud",
-           "money", "garden", "letter", "engine", "paper", "school", "hammer"),
-}  # fmt: skip
+    "zh": (
+        "桌子",
+        "河流",
+        "音乐",
+        "窗户",
+        "面包",
+        "山",
+        "电脑",
+        "鞋",
+        "云",
+        "钱",
+        "花园",
+        "信",
+        "发动机",
+        "纸",
+        "学校",
+        "锤子",
+    ),
+    "en": (
+        "table",
+        "river",
+        "music",
+        "window",
+        "bread",
+        "mountain",
+        "computer",
+        "shoe",
+        "cloud",
+        "money",
+        "garden",
+        "letter",
+        "engine",
+        "paper",
+        "school",
+        "hammer",
+    ),
+}
 # Threshold: "住得近" vs "隔着十条街": sim(猫,狗) must beat sim(猫,发票) and sim(狗,发票) by at
 # least one standard deviation of the similarities between unrelated words (the UNRELATED pairs)
 # in the same representation, so that the gap is not within what any two unrelated words differ.
@@ -99,8 +131,12 @@ def _representations(ctx: lab.RunContext) -> dict:
     from glassformer.interop.pretrained import from_pretrained
 
     minilm, minilm_tok = from_pretrained("minilm")
-    found = {"MiniLM sentence embedding": ("MiniLM 句向量", lambda words, lang: minilm_vectors(
-        minilm, minilm_tok, words))}  # fmt: skip
+    found = {
+        "MiniLM sentence embedding": (
+            "MiniLM 句向量",
+            lambda words, lang: minilm_vectors(minilm, minilm_tok, words),
+        )
+    }
     if not ctx.tiny:  # tiny mode: MiniLM only (SmolLM2 takes seconds to load)
         smol, smol_tok = from_pretrained("smollm2")
         layer = smol.cfg.n_layers // 2
@@ -129,9 +165,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
             cat_dog, cat_inv, dog_inv = sims[0, 1], sims[0, 2], sims[1, 2]
             meaningful = not unreadable
             where = say(f"{rep}, {lang}", f"{rep_zh}，{LANG_ZH[lang]}")
-            results[where] = {"猫狗": cat_dog, "猫发票": cat_inv, "狗发票": dog_inv,
-                              "unrelated mean": float(baseline.mean()), "unrelated sd": sd,
-                              "meaningful": meaningful}  # fmt: skip
+            results[where] = {
+                "猫狗": cat_dog,
+                "猫发票": cat_inv,
+                "狗发票": dog_inv,
+                "unrelated mean": float(baseline.mean()),
+                "unrelated sd": sd,
+                "meaningful": meaningful,
+            }
             rows.append(
                 {
                     say("representation", "表示"): rep,
@@ -150,28 +191,35 @@ def run(ctx: lab.RunContext) -> lab.Result:
             if not meaningful:
                 targets = [w for w in (cat, dog, invoice) if w in unreadable]
                 n_bad = len(set(unreadable))
-                notes.append(say(
-                    f"{where}: not evidence, {n_bad} of {len(words)} "
-                    f"words (among them {targets}) tokenize to [UNK] or byte pieces, "
-                    "so their vectors do not stand for the words",
-                    f"{ctx.zh[where]}：不算证据，{len(words)} 个词中有 {n_bad} 个（包括 {targets}）"
-                    "被切成 [UNK] 或字节碎片，它们的向量代表不了这些词",
-                ))  # fmt: skip
+                notes.append(
+                    say(
+                        f"{where}: not evidence, {n_bad} of {len(words)} "
+                        f"words (among them {targets}) tokenize to [UNK] or byte pieces, "
+                        "so their vectors do not stand for the words",
+                        f"{ctx.zh[where]}：不算证据，{len(words)} 个词中有 {n_bad} 个（包括 "
+                        f"{targets}）"
+                        "被切成 [UNK] 或字节碎片，它们的向量代表不了这些词",
+                    )
+                )
                 continue
             margin = MARGIN_IN_SD * sd
             where_zh = ctx.zh[where]
             for a, b in ((cat, invoice), (dog, invoice)):
-                what = say(f"{where}: sim({cat},{dog}) - sim({a},{b})",
-                           f"{where_zh}：相似度({cat},{dog}) 减 相似度({a},{b})")  # fmt: skip
+                what = say(
+                    f"{where}: sim({cat},{dog}) - sim({a},{b})",
+                    f"{where_zh}：相似度({cat},{dog}) 减 相似度({a},{b})",
+                )
                 gap_ab = cat_dog - (cat_inv if a == cat else dog_inv)
                 checks.append(lab.at_least(what, gap_ab, margin, group=where))
             gap = min(cat_dog - cat_inv, cat_dog - dog_inv) / sd if sd > 0 else float("nan")
-            notes.append(say(
-                f"{where}: sim({cat},{dog}) exceeds the nearer of the two {invoice} "
-                f"pairs by {gap:.2f} sd of the unrelated pairs",
-                f"{where_zh}：相似度({cat},{dog}) 比两个含 {invoice} 的词对中较近的那个高出 "
-                f"{gap:.2f} 个无关词对标准差",
-            ))  # fmt: skip
+            notes.append(
+                say(
+                    f"{where}: sim({cat},{dog}) exceeds the nearer of the two {invoice} "
+                    f"pairs by {gap:.2f} sd of the unrelated pairs",
+                    f"{where_zh}：相似度({cat},{dog}) 比两个含 {invoice} 的词对中较近的那个高出 "
+                    f"{gap:.2f} 个无关词对标准差",
+                )
+            )
     figure = _plot(results)
     return lab.Result.from_checks(rows, checks, figure=figure, data=results, notes=notes)
 
@@ -185,12 +233,17 @@ def _plot(results: dict):
         for name in names
     ]
     series = {key: [results[n][key] for n in names] for key in ("猫狗", "猫发票", "狗发票")}
-    lab.grouped_bars(ax, labels, {f"sim({k[0]},{k[1:]})": v for k, v in series.items()},
-                     fontsize=7)  # fmt: skip
+    lab.grouped_bars(ax, labels, {f"sim({k[0]},{k[1:]})": v for k, v in series.items()}, fontsize=7)
     x = np.arange(len(names))
-    ax.errorbar(x, [results[n]["unrelated mean"] for n in names],
-                yerr=[results[n]["unrelated sd"] for n in names], fmt="k_", markersize=14,
-                capsize=4, label="unrelated pairs: mean ± sd")  # fmt: skip
+    ax.errorbar(
+        x,
+        [results[n]["unrelated mean"] for n in names],
+        yerr=[results[n]["unrelated sd"] for n in names],
+        fmt="k_",
+        markersize=14,
+        capsize=4,
+        label="unrelated pairs: mean ± sd",
+    )
     ax.set_ylabel("cosine similarity")
     ax.set_title("猫/狗 住得近，猫/发票 隔着十条街？(zh and en: cat/dog/invoice)")
     ax.legend(fontsize=7)

@@ -96,30 +96,52 @@ def run(ctx: lab.RunContext) -> lab.Result:
     say = ctx.say
     tokenizer, models, vocab = tokenizer_and_models(ctx)
     sentences = [SEED_SENTENCE, *VARIANTS]
-    read_by = {name: [read(m, tokenizer, vocab, s, p) for s, p, _, _ in sentences]
-               for name, m in models.items()}  # fmt: skip
+    read_by = {
+        name: [read(m, tokenizer, vocab, s, p) for s, p, _, _ in sentences]
+        for name, m in models.items()
+    }
     trained, control = list(models)
-    wins = {name: sum(r.of(a) > r.of(o) for r, (_, _, a, o) in zip(rows[1:], VARIANTS,
-                                                                    strict=True))
-            for name, rows in read_by.items()}  # fmt: skip
+    wins = {
+        name: sum(r.of(a) > r.of(o) for r, (_, _, a, o) in zip(rows[1:], VARIANTS, strict=True))
+        for name, rows in read_by.items()
+    }
     seed_row = read_by[trained][0]
     group = say("猫 usually ranks near the top", "通常你会看到“猫”排在前面")
     checks = [
-        lab.at_most(say(f"rank of 猫 in 它's row, the seed's sentence ({trained})",
-                        f"原文句子中“猫”在“它”那一行里的名次（{trained}）"),
-                    seed_row.rank_of("猫"), TOP, group=group),
-        lab.at_least(say(f"variants where the animal outranks the object ({trained}, of "
-                         f"{len(VARIANTS)})", f"动物得分高于物体的变体句数（{trained}，共 "
-                         f"{len(VARIANTS)} 句）"),
-                     wins[trained], MIN_VARIANTS, group=group),
-        lab.at_least(say("variants won: trained - random weights",
-                         "胜出的变体句数：训练过的 - 随机权重"),
-                     wins[trained] - wins[control], 1, group=group),
-    ]  # fmt: skip
+        lab.at_most(
+            say(
+                f"rank of 猫 in 它's row, the seed's sentence ({trained})",
+                f"原文句子中“猫”在“它”那一行里的名次（{trained}）",
+            ),
+            seed_row.rank_of("猫"),
+            TOP,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                f"variants where the animal outranks the object ({trained}, of {len(VARIANTS)})",
+                f"动物得分高于物体的变体句数（{trained}，共 {len(VARIANTS)} 句）",
+            ),
+            wins[trained],
+            MIN_VARIANTS,
+            group=group,
+        ),
+        lab.at_least(
+            say("variants won: trained - random weights", "胜出的变体句数：训练过的 - 随机权重"),
+            wins[trained] - wins[control],
+            1,
+            group=group,
+        ),
+    ]
     rows = _rows(ctx, read_by, sentences)
     notes = _notes(ctx, read_by, trained, control, wins)
-    data = {name: [{"sentence": r.sentence, "weights": {str(k): v for k, v in r.weights.items()}}
-                   for r in rows] for name, rows in read_by.items()}  # fmt: skip
+    data = {
+        name: [
+            {"sentence": r.sentence, "weights": {str(k): v for k, v in r.weights.items()}}
+            for r in rows
+        ]
+        for name, rows in read_by.items()
+    }
     figure = _plot(seed_row, read_by[control][0], trained)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -132,9 +154,15 @@ def _rows(ctx, read_by: dict, sentences: list) -> list[dict]:
     rows = []
     for name, read_rows in read_by.items():
         for r, (_, _, animal, thing) in zip(read_rows, sentences, strict=True):
-            rows.append({sentence_col: r.sentence, model_col: say(name, _zh(name)),
-                         top_col: " ".join(r.top()), animal_col: f"{animal} {r.of(animal):.3f}",
-                         object_col: f"{thing} {r.of(thing):.3f}"})  # fmt: skip
+            rows.append(
+                {
+                    sentence_col: r.sentence,
+                    model_col: say(name, _zh(name)),
+                    top_col: " ".join(r.top()),
+                    animal_col: f"{animal} {r.of(animal):.3f}",
+                    object_col: f"{thing} {r.of(thing):.3f}",
+                }
+            )
     return rows
 
 
@@ -146,22 +174,28 @@ def _notes(ctx, read_by, trained, control, wins) -> list[str]:
     seed_row = read_by[trained][0]
     first = seed_row.sentence[0]
     return [
-        ctx.say(f"{trained}, last layer, mean over heads, the row of 它's last byte piece (a "
-                f"character's weight is the sum over its pieces); the seed's sentence gives the "
-                f"top {TOP} {' '.join(seed_row.top())}",
-                f"{trained}，最后一层，对所有头取平均，取“它”最后一个字节片段那一行（一个字的权重是"
-                f"其各片段之和）；原文句子的前 {TOP} 名是 {' '.join(seed_row.top())}"),
-        ctx.say(f"the animal outranks the object in {wins[trained]} of {len(VARIANTS)} variants "
-                f"({trained}) and in {wins[control]} with random weights",
-                f"动物得分高于物体的变体句：{trained} {wins[trained]} 句（共 {len(VARIANTS)} 句），"
-                f"随机权重 {wins[control]} 句"),
-        ctx.say(f"much of a causal model's last-layer attention goes to the first character "
-                f"({first!r}: {seed_row.weights.get(0, 0.0):.2f} in the seed's sentence), a sink "
-                "that ranks high in every row; the seed's BERT has [CLS] and [SEP] for that",
-                f"因果模型最后一层的注意力有不少落在第一个字上（原文句子中“{first}”为 "
-                f"{seed_row.weights.get(0, 0.0):.2f}），它在每一行里都排得靠前；原文用的 BERT "
-                "里由 [CLS] 和 [SEP] 担任这个角色"),
-    ]  # fmt: skip
+        ctx.say(
+            f"{trained}, last layer, mean over heads, the row of 它's last byte piece (a "
+            f"character's weight is the sum over its pieces); the seed's sentence gives the "
+            f"top {TOP} {' '.join(seed_row.top())}",
+            f"{trained}，最后一层，对所有头取平均，取“它”最后一个字节片段那一行（一个字的权重是"
+            f"其各片段之和）；原文句子的前 {TOP} 名是 {' '.join(seed_row.top())}",
+        ),
+        ctx.say(
+            f"the animal outranks the object in {wins[trained]} of {len(VARIANTS)} variants "
+            f"({trained}) and in {wins[control]} with random weights",
+            f"动物得分高于物体的变体句：{trained} {wins[trained]} 句（共 {len(VARIANTS)} 句），"
+            f"随机权重 {wins[control]} 句",
+        ),
+        ctx.say(
+            f"much of a causal model's last-layer attention goes to the first character "
+            f"({first!r}: {seed_row.weights.get(0, 0.0):.2f} in the seed's sentence), a sink "
+            "that ranks high in every row; the seed's BERT has [CLS] and [SEP] for that",
+            f"因果模型最后一层的注意力有不少落在第一个字上（原文句子中“{first}”为 "
+            f"{seed_row.weights.get(0, 0.0):.2f}），它在每一行里都排得靠前；原文用的 BERT "
+            "里由 [CLS] 和 [SEP] 担任这个角色",
+        ),
+    ]
 
 
 def _plot(seed_row: Row, control_row: Row, name: str):
@@ -169,11 +203,18 @@ def _plot(seed_row: Row, control_row: Row, name: str):
     chars = list(range(seed_row.pronoun_at + 1))
     labels = [seed_row.sentence[i] for i in chars]
     with lab.cjk_text():
-        lab.grouped_bars(ax, labels, {
-            name: [seed_row.weights.get(i, 0.0) for i in chars],
-            "random weights": [control_row.weights.get(i, 0.0) for i in chars],
-        })  # fmt: skip
-        ax.set(xlabel="character (up to 它)", ylabel="attention from 它 (last layer, head mean)",
-               title="那只猫没跳上桌子因为它太累了")  # fmt: skip
+        lab.grouped_bars(
+            ax,
+            labels,
+            {
+                name: [seed_row.weights.get(i, 0.0) for i in chars],
+                "random weights": [control_row.weights.get(i, 0.0) for i in chars],
+            },
+        )
+        ax.set(
+            xlabel="character (up to 它)",
+            ylabel="attention from 它 (last layer, head mean)",
+            title="那只猫没跳上桌子因为它太累了",
+        )
         ax.legend(fontsize=7)
     return fig

@@ -24,8 +24,14 @@ from glassformer.lab import base as lab
 from glassformer.lab.exp_exercise_cat_first import read, tokenizer_and_models
 
 SEED = ("律师", "助理")
-ROLES = [SEED, ("医生", "护士"), ("老师", "学生"), ("经理", "秘书"), ("司机", "乘客"),
-         ("老板", "员工")]  # fmt: skip
+ROLES = [
+    SEED,
+    ("医生", "护士"),
+    ("老师", "学生"),
+    ("经理", "秘书"),
+    ("司机", "乘客"),
+    ("老板", "员工"),
+]
 TEMPLATE = "{giver}把文件交给{receiver}因为他快迟到了"  # the seed's: 他 is the giver
 OTHER_WAY = "{giver}把文件交给{receiver}因为他要签字"  # 他 is the receiver
 QUESTION = "。他指的是"
@@ -55,17 +61,32 @@ def run(ctx: lab.RunContext) -> lab.Result:
     late_wins = {name: sum(m > 0 for m in ms[: len(ROLES)]) for name, ms in judged.items()}
     group = say("the model reads 他 as the intuition does", "模型对“他”的理解与直觉一致")
     checks = [
-        lab.at_least(say(f"the seed's sentence: attention on 律师 - on 助理 ({trained})",
-                         f"原文句子：“律师”的注意力 - “助理”的（{trained}）"),
-                     margin[trained][0], 0.0, group=group),
-        lab.at_least(say(f"sentences where the model judges 他 as the intuition does, both "
-                         f"endings ({trained}, of {len(cases)})", f"模型对“他”的判断与直觉一致的"
-                         f"句子数，两种结尾（{trained}，共 {len(cases)} 句）"),
-                     wins[trained], MIN_BOTH_ORDERS, group=group),
-        lab.at_least(say("sentences won: trained - random weights",
-                         "胜出的句子数：训练过的 - 随机权重"),
-                     wins[trained] - wins[control], 1, group=group),
-    ]  # fmt: skip
+        lab.at_least(
+            say(
+                f"the seed's sentence: attention on 律师 - on 助理 ({trained})",
+                f"原文句子：“律师”的注意力 - “助理”的（{trained}）",
+            ),
+            margin[trained][0],
+            0.0,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                f"sentences where the model judges 他 as the intuition does, both "
+                f"endings ({trained}, of {len(cases)})",
+                f"模型对“他”的判断与直觉一致的句子数，两种结尾（{trained}，共 {len(cases)} 句）",
+            ),
+            wins[trained],
+            MIN_BOTH_ORDERS,
+            group=group,
+        ),
+        lab.at_least(
+            say("sentences won: trained - random weights", "胜出的句子数：训练过的 - 随机权重"),
+            wins[trained] - wins[control],
+            1,
+            group=group,
+        ),
+    ]
     sentence_col, meant_col = say("sentence", "句子"), say("他 is", "“他”指")
     cols = {
         name: say(
@@ -74,43 +95,60 @@ def run(ctx: lab.RunContext) -> lab.Result:
         )
         for name in models
     }
-    judge_cols = {name: say(f"log P after {QUESTION}: intended - other, {name}",
-                            f"{QUESTION}之后的 log P：所指 - 另一个，{_zh(name)}")
-                  for name in models}  # fmt: skip
-    rows = [{sentence_col: sentence, meant_col: meant, **{cols[n]: margin[n][i] for n in models},
-             **{judge_cols[n]: judged[n][i] for n in models}}
-            for i, (sentence, meant, _) in enumerate(cases)]  # fmt: skip
+    judge_cols = {
+        name: say(
+            f"log P after {QUESTION}: intended - other, {name}",
+            f"{QUESTION}之后的 log P：所指 - 另一个，{_zh(name)}",
+        )
+        for name in models
+    }
+    rows = [
+        {
+            sentence_col: sentence,
+            meant_col: meant,
+            **{cols[n]: margin[n][i] for n in models},
+            **{judge_cols[n]: judged[n][i] for n in models},
+        }
+        for i, (sentence, meant, _) in enumerate(cases)
+    ]
     notes = [
-        ctx.say(f"{trained}: the model's judgement after {QUESTION!r} is the intended noun in "
-                f"{wins[trained]} of "
-                f"{len(cases)} sentences ({late_wins[trained]} of {len(ROLES)} ending 快迟到了, "
-                f"{wins[trained] - late_wins[trained]} ending 要签字); random weights "
-                f"{wins[control]}",
-                f"{trained}：在“{QUESTION}”之后，{len(cases)} 句中模型判断与直觉一致的有 "
-                f"{wins[trained]} 句（以“快迟到了”结尾的 {len(ROLES)} 句中 {late_wins[trained]} "
-                f"句，以“要签字”结尾的 {wins[trained] - late_wins[trained]} 句）；随机权重 "
-                f"{wins[control]} 句"),
-        ctx.say("他's attention is the same in both endings (it is computed before they exist): "
-                "a causal model's pronoun cannot look at what comes after it; the seed's BERT "
-                "could. The judgement is read after the whole sentence",
-                "两种结尾下“他”的注意力完全相同（它在结尾出现之前就算完了）：因果模型的代词看不到"
-                "后文，原文的 BERT 可以。模型的判断在读完整句之后读取"),
-        ctx.say(f"in the seed's sentence 律师 gets {margin[trained][0]:+.2f} more of 他's "
-                "attention than 助理, but 律 is the first character, where a causal model parks "
-                "most of its weight (see attention-sinks): the giver, first in every sentence, "
-                "gets it whatever 他 means",
-                f"原文句子里“律师”比“助理”多得 {margin[trained][0]:+.2f} 的注意力，但“律”是第一个"
-                "字，因果模型把大部分权重停放在那里（见 attention-sinks）：递文件者在每句里都在"
-                "最前，不管“他”指谁都会拿到这部分权重"),
-        ctx.say("the giver comes first in every sentence: a model that favours the first noun is "
-                "right in every 快迟到了 sentence and wrong in every 要签字 one, one that favours "
-                "the nearer noun the other way round",
-                "每句里递文件者都在前：偏爱第一个名词的模型在“快迟到了”的句子里全对、在“要签字”"
-                "的句子里全错，偏爱更近名词的则反过来"),
-    ]  # fmt: skip
+        ctx.say(
+            f"{trained}: the model's judgement after {QUESTION!r} is the intended noun in "
+            f"{wins[trained]} of "
+            f"{len(cases)} sentences ({late_wins[trained]} of {len(ROLES)} ending 快迟到了, "
+            f"{wins[trained] - late_wins[trained]} ending 要签字); random weights "
+            f"{wins[control]}",
+            f"{trained}：在“{QUESTION}”之后，{len(cases)} 句中模型判断与直觉一致的有 "
+            f"{wins[trained]} 句（以“快迟到了”结尾的 {len(ROLES)} 句中 {late_wins[trained]} "
+            f"句，以“要签字”结尾的 {wins[trained] - late_wins[trained]} 句）；随机权重 "
+            f"{wins[control]} 句",
+        ),
+        ctx.say(
+            "他's attention is the same in both endings (it is computed before they exist): "
+            "a causal model's pronoun cannot look at what comes after it; the seed's BERT "
+            "could. The judgement is read after the whole sentence",
+            "两种结尾下“他”的注意力完全相同（它在结尾出现之前就算完了）：因果模型的代词看不到"
+            "后文，原文的 BERT 可以。模型的判断在读完整句之后读取",
+        ),
+        ctx.say(
+            f"in the seed's sentence 律师 gets {margin[trained][0]:+.2f} more of 他's "
+            "attention than 助理, but 律 is the first character, where a causal model parks "
+            "most of its weight (see attention-sinks): the giver, first in every sentence, "
+            "gets it whatever 他 means",
+            f"原文句子里“律师”比“助理”多得 {margin[trained][0]:+.2f} 的注意力，但“律”是第一个"
+            "字，因果模型把大部分权重停放在那里（见 attention-sinks）：递文件者在每句里都在"
+            "最前，不管“他”指谁都会拿到这部分权重",
+        ),
+        ctx.say(
+            "the giver comes first in every sentence: a model that favours the first noun is "
+            "right in every 快迟到了 sentence and wrong in every 要签字 one, one that favours "
+            "the nearer noun the other way round",
+            "每句里递文件者都在前：偏爱第一个名词的模型在“快迟到了”的句子里全对、在“要签字”"
+            "的句子里全错，偏爱更近名词的则反过来",
+        ),
+    ]
     data = {"cases": cases, "attention_margin": margin, "judgement": judged}
-    return lab.Result.from_checks(rows, checks, figure=_plot(judged, cases), data=data,
-                                  notes=notes)  # fmt: skip
+    return lab.Result.from_checks(rows, checks, figure=_plot(judged, cases), data=data, notes=notes)
 
 
 @torch.no_grad()
@@ -137,7 +175,8 @@ def _plot(judged: dict, cases: list):
     with lab.cjk_text():
         lab.grouped_bars(ax, labels, judged, rotation=60, fontsize=7)
         ax.axhline(0, color="k", linewidth=0.8)
-        ax.set(ylabel=f"log P after {QUESTION}: intended - other",
-               title=f"{TEMPLATE} / {OTHER_WAY}")  # fmt: skip
+        ax.set(
+            ylabel=f"log P after {QUESTION}: intended - other", title=f"{TEMPLATE} / {OTHER_WAY}"
+        )
         ax.legend(fontsize=7)
     return fig

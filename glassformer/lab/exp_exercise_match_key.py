@@ -37,16 +37,20 @@ def softmax(x):
 
 def seed_q_k_v() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q_it = np.array([1.0, 0.5, 0.2, 0.8])  # "它" 的 Query
-    K = np.array([
-        [1.1, 0.4, 0.3, 0.9],   # "猫" 的 Key —— 故意设计得跟 q_it 很像
-        [0.1, 0.9, 0.1, 0.0],   # "累" 的 Key
-        [0.3, 0.2, 0.6, 0.3],   # "它" 的 Key
-    ])  # fmt: skip
-    V = np.array([
-        [10.0, 0.0, 0.0, 0.0],  # "猫" 的 Value（用好认的整数）
-        [0.0, 10.0, 0.0, 0.0],  # "累" 的 Value
-        [0.0, 0.0, 10.0, 0.0],  # "它" 的 Value
-    ])  # fmt: skip
+    K = np.array(
+        [
+            [1.1, 0.4, 0.3, 0.9],  # "猫" 的 Key —— 故意设计得跟 q_it 很像
+            [0.1, 0.9, 0.1, 0.0],  # "累" 的 Key
+            [0.3, 0.2, 0.6, 0.3],  # "它" 的 Key
+        ]
+    )
+    V = np.array(
+        [
+            [10.0, 0.0, 0.0, 0.0],  # "猫" 的 Value（用好认的整数）
+            [0.0, 10.0, 0.0, 0.0],  # "累" 的 Value
+            [0.0, 0.0, 10.0, 0.0],  # "它" 的 Value
+        ]
+    )
     return q_it, K, V
 
 
@@ -87,10 +91,15 @@ def run(ctx: lab.RunContext) -> lab.Result:
     rows = []
     for label, (scores, weights, output) in (("as written", before), ("累's key changed", after)):
         for i, word in enumerate(WORDS):
-            rows.append({say("run", "运行"): label, say("word", "词"): word,
-                         say("score q·k/√d", "分数 q·k/√d"): float(scores[i]),
-                         say("weight", "权重"): float(weights[i]),
-                         say("output dim", "输出维度"): float(output[i])})  # fmt: skip
+            rows.append(
+                {
+                    say("run", "运行"): label,
+                    say("word", "词"): word,
+                    say("score q·k/√d", "分数 q·k/√d"): float(scores[i]),
+                    say("weight", "权重"): float(weights[i]),
+                    say("output dim", "输出维度"): float(output[i]),
+                }
+            )
 
     suggested = np.array(SUGGESTED_KEY)
     cosine = float(suggested @ q_it / np.linalg.norm(suggested) / np.linalg.norm(q_it))
@@ -98,52 +107,95 @@ def run(ctx: lab.RunContext) -> lab.Result:
     s_flip = flip_scale(q_it, K, tired, suggested, cat)
     w_before, w_after = before[1], after[1]
     checks = [
-        lab.precondition(lab.approx(say(f"weight on {word} as written (seed prints {seed:g})",
-                                        f"原样运行时 {word} 的权重（教程打印 {seed:g}）"),
-                                    w_before[i], seed, PRINTED))
+        lab.precondition(
+            lab.approx(
+                say(
+                    f"weight on {word} as written (seed prints {seed:g})",
+                    f"原样运行时 {word} 的权重（教程打印 {seed:g}）",
+                ),
+                w_before[i],
+                seed,
+                PRINTED,
+            )
+        )
         for i, (word, seed) in enumerate(zip(WORDS, SEED_WEIGHTS, strict=True))
-    ]  # fmt: skip
-    checks.append(lab.precondition(lab.approx(
-        say("max |output - seed's printed output|", "max |输出 - 教程打印的输出|"),
-        float(np.abs(before[2] - np.array(SEED_OUTPUT)).max()), 0, 0.005 + 1e-9)))  # fmt: skip
-    checks.append(lab.precondition(lab.approx(
-        say("max |seed code - numpy_ref.attention| weights after the change",
-            "修改后权重的 max |教程代码 - numpy_ref.attention|"),
-        float(np.abs(reference.weights[0] - w_after).max()), 0, 1e-12)))  # fmt: skip
+    ]
+    checks.append(
+        lab.precondition(
+            lab.approx(
+                say("max |output - seed's printed output|", "max |输出 - 教程打印的输出|"),
+                float(np.abs(before[2] - np.array(SEED_OUTPUT)).max()),
+                0,
+                0.005 + 1e-9,
+            )
+        )
+    )
+    checks.append(
+        lab.precondition(
+            lab.approx(
+                say(
+                    "max |seed code - numpy_ref.attention| weights after the change",
+                    "修改后权重的 max |教程代码 - numpy_ref.attention|",
+                ),
+                float(np.abs(reference.weights[0] - w_after).max()),
+                0,
+                1e-12,
+            )
+        )
+    )
     toward = say("weights move toward 累", "权重向 累 移动")
     flip = say("the weights flip (倒向累)", "权重翻转（倒向累）")
     checks += [
-        lab.at_least(say("weight on 累: after - before", "累 的权重：修改后减修改前"),
-                     w_after[tired] - w_before[tired], 0, group=toward),
-        lab.at_most(say("weight on 猫: after - before", "猫 的权重：修改后减修改前"),
-                    w_after[cat] - w_before[cat], 0, group=toward),
-        lab.at_least(say("after the change: weight on 累 - weight on 猫",
-                         "修改后：累 的权重减 猫 的权重"),
-                     w_after[tired] - w_after[cat], 0, group=flip),
-    ]  # fmt: skip
+        lab.at_least(
+            say("weight on 累: after - before", "累 的权重：修改后减修改前"),
+            w_after[tired] - w_before[tired],
+            0,
+            group=toward,
+        ),
+        lab.at_most(
+            say("weight on 猫: after - before", "猫 的权重：修改后减修改前"),
+            w_after[cat] - w_before[cat],
+            0,
+            group=toward,
+        ),
+        lab.at_least(
+            say("after the change: weight on 累 - weight on 猫", "修改后：累 的权重减 猫 的权重"),
+            w_after[tired] - w_after[cat],
+            0,
+            group=flip,
+        ),
+    ]
 
     winner = WORDS[int(np.argmax(w_after))]
     w0, w1 = np.round(w_before, 3).tolist(), np.round(w_after, 3).tolist()
     dot_new, dot_cat = suggested @ q_it, K[cat] @ q_it
     notes = [
-        say(f"weights as written {w0}, after the change "
+        say(
+            f"weights as written {w0}, after the change "
             f"{w1} (猫, 累, 它): the largest weight is now on {winner}.",
-            f"原样运行的权重 {w0}，修改后 {w1}（猫、累、它）：最大的权重现在在 {winner} 上。"),
-        say(f"cosine with q_it: the suggested key {cosine:.3f}, 猫's key {cat_cosine:.3f}; dot "
+            f"原样运行的权重 {w0}，修改后 {w1}（猫、累、它）：最大的权重现在在 {winner} 上。",
+        ),
+        say(
+            f"cosine with q_it: the suggested key {cosine:.3f}, 猫's key {cat_cosine:.3f}; dot "
             f"product with q_it: the suggested key {dot_new:.3f}, 猫's key "
             f"{dot_cat:.3f}: scores are dot products, so length counts as well as "
             f"direction. 累's key would need to be {s_flip:.3f} × the suggested vector to tie "
             "with 猫.",
             f"与 q_it 的余弦：建议的 Key {cosine:.3f}，猫 的 Key {cat_cosine:.3f}；与 q_it 的点积："
             f"建议的 Key {dot_new:.3f}，猫 的 Key {dot_cat:.3f}：分数是点积，所以长度和方向一样"
-            f"要紧。累 的 Key 得是建议向量的 {s_flip:.3f} 倍，才能与 猫 打平。"),
-    ]  # fmt: skip
+            f"要紧。累 的 Key 得是建议向量的 {s_flip:.3f} 倍，才能与 猫 打平。",
+        ),
+    ]
     curves = np.array(
         [seed_attention(q_it, with_key(K, tired, s * suggested), V)[1] for s in SCALES]
-    )  # (S, 3) fmt: skip
+    )  # (S, 3)
     figure = _plot(w_before, w_after, curves, s_flip)
-    data = {"weights_before": w_before.tolist(), "weights_after": w_after.tolist(),
-            "flip_scale": s_flip, "cosine_suggested": cosine}  # fmt: skip
+    data = {
+        "weights_before": w_before.tolist(),
+        "weights_after": w_after.tolist(),
+        "flip_scale": s_flip,
+        "cosine_suggested": cosine,
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 

@@ -93,15 +93,20 @@ def surprisals(model, prompt: list[int], continuations: list[list[int]]) -> list
         ids[i, : len(prompt) + len(c)] = torch.tensor(prompt + c)
     log_p = torch.log_softmax(model(ids).double(), dim=-1)  # (R, T, V)
     start = len(prompt) - 1  # the position that predicts the first new token
-    return [[-float(log_p[i, start + j, t]) for j, t in enumerate(c)]
-            for i, c in enumerate(continuations)]  # fmt: skip
+    return [
+        [-float(log_p[i, start + j, t]) for j, t in enumerate(c)]
+        for i, c in enumerate(continuations)
+    ]
 
 
-def engine_sample(engine: Engine, prompt: list[int], temperatures: list[float], n_new: int,
-                  seed: int) -> list[list[int]]:  # fmt: skip
+def engine_sample(
+    engine: Engine, prompt: list[int], temperatures: list[float], n_new: int, seed: int
+) -> list[list[int]]:
     """The library's sampler: one Engine row per temperature, stepped together."""
-    rows = [engine.add(prompt, SamplingParams(temperature=t, seed=seed + i, max_new_tokens=n_new))
-            for i, t in enumerate(temperatures)]  # fmt: skip
+    rows = [
+        engine.add(prompt, SamplingParams(temperature=t, seed=seed + i, max_new_tokens=n_new))
+        for i, t in enumerate(temperatures)
+    ]
     while engine.step():
         pass
     return [row.result().token_ids for row in rows]
@@ -113,8 +118,11 @@ def run(ctx: lab.RunContext) -> lab.Result:
     n_new = ctx.pick(24, 8, 3)
     # Quick and tiny run the seed's own prompt; full mode adds the English one. The Engine (the
     # second reference) runs the seed's prompt; in full mode both.
-    prompts = {lang: ids for lang, ids in _prompts(tokenizer).items()
-               if lang in ctx.pick(("zh", "en"), ("zh",), ("zh", "en"))}  # fmt: skip
+    prompts = {
+        lang: ids
+        for lang, ids in _prompts(tokenizer).items()
+        if lang in ctx.pick(("zh", "en"), ("zh",), ("zh", "en"))
+    }
     engine_prompts = ctx.pick(("zh", "en"), ("zh",), ("zh",))
     eos = model.cfg.eos_token_id
     temperatures = [t for t in TEMPERATURES for _ in range(N_SAMPLES)]
@@ -137,34 +145,60 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 distinct = len({tuple(outputs[i]) for i in picked})
                 summary[(lang, sampler, t)] = (lab.over_seeds(mean_surprisal), distinct)
                 for k, i in enumerate(picked):
-                    rows.append(_row(ctx, lang, sampler, t, k + 1, outputs[i], mean_surprisal[k],
-                                     _text(tokenizer, outputs[i])))  # fmt: skip
+                    rows.append(
+                        _row(
+                            ctx,
+                            lang,
+                            sampler,
+                            t,
+                            k + 1,
+                            outputs[i],
+                            mean_surprisal[k],
+                            _text(tokenizer, outputs[i]),
+                        )
+                    )
             greedy, hot = summary[(lang, sampler, 0.0)], summary[(lang, sampler, 1.2)]
             checks += _checks(ctx, lang, sampler, greedy, hot)
         ours = temperature_probs(logits.double().numpy(), 1.2)
         theirs = sampling_distribution(logits[None], SamplingParams(temperature=1.2))[0]
-        what = ctx.say(f"{lang}: max |hand - library| probability at T=1.2",
-                       f"{LANG_ZH[lang]}：T=1.2 时手写与库的概率之差的最大绝对值")  # fmt: skip
+        what = ctx.say(
+            f"{lang}: max |hand - library| probability at T=1.2",
+            f"{LANG_ZH[lang]}：T=1.2 时手写与库的概率之差的最大绝对值",
+        )
         gap = float(np.abs(ours - theirs.double().numpy()).max())
         checks.append(lab.precondition(lab.approx(what, gap, 0, SAME_DISTRIBUTION)))
 
-    notes = _notes(ctx, name, prompts, engine_prompts, n_new, len(temperatures), summary,
-                   first_step)  # fmt: skip
+    notes = _notes(
+        ctx, name, prompts, engine_prompts, n_new, len(temperatures), summary, first_step
+    )
     figure = _plot(ctx, summary, first_step, tokenizer)
-    data = {f"{lang}|{sampler}|{t:g}": {"surprisal": list(s.values), "distinct": d}
-            for (lang, sampler, t), (s, d) in summary.items()}  # fmt: skip
+    data = {
+        f"{lang}|{sampler}|{t:g}": {"surprisal": list(s.values), "distinct": d}
+        for (lang, sampler, t), (s, d) in summary.items()
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _row(ctx: lab.RunContext, lang: str, sampler: str, t: float, k: int, ids: list[int],
-         surprisal: float, text: str) -> dict:  # fmt: skip
+def _row(
+    ctx: lab.RunContext,
+    lang: str,
+    sampler: str,
+    t: float,
+    k: int,
+    ids: list[int],
+    surprisal: float,
+    text: str,
+) -> dict:
     ctx.say(lang, LANG_ZH[lang])
-    return {ctx.say("prompt", "提示词"): lang,
-            ctx.say("sampler", "采样器"): ctx.say(sampler, SAMPLER_ZH[sampler]),
-            ctx.say("T", "温度 T"): t, ctx.say("sample", "第几次"): k,
-            ctx.say("tokens", "token 数"): len(ids),
-            ctx.say("surprisal (nats/token)", "惊讶度（nats/token）"): surprisal,
-            ctx.say("text", "文本"): text}  # fmt: skip
+    return {
+        ctx.say("prompt", "提示词"): lang,
+        ctx.say("sampler", "采样器"): ctx.say(sampler, SAMPLER_ZH[sampler]),
+        ctx.say("T", "温度 T"): t,
+        ctx.say("sample", "第几次"): k,
+        ctx.say("tokens", "token 数"): len(ids),
+        ctx.say("surprisal (nats/token)", "惊讶度（nats/token）"): surprisal,
+        ctx.say("text", "文本"): text,
+    }
 
 
 def _checks(ctx: lab.RunContext, lang: str, sampler: str, greedy, hot) -> list[lab.Check]:
@@ -175,38 +209,72 @@ def _checks(ctx: lab.RunContext, lang: str, sampler: str, greedy, hot) -> list[l
     stable = say("T=1.2 is less stable than T=0", "T=1.2 不如 T=0 稳定")
     nonsense = say("T=1.2 says more 胡说", "T=1.2 更“胡说”")
     return [
-        lab.precondition(lab.approx(say(f"{en}: distinct outputs of 3 at T=0",
-                                        f"{zh}：T=0 下 3 次输出中不同的个数"), greedy[1], 1, 0)),
-        lab.at_least(say(f"{en}: distinct outputs of 3 at T=1.2",
-                         f"{zh}：T=1.2 下 3 次输出中不同的个数"), hot[1], 2, group=stable),
-        lab.exceeds_spread(say(f"{en}: surprisal T=1.2 - T=0 (nats/token)",
-                               f"{zh}：惊讶度 T=1.2 减 T=0（nats/token）"),
-                           hot[0], greedy[0], group=nonsense),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.approx(
+                say(f"{en}: distinct outputs of 3 at T=0", f"{zh}：T=0 下 3 次输出中不同的个数"),
+                greedy[1],
+                1,
+                0,
+            )
+        ),
+        lab.at_least(
+            say(f"{en}: distinct outputs of 3 at T=1.2", f"{zh}：T=1.2 下 3 次输出中不同的个数"),
+            hot[1],
+            2,
+            group=stable,
+        ),
+        lab.exceeds_spread(
+            say(
+                f"{en}: surprisal T=1.2 - T=0 (nats/token)",
+                f"{zh}：惊讶度 T=1.2 减 T=0（nats/token）",
+            ),
+            hot[0],
+            greedy[0],
+            group=nonsense,
+        ),
+    ]
 
 
-def _notes(ctx: lab.RunContext, name: str, prompts: dict, engine_prompts, n_new: int,
-           n_rows: int, summary: dict, first_step: dict) -> list[str]:  # fmt: skip
+def _notes(
+    ctx: lab.RunContext,
+    name: str,
+    prompts: dict,
+    engine_prompts,
+    n_new: int,
+    n_rows: int,
+    summary: dict,
+    first_step: dict,
+) -> list[str]:
     shown = {k: PROMPTS[k] for k in prompts}
     seeds = f"{ctx.seed}..{ctx.seed + n_rows - 1}"
-    notes = [ctx.say(f"model: {name}; prompts in the chat template: {shown}; Engine on "
-                     f"{list(engine_prompts)}; {n_new} new tokens at most, seeds {seeds}",
-                     f"模型：{name}；套用对话模板的提示词：{shown}；"
-                     f"Engine 跑 {list(engine_prompts)}；最多生成 {n_new} 个 token，"
-                     f"随机种子 {seeds}")]  # fmt: skip
+    notes = [
+        ctx.say(
+            f"model: {name}; prompts in the chat template: {shown}; Engine on "
+            f"{list(engine_prompts)}; {n_new} new tokens at most, seeds {seeds}",
+            f"模型：{name}；套用对话模板的提示词：{shown}；"
+            f"Engine 跑 {list(engine_prompts)}；最多生成 {n_new} 个 token，"
+            f"随机种子 {seeds}",
+        )
+    ]
     for (lang, sampler, t), (spread, distinct) in summary.items():
-        notes.append(ctx.say(f"{lang}, {sampler}, T={t:g}: {distinct} distinct of {N_SAMPLES}, "
-                             f"surprisal {spread} nats/token",
-                             f"{LANG_ZH[lang]}，{SAMPLER_ZH[sampler]}，T={t:g}：{N_SAMPLES} 次中 "
-                             f"{distinct} 个不同，惊讶度 {spread} nats/token"))  # fmt: skip
+        notes.append(
+            ctx.say(
+                f"{lang}, {sampler}, T={t:g}: {distinct} distinct of {N_SAMPLES}, "
+                f"surprisal {spread} nats/token",
+                f"{LANG_ZH[lang]}，{SAMPLER_ZH[sampler]}，T={t:g}：{N_SAMPLES} 次中 "
+                f"{distinct} 个不同，惊讶度 {spread} nats/token",
+            )
+        )
     for lang, logits in first_step.items():
         flat = {t: entropy_nats(temperature_probs(logits.double().numpy(), t)) for t in (1, 1.2)}
-        notes.append(ctx.say(
-            f"{lang}: first-token entropy {flat[1]:.2f} nats at T=1, {flat[1.2]:.2f} at T=1.2 "
-            "(dividing by T > 1 always flattens: a property of softmax, not a finding)",
-            f"{LANG_ZH[lang]}：第一个 token 的熵在 T=1 时 {flat[1]:.2f} nats，T=1.2 时 "
-            f"{flat[1.2]:.2f}（除以 T > 1 总会让分布变平：这是 softmax 的性质，不是发现）"),
-        )  # fmt: skip
+        notes.append(
+            ctx.say(
+                f"{lang}: first-token entropy {flat[1]:.2f} nats at T=1, {flat[1.2]:.2f} at T=1.2 "
+                "(dividing by T > 1 always flattens: a property of softmax, not a finding)",
+                f"{LANG_ZH[lang]}：第一个 token 的熵在 T=1 时 {flat[1]:.2f} nats，T=1.2 时 "
+                f"{flat[1.2]:.2f}（除以 T > 1 总会让分布变平：这是 softmax 的性质，不是发现）",
+            ),
+        )
     return notes
 
 
@@ -228,8 +296,15 @@ def _model(ctx: lab.RunContext):
 
         torch.manual_seed(ctx.seed)
         # init_std 1.0: a peaked softmax, so greedy and T=1.2 differ as in a trained model
-        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=64,
-                          init_std=1.0, eos_token_id=None)  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=64,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            max_seq_len=64,
+            init_std=1.0,
+            eos_token_id=None,
+        )
         return build_model(cfg).eval(), None, "tiny random GPT"
     from glassformer.interop.pretrained import from_pretrained
 
@@ -240,8 +315,10 @@ def _model(ctx: lab.RunContext):
 def _prompts(tokenizer) -> dict[str, list[int]]:
     if tokenizer is None:
         return {"zh": [1, 2, 3, 4, 5, 6], "en": [7, 8, 9, 10]}
-    return {lang: tokenizer.encode_chat([{"role": "user", "content": text}])
-            for lang, text in PROMPTS.items()}  # fmt: skip
+    return {
+        lang: tokenizer.encode_chat([{"role": "user", "content": text}])
+        for lang, text in PROMPTS.items()
+    }
 
 
 def _text(tokenizer, ids) -> str:
@@ -264,8 +341,13 @@ def _plot(ctx: lab.RunContext, summary: dict, first_step: dict, tokenizer):
     logits = first_step["zh"].double().numpy()
     top = np.argsort(-logits)[:10]
     names = [tick_label(tokenizer, int(t)) for t in top]
-    lab.grouped_bars(right, names, {f"T={t:g}": temperature_probs(logits, t)[top].tolist()
-                                    for t in (0.0, 1.0, 1.2)}, rotation=60, fontsize=7)  # fmt: skip
+    lab.grouped_bars(
+        right,
+        names,
+        {f"T={t:g}": temperature_probs(logits, t)[top].tolist() for t in (0.0, 1.0, 1.2)},
+        rotation=60,
+        fontsize=7,
+    )
     right.set_ylabel("probability of the first token")
     right.set_title("zh prompt: top 10 first tokens")
     right.legend(fontsize=7)

@@ -55,8 +55,9 @@ def module_sets(model: nn.Module) -> dict[str, list[nn.Module]]:
 def zeroed(modules: list[nn.Module]) -> Iterator[None]:
     """While active, each module's output is replaced by zeros: its residual branch adds
     nothing (pre-norm: x + 0), the ablation of "what this sublayer writes"."""
-    handles = [m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out))
-               for m in modules]  # fmt: skip
+    handles = [
+        m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)) for m in modules
+    ]
     try:
         yield
     finally:
@@ -154,18 +155,22 @@ def run(ctx: lab.RunContext) -> lab.Result:
     checks.append(
         lab.precondition(
             lab.at_least(
-                say(f"facts {name} answers right greedily (of {len(FACTS)})",
-                    f"{name} 贪心解码答对的事实数（共 {len(FACTS)} 条）"),
+                say(
+                    f"facts {name} answers right greedily (of {len(FACTS)})",
+                    f"{name} 贪心解码答对的事实数（共 {len(FACTS)} 条）",
+                ),
                 len(kept),
                 MIN_FACTS,
             )
         )
-    )  # fmt: skip
+    )
     if len(kept) < MIN_FACTS:
-        notes.append(say(
-            f"{name} gets {len(kept)} of {len(FACTS)} facts right: too few to ablate",
-            f"{name} 在 {len(FACTS)} 条事实中答对 {len(kept)} 条：太少，无法做消融",
-        ))  # fmt: skip
+        notes.append(
+            say(
+                f"{name} gets {len(kept)} of {len(FACTS)} facts right: too few to ablate",
+                f"{name} 在 {len(FACTS)} 条事实中答对 {len(kept)} 条：太少，无法做消融",
+            )
+        )
         drops, random_drops, middle = {}, [], bands(n_layers)[N_BANDS // 2]
     else:
         sets = module_sets(model)
@@ -191,31 +196,52 @@ def run(ctx: lab.RunContext) -> lab.Result:
         for what, spread in (
             (say(f"FFN {label} zeroed", f"{label_zh} FFN 置零"), ffn),
             (say(f"attention {label} zeroed", f"{label_zh}注意力置零"), attn),
-            (say(f"{len(middle)} random sublayers zeroed ({n_draws} draws)",
-                 f"随机 {len(middle)} 个子层置零（抽 {n_draws} 次）"), control),
-        ):  # fmt: skip
+            (
+                say(
+                    f"{len(middle)} random sublayers zeroed ({n_draws} draws)",
+                    f"随机 {len(middle)} 个子层置零（抽 {n_draws} 次）",
+                ),
+                control,
+            ),
+        ):
             rows.append({what_: what, value_: str(spread), unit_: nats_drop})
         in_ffn = say("facts live in the FFNs", "事实存在 FFN 里")
         checks += [
-            lab.exceeds_spread(say(f"drop: FFN {label} - attention {label} (nats)",
-                                   f"下降：{label_zh} FFN 减{label_zh}注意力（nats）"), ffn, attn,
-                               group=in_ffn),
-            lab.exceeds_spread(say(f"drop: FFN {label} - random sublayers (nats)",
-                                   f"下降：{label_zh} FFN 减随机子层（nats）"), ffn, control,
-                               group=in_ffn),
-        ]  # fmt: skip
-        notes.append(say(
-            f"{len(kept)} facts kept; mean log p of the answer {base.mean():.2f} nats "
-            f"unablated; drops: FFN {label} {ffn.mean:.2f}, attention {attn.mean:.2f}, "
-            f"random {control.mean:.2f}",
-            f"保留 {len(kept)} 条事实；未消融时答案的平均 log p 为 {base.mean():.2f} nats；下降："
-            f"{label_zh} FFN {ffn.mean:.2f}，注意力 {attn.mean:.2f}，随机 {control.mean:.2f}",
-        ))  # fmt: skip
+            lab.exceeds_spread(
+                say(
+                    f"drop: FFN {label} - attention {label} (nats)",
+                    f"下降：{label_zh} FFN 减{label_zh}注意力（nats）",
+                ),
+                ffn,
+                attn,
+                group=in_ffn,
+            ),
+            lab.exceeds_spread(
+                say(
+                    f"drop: FFN {label} - random sublayers (nats)",
+                    f"下降：{label_zh} FFN 减随机子层（nats）",
+                ),
+                ffn,
+                control,
+                group=in_ffn,
+            ),
+        ]
+        notes.append(
+            say(
+                f"{len(kept)} facts kept; mean log p of the answer {base.mean():.2f} nats "
+                f"unablated; drops: FFN {label} {ffn.mean:.2f}, attention {attn.mean:.2f}, "
+                f"random {control.mean:.2f}",
+                f"保留 {len(kept)} 条事实；未消融时答案的平均 log p 为 {base.mean():.2f} nats；"
+                "下降："
+                f"{label_zh} FFN {ffn.mean:.2f}，注意力 {attn.mean:.2f}，随机 {control.mean:.2f}",
+            )
+        )
 
     context, n_steps = ctx.pick(512, 64, 8), ctx.pick(16, 5, 2)
     steps = decode_step_times(model, context, n_steps, ctx.seed)
-    ffn_t, attn_t, head_t, step_t = (lab.over_seeds([s[k] for s in steps])
-                                     for k in ("ffn", "attn", "output head", "step"))  # fmt: skip
+    ffn_t, attn_t, head_t, step_t = (
+        lab.over_seeds([s[k] for s in steps]) for k in ("ffn", "attn", "output head", "step")
+    )
     flops = calc.flops_per_token(model.cfg, context)
     params = calc.parameter_counts(model.cfg)["components"]
     ffn_flops = 2 * params["ffn"]  # one multiply-add per weight
@@ -224,38 +250,72 @@ def run(ctx: lab.RunContext) -> lab.Result:
     seconds = say("s", "秒")
     rows += [
         {what_: say(f"{step}: FFNs", f"{step_zh}：FFN"), value_: str(ffn_t), unit_: seconds},
-        {what_: say(f"{step}: attention", f"{step_zh}：注意力"), value_: str(attn_t),
-         unit_: seconds},
-        {what_: say(f"{step}: output head", f"{step_zh}：输出头"), value_: str(head_t),
-         unit_: seconds},
-        {what_: say(f"{step}: whole step", f"{step_zh}：整步"), value_: str(step_t),
-         unit_: seconds},
-        {what_: say("FFN share of the step's time", "FFN 占一步时间的比例"),
-         value_: f"{ffn_t.mean / step_t.mean:.3f}", unit_: ""},
-        {what_: say("FFN share of forward FLOPs per token (calc)",
-                    "FFN 占每 token 前向 FLOPs 的比例（calc）"),
-         value_: f"{ffn_flops / flops['forward']:.3f}", unit_: ""},
-        {what_: say("FFN share of parameters (calc)", "FFN 占参数量的比例（calc）"),
-         value_: f"{params['ffn'] / sum(params.values()):.3f}", unit_: ""},
-    ]  # fmt: skip
-    checks.append(lab.exceeds_spread(
-        say(f"decode time per step: FFNs - attention (s), context {context}",
-            f"每步解码时间：FFN 减注意力（秒），上下文 {context}"), ffn_t, attn_t,
-        group=say("FFN dominates decode latency", "解码延迟主要来自 FFN")))  # fmt: skip
-    ms = {k: v.mean * 1e3 for k, v in (("ffn", ffn_t), ("attn", attn_t), ("head", head_t),
-                                        ("step", step_t))}  # fmt: skip
+        {
+            what_: say(f"{step}: attention", f"{step_zh}：注意力"),
+            value_: str(attn_t),
+            unit_: seconds,
+        },
+        {
+            what_: say(f"{step}: output head", f"{step_zh}：输出头"),
+            value_: str(head_t),
+            unit_: seconds,
+        },
+        {
+            what_: say(f"{step}: whole step", f"{step_zh}：整步"),
+            value_: str(step_t),
+            unit_: seconds,
+        },
+        {
+            what_: say("FFN share of the step's time", "FFN 占一步时间的比例"),
+            value_: f"{ffn_t.mean / step_t.mean:.3f}",
+            unit_: "",
+        },
+        {
+            what_: say(
+                "FFN share of forward FLOPs per token (calc)",
+                "FFN 占每 token 前向 FLOPs 的比例（calc）",
+            ),
+            value_: f"{ffn_flops / flops['forward']:.3f}",
+            unit_: "",
+        },
+        {
+            what_: say("FFN share of parameters (calc)", "FFN 占参数量的比例（calc）"),
+            value_: f"{params['ffn'] / sum(params.values()):.3f}",
+            unit_: "",
+        },
+    ]
+    checks.append(
+        lab.exceeds_spread(
+            say(
+                f"decode time per step: FFNs - attention (s), context {context}",
+                f"每步解码时间：FFN 减注意力（秒），上下文 {context}",
+            ),
+            ffn_t,
+            attn_t,
+            group=say("FFN dominates decode latency", "解码延迟主要来自 FFN"),
+        )
+    )
+    ms = {
+        k: v.mean * 1e3
+        for k, v in (("ffn", ffn_t), ("attn", attn_t), ("head", head_t), ("step", step_t))
+    }
     threads = torch.get_num_threads()
-    notes.append(say(
-        f"decode step at context {context}: FFNs {ms['ffn']:.1f} ms, attention "
-        f"{ms['attn']:.1f} ms, output head {ms['head']:.1f} ms of "
-        f"{ms['step']:.1f} ms ({name}, {threads} thread(s))",
-        f"上下文 {context} 时的一步解码：总计 {ms['step']:.1f} ms 中，FFN {ms['ffn']:.1f} ms，"
-        f"注意力 {ms['attn']:.1f} ms，输出头 {ms['head']:.1f} ms（{name}，{threads} 个线程）",
-    ))  # fmt: skip
+    notes.append(
+        say(
+            f"decode step at context {context}: FFNs {ms['ffn']:.1f} ms, attention "
+            f"{ms['attn']:.1f} ms, output head {ms['head']:.1f} ms of "
+            f"{ms['step']:.1f} ms ({name}, {threads} thread(s))",
+            f"上下文 {context} 时的一步解码：总计 {ms['step']:.1f} ms 中，FFN {ms['ffn']:.1f} ms，"
+            f"注意力 {ms['attn']:.1f} ms，输出头 {ms['head']:.1f} ms（{name}，{threads} 个线程）",
+        )
+    )
     figure = _plot(drops, random_drops, middle, steps, name)
-    data = {"kept_facts": [FACTS[i][0] for i in kept],
-            "drops": {f"{k} {b.start}-{b.stop - 1}": v.tolist() for (k, b), v in drops.items()},
-            "random_drops": [d.tolist() for d in random_drops], "decode_steps": steps}  # fmt: skip
+    data = {
+        "kept_facts": [FACTS[i][0] for i in kept],
+        "drops": {f"{k} {b.start}-{b.stop - 1}": v.tolist() for (k, b), v in drops.items()},
+        "random_drops": [d.tolist() for d in random_drops],
+        "decode_steps": steps,
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
@@ -288,30 +348,34 @@ def _facts(tokenizer, model) -> tuple[list[list[int]], list[int]]:
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.cfg.vocab_size, (len(FACTS), 7), generator=generator)
         return [row[:-1].tolist() for row in ids], [int(row[-1]) for row in ids]
-    return ([tokenizer.encode(p) for p, _ in FACTS],
-            [tokenizer.encode(a)[0] for _, a in FACTS])  # fmt: skip
+    return ([tokenizer.encode(p) for p, _ in FACTS], [tokenizer.encode(a)[0] for _, a in FACTS])
 
 
 def _plot(drops: dict, random_drops: list, middle: range, steps: list, name: str):
     fig, (left, right) = lab.new_figure(9.0, 3.6, ncols=2)
     if drops:
         windows = sorted({b for _, b in drops}, key=lambda b: b.start)
-        labels = [f"{b.start}-{b.stop - 1}" + (" (middle)" if b == middle else "")
-                  for b in windows]  # fmt: skip
+        labels = [f"{b.start}-{b.stop - 1}" + (" (middle)" if b == middle else "") for b in windows]
         for offset, kind, title in ((-0.2, "ffn", "FFN zeroed"), (0.2, "attn", "attention zeroed")):
             means = [drops[(kind, b)].mean() for b in windows]
             errs = [drops[(kind, b)].std(ddof=1) for b in windows]
-            left.bar(np.arange(len(windows)) + offset, means, 0.4, yerr=errs, capsize=3,
-                     label=title)  # fmt: skip
+            left.bar(
+                np.arange(len(windows)) + offset, means, 0.4, yerr=errs, capsize=3, label=title
+            )
         control = np.mean(random_drops, axis=0)
-        left.axhline(control.mean(), color="black", linestyle="--",
-                     label=f"{len(middle)} random sublayers zeroed")  # fmt: skip
+        left.axhline(
+            control.mean(),
+            color="black",
+            linestyle="--",
+            label=f"{len(middle)} random sublayers zeroed",
+        )
         left.set_xticks(range(len(windows)), labels, fontsize=7)
         left.set_xlabel("layers zeroed")
         left.legend(fontsize=7)
     else:
-        left.text(0.5, 0.5, "too few facts answered: no ablation", ha="center",
-                  transform=left.transAxes)  # fmt: skip
+        left.text(
+            0.5, 0.5, "too few facts answered: no ablation", ha="center", transform=left.transAxes
+        )
     left.set_ylabel("drop of log p(answer) (nats)")
     left.set_title(f"{name}: where do facts live?")
     parts = ("ffn", "attn", "output head")

@@ -48,8 +48,9 @@ def reset_peak() -> None:
 
 
 def layer_for(backend: str, max_len: int, seed: int) -> Attention:
-    cfg = ModelConfig(d_model=D_MODEL, n_heads=N_HEADS, attention_backend=backend,
-                      max_seq_len=max_len)  # fmt: skip
+    cfg = ModelConfig(
+        d_model=D_MODEL, n_heads=N_HEADS, attention_backend=backend, max_seq_len=max_len
+    )
     torch.manual_seed(seed)
     return Attention(cfg).eval()
 
@@ -72,8 +73,14 @@ def forward_peak(backend: str, seq_len: int, seed: int, repeats: int) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     rises = []
     for _ in range(repeats):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=env, timeout=600, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"the {backend} forward at T={seq_len} failed: {done.stderr}")
         rises.append(float(done.stdout.split()[-1]))
@@ -108,52 +115,88 @@ def run(ctx: lab.RunContext) -> lab.Result:
     growth = {b: exponent(lengths, peaks[b]) for b in BACKENDS}
     group = say("flash attention saves memory", "Flash Attention 更省显存")
     checks = [
-        lab.precondition(lab.at_most(say("max |eager - sdpa| output, any length",
-                                         "eager 与 sdpa 输出之差的最大绝对值，任一长度"),
-                                     max(differences), SAME_OUTPUT)),
-        lab.at_most(say(f"T={lengths[-1]}: sdpa peak / eager peak",
-                        f"T={lengths[-1]}：sdpa 峰值 / eager 峰值"),
-                    peaks["sdpa"][-1] / max(peaks["eager"][-1], 1e-3), MAX_SHARE, group=group),
-        lab.at_least(say("eager: growth exponent of the peak with T", "eager：峰值随 T 增长的指数"),
-                     growth["eager"], MIN_EAGER_EXPONENT, group=group),
-        lab.at_most(say("sdpa: growth exponent of the peak with T", "sdpa：峰值随 T 增长的指数"),
-                    growth["sdpa"], MAX_SDPA_EXPONENT, group=group),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_most(
+                say(
+                    "max |eager - sdpa| output, any length",
+                    "eager 与 sdpa 输出之差的最大绝对值，任一长度",
+                ),
+                max(differences),
+                SAME_OUTPUT,
+            )
+        ),
+        lab.at_most(
+            say(
+                f"T={lengths[-1]}: sdpa peak / eager peak",
+                f"T={lengths[-1]}：sdpa 峰值 / eager 峰值",
+            ),
+            peaks["sdpa"][-1] / max(peaks["eager"][-1], 1e-3),
+            MAX_SHARE,
+            group=group,
+        ),
+        lab.at_least(
+            say("eager: growth exponent of the peak with T", "eager：峰值随 T 增长的指数"),
+            growth["eager"],
+            MIN_EAGER_EXPONENT,
+            group=group,
+        ),
+        lab.at_most(
+            say("sdpa: growth exponent of the peak with T", "sdpa：峰值随 T 增长的指数"),
+            growth["sdpa"],
+            MAX_SDPA_EXPONENT,
+            group=group,
+        ),
+    ]
     t_col = say("T", "T")
     eager_col, sdpa_col = (
         say("eager peak (MiB)", "eager 峰值（MiB）"),
         say("sdpa peak (MiB)", "sdpa 峰值（MiB）"),
     )
     scores_col = say("one H x T x T fp32 score tensor (MiB)", "一个 H x T x T fp32 分数张量（MiB）")
-    rows = [{t_col: t, eager_col: e, sdpa_col: s, scores_col: N_HEADS * t * t * 4 / 2**20}
-            for t, e, s in zip(lengths, peaks["eager"], peaks["sdpa"], strict=True)]  # fmt: skip
+    rows = [
+        {t_col: t, eager_col: e, sdpa_col: s, scores_col: N_HEADS * t * t * 4 / 2**20}
+        for t, e, s in zip(lengths, peaks["eager"], peaks["sdpa"], strict=True)
+    ]
     notes = [
-        ctx.say(f"one causal forward of glassformer's Attention (d_model {D_MODEL}, {N_HEADS} "
-                f"heads), batch 1, fp32, no gradient; the rise of the peak resident memory, the "
-                f"smallest of {repeats} fresh processes; growth exponents between the two longest "
-                f"lengths: eager {growth['eager']:.2f}, sdpa {growth['sdpa']:.2f}",
-                f"glassformer 的 Attention（d_model {D_MODEL}，{N_HEADS} 个头）做一次因果前向，"
-                f"批大小 1，fp32，不求梯度；取峰值常驻内存的增量，{repeats} 个新进程中的最小值；"
-                f"两个最长长度之间的增长指数：eager {growth['eager']:.2f}，sdpa "
-                f"{growth['sdpa']:.2f}"),
-        ctx.say("this is the memory half of flash attention; its speed half (fewer trips to "
-                "slow memory) is a GPU matter, left out on this CPU",
-                "这是 Flash Attention 省显存的一半；它省时间的一半（减少对慢速显存的读写）是 GPU "
-                "上的事，在这台 CPU 上不测"),
-    ]  # fmt: skip
+        ctx.say(
+            f"one causal forward of glassformer's Attention (d_model {D_MODEL}, {N_HEADS} "
+            f"heads), batch 1, fp32, no gradient; the rise of the peak resident memory, the "
+            f"smallest of {repeats} fresh processes; growth exponents between the two longest "
+            f"lengths: eager {growth['eager']:.2f}, sdpa {growth['sdpa']:.2f}",
+            f"glassformer 的 Attention（d_model {D_MODEL}，{N_HEADS} 个头）做一次因果前向，"
+            f"批大小 1，fp32，不求梯度；取峰值常驻内存的增量，{repeats} 个新进程中的最小值；"
+            f"两个最长长度之间的增长指数：eager {growth['eager']:.2f}，sdpa "
+            f"{growth['sdpa']:.2f}",
+        ),
+        ctx.say(
+            "this is the memory half of flash attention; its speed half (fewer trips to "
+            "slow memory) is a GPU matter, left out on this CPU",
+            "这是 Flash Attention 省显存的一半；它省时间的一半（减少对慢速显存的读写）是 GPU "
+            "上的事，在这台 CPU 上不测",
+        ),
+    ]
     data = {"lengths": lengths, "peaks_mib": peaks, "max_difference": differences}
-    return lab.Result.from_checks(rows, checks, figure=_plot(lengths, peaks), data=data,
-                                  notes=notes)  # fmt: skip
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(lengths, peaks), data=data, notes=notes
+    )
 
 
 def _plot(lengths: list[int], peaks: dict):
     fig, ax = lab.new_figure(6.0, 3.6)
     for backend in BACKENDS:
         ax.plot(lengths, [max(p, 1e-2) for p in peaks[backend]], "o-", label=backend)
-    ax.plot(lengths, [N_HEADS * t * t * 4 / 2**20 for t in lengths], "k:",
-            label="one H x T x T score tensor")  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="sequence length T",
-           ylabel="peak memory added by a forward (MiB)",
-           title="eager holds T x T scores; flash (sdpa) does not")  # fmt: skip
+    ax.plot(
+        lengths,
+        [N_HEADS * t * t * 4 / 2**20 for t in lengths],
+        "k:",
+        label="one H x T x T score tensor",
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length T",
+        ylabel="peak memory added by a forward (MiB)",
+        title="eager holds T x T scores; flash (sdpa) does not",
+    )
     ax.legend(fontsize=7)
     return fig

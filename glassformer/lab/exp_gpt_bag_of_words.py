@@ -59,10 +59,16 @@ def batches(batch_size: int, seed: int) -> Callable[[int], Batch]:
 def build(family: str, position: str, seed: int, ctx: lab.RunContext) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        family=family, vocab_size=N_SYMBOLS + 1, d_model=ctx.pick(64, 64, 32),
-        n_layers=2, n_heads=4, max_seq_len=LENGTH + 1, position=position, dropout=0.0,
+        family=family,
+        vocab_size=N_SYMBOLS + 1,
+        d_model=ctx.pick(64, 64, 32),
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=LENGTH + 1,
+        position=position,
+        dropout=0.0,
         **({"mlm_head": True} if family == "bert" else {}),
-    )  # fmt: skip
+    )
     return build_model(cfg)
 
 
@@ -96,69 +102,108 @@ def run(ctx: lab.RunContext) -> lab.Result:
     for name in MODELS:
         say(name, MODELS_ZH[name])
     rows = [
-        {say("model", "模型"): name,
-         say("held-out accuracy", "留出集准确率"): str(spread[name]),
-         say("x chance", "相对随机猜测的倍数"): spread[name].mean / CHANCE,
-         say("min", "最小值"): min(s), say("max", "最大值"): max(s)}
+        {
+            say("model", "模型"): name,
+            say("held-out accuracy", "留出集准确率"): str(spread[name]),
+            say("x chance", "相对随机猜测的倍数"): spread[name].mean / CHANCE,
+            say("min", "最小值"): min(s),
+            say("max", "最大值"): max(s),
+        }
         for name, s in scores.items()
-    ]  # fmt: skip
+    ]
     checks = [
-        lab.precondition(lab.at_least(say("GPT with RoPE: mean held-out accuracy",
-                                          "带 RoPE 的 GPT：留出集平均准确率"),
-                                      spread[ROPE].mean, MIN_ROPE_ACCURACY)),
-        lab.precondition(lab.at_most(say("position-free encoder: mean accuracy / chance",
-                                         "无位置编码的编码器：平均准确率 / 随机猜测"),
-                                     spread[BAG].mean / CHANCE, MAX_CONTROL_RATIO)),
-        lab.within_spread(say("accuracy: position-free GPT - position-free encoder (bag of words)",
-                              "准确率：无位置编码的 GPT 减无位置编码的编码器（词袋）"),
-                          spread[NOPE], spread[BAG], SAME_AS_BAG_TOLERANCE,
-                          group=say("a GPT without positions is a bag of words",
-                                    "没有位置编码的 GPT 是词袋")),
-        lab.exceeds_spread(say("accuracy: GPT with RoPE - GPT without positions",
-                               "准确率：带 RoPE 的 GPT 减无位置编码的 GPT"), spread[ROPE],
-                           spread[NOPE], MIN_POSITION_GAIN,
-                           group=say("word order comes from the position encoding",
-                                     "语序来自位置编码")),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say("GPT with RoPE: mean held-out accuracy", "带 RoPE 的 GPT：留出集平均准确率"),
+                spread[ROPE].mean,
+                MIN_ROPE_ACCURACY,
+            )
+        ),
+        lab.precondition(
+            lab.at_most(
+                say(
+                    "position-free encoder: mean accuracy / chance",
+                    "无位置编码的编码器：平均准确率 / 随机猜测",
+                ),
+                spread[BAG].mean / CHANCE,
+                MAX_CONTROL_RATIO,
+            )
+        ),
+        lab.within_spread(
+            say(
+                "accuracy: position-free GPT - position-free encoder (bag of words)",
+                "准确率：无位置编码的 GPT 减无位置编码的编码器（词袋）",
+            ),
+            spread[NOPE],
+            spread[BAG],
+            SAME_AS_BAG_TOLERANCE,
+            group=say("a GPT without positions is a bag of words", "没有位置编码的 GPT 是词袋"),
+        ),
+        lab.exceeds_spread(
+            say(
+                "accuracy: GPT with RoPE - GPT without positions",
+                "准确率：带 RoPE 的 GPT 减无位置编码的 GPT",
+            ),
+            spread[ROPE],
+            spread[NOPE],
+            MIN_POSITION_GAIN,
+            group=say("word order comes from the position encoding", "语序来自位置编码"),
+        ),
+    ]
     gap = spread[NOPE].mean - spread[BAG].mean
     steps, n_held = schedule.max_steps, held_out["input_ids"].shape[0]
     nope_x, bag_x = spread[NOPE].mean / CHANCE, spread[BAG].mean / CHANCE
     notes = [
-        say(f"task: {LENGTH} distinct symbols of {N_SYMBOLS}, then a query; answer the first one "
+        say(
+            f"task: {LENGTH} distinct symbols of {N_SYMBOLS}, then a query; answer the first one "
             f"(chance {CHANCE:.3f}); {steps} steps of {batch_size} sequences per "
             f"model, seeds {seeds}, {n_held} held-out sequences",
             f"任务：从 {N_SYMBOLS} 个符号中取 {LENGTH} 个互不相同的，再接一个查询符号；答出第一个"
             f"符号（随机猜测 {CHANCE:.3f}）；每个模型训练 {steps} 步，每步 {batch_size} 条序列，"
-            f"随机种子 {seeds}，留出集 {n_held} 条序列"),
-        say(f"the position-free GPT answers {spread[NOPE]} of held-out sequences, "
+            f"随机种子 {seeds}，留出集 {n_held} 条序列",
+        ),
+        say(
+            f"the position-free GPT answers {spread[NOPE]} of held-out sequences, "
             f"{nope_x:.1f}x chance; the position-free encoder {spread[BAG]}, "
             f"{bag_x:.1f}x chance: a difference of {gap:+.3f}",
             f"无位置编码的 GPT 答对留出序列的 {spread[NOPE]}，是随机猜测的 {nope_x:.1f} 倍；"
-            f"无位置编码的编码器 {spread[BAG]}，是随机猜测的 {bag_x:.1f} 倍：相差 {gap:+.3f}"),
-        say("a causal mask is itself a source of order: position t sees t + 1 tokens, so the first "
+            f"无位置编码的编码器 {spread[BAG]}，是随机猜测的 {bag_x:.1f} 倍：相差 {gap:+.3f}",
+        ),
+        say(
+            "a causal mask is itself a source of order: position t sees t + 1 tokens, so the first "
             "token is the only one that sees only itself (Haviv et al. 2022, 'Transformer Language "
             "Models without Positional Encodings Still Learn Positional Information'); a "
             "bidirectional model without positions has no such source",
             "因果掩码本身就是顺序信息的来源：位置 t 能看到 t + 1 个 token，所以只有第一个 token "
             "只看得到自己（Haviv et al. 2022，'Transformer Language Models without Positional "
-            "Encodings Still Learn Positional Information'）；没有位置编码的双向模型没有这种来源"),
-    ]  # fmt: skip
-    return lab.Result.from_checks(rows, checks, figure=_plot(spread), notes=notes,
-                                  data={"accuracy": scores, "seeds": seeds})  # fmt: skip
+            "Encodings Still Learn Positional Information'）；没有位置编码的双向模型没有这种来源",
+        ),
+    ]
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(spread), notes=notes, data={"accuracy": scores, "seeds": seeds}
+    )
 
 
 def _plot(spread: dict[str, lab.Spread]):
     fig, ax = lab.new_figure(6.4, 3.4)
     names = list(spread)
-    ax.bar(range(len(names)), [spread[n].mean for n in names],
-           yerr=[spread[n].spread for n in names], capsize=4,
-           color=["tab:blue", "tab:gray", "tab:orange"])  # fmt: skip
+    ax.bar(
+        range(len(names)),
+        [spread[n].mean for n in names],
+        yerr=[spread[n].spread for n in names],
+        capsize=4,
+        color=["tab:blue", "tab:gray", "tab:orange"],
+    )
     ax.axhline(CHANCE, color="black", ls="--", lw=1, label=f"chance (bag of words) {CHANCE:.3f}")
     ax.set_xticks(range(len(names)), names, fontsize=8)
     rope, nope = spread[ROPE], spread[NOPE]
     if abs(rope.mean - nope.mean) <= (rope.spread**2 + nope.spread**2) ** 0.5:
-        ax.annotate("", xy=(2, 1.03), xytext=(0, 1.03),
-                    arrowprops={"arrowstyle": "<->", "color": "black", "lw": 0.8})  # fmt: skip
+        ax.annotate(
+            "",
+            xy=(2, 1.03),
+            xytext=(0, 1.03),
+            arrowprops={"arrowstyle": "<->", "color": "black", "lw": 0.8},
+        )
         ax.text(1, 1.05, "no difference (within the spread)", ha="center", fontsize=8)
     ax.set_ylim(0, 1.15)
     n = len(spread[names[0]].values)

@@ -27,14 +27,22 @@ SHARING = "sharing K/V (GQA/MQA) shrinks the cache"
 MORE_HEADS = "more heads, bigger cache (each head stores its own K/V)"
 
 
-def _config(n_kv_heads: int, ctx: lab.RunContext, n_heads: int = N_HEADS,
-            d_model: int | None = None) -> ModelConfig:  # fmt: skip
+def _config(
+    n_kv_heads: int, ctx: lab.RunContext, n_heads: int = N_HEADS, d_model: int | None = None
+) -> ModelConfig:
     d_model = d_model or ctx.pick(512, 256, 64)
     return ModelConfig(
-        family="gpt", vocab_size=256, d_model=d_model, n_layers=ctx.pick(8, 4, 1),
-        n_heads=n_heads, n_kv_heads=n_kv_heads, max_seq_len=1024, position="rope", norm="rms",
+        family="gpt",
+        vocab_size=256,
+        d_model=d_model,
+        n_layers=ctx.pick(8, 4, 1),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        max_seq_len=1024,
+        position="rope",
+        norm="rms",
         ffn="swiglu",
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()
@@ -85,19 +93,36 @@ def run(ctx: lab.RunContext) -> lab.Result:
             }
         )
         if n_kv == N_HEADS:  # setup: the baseline holds the bytes its shape says
-            checks.append(lab.precondition(lab.approx(
-                say("MHA: filled - calc bytes", "MHA：实际填充的字节 - calc 算出的字节"),
-                filled - from_calc, 0, 0)))  # fmt: skip
+            checks.append(
+                lab.precondition(
+                    lab.approx(
+                        say("MHA: filled - calc bytes", "MHA：实际填充的字节 - calc 算出的字节"),
+                        filled - from_calc,
+                        0,
+                        0,
+                    )
+                )
+            )
         else:
-            checks.append(lab.approx(say(f"{kind} n_kv={n_kv}: shrink of the filled cache",
-                                         f"{kind} n_kv={n_kv}：实际填充的 cache 缩小的倍数"),
-                                     mha_filled / filled, N_HEADS / n_kv, RATIO_TOL,
-                                     group=SHARING))  # fmt: skip
+            checks.append(
+                lab.approx(
+                    say(
+                        f"{kind} n_kv={n_kv}: shrink of the filled cache",
+                        f"{kind} n_kv={n_kv}：实际填充的 cache 缩小的倍数",
+                    ),
+                    mha_filled / filled,
+                    N_HEADS / n_kv,
+                    RATIO_TOL,
+                    group=SHARING,
+                )
+            )
     by_heads, same_d_model = {}, {}
     d_k = _config(N_HEADS, ctx).d_model // N_HEADS
     for n_heads in HEAD_COUNTS:
-        for store, cfg in ((by_heads, _config(n_heads, ctx, n_heads, d_model=n_heads * d_k)),
-                           (same_d_model, _config(n_heads, ctx, n_heads))):  # fmt: skip
+        for store, cfg in (
+            (by_heads, _config(n_heads, ctx, n_heads, d_model=n_heads * d_k)),
+            (same_d_model, _config(n_heads, ctx, n_heads)),
+        ):
             store[n_heads] = filled_cache_bytes(cfg, n_tokens, ctx.seed)[0]
             if store is same_d_model and cfg.d_model == n_heads * d_k:
                 continue  # the same model as the row just written
@@ -106,17 +131,28 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 f"MHA, {n_heads} heads, d_k {row_d_k}, d_model {cfg.d_model}",
                 f"MHA，{n_heads} 个头，d_k {row_d_k}，d_model {cfg.d_model}",
             )
-            rows.append({k_attention: name,
-                         k_heads: n_heads, k_kv: n_heads,
-                         k_filled: store[n_heads],
-                         k_calc_tok: calc.kv_bytes_per_token(cfg, "fp32"),
-                         k_filled_tok: store[n_heads] // n_tokens})  # fmt: skip
+            rows.append(
+                {
+                    k_attention: name,
+                    k_heads: n_heads,
+                    k_kv: n_heads,
+                    k_filled: store[n_heads],
+                    k_calc_tok: calc.kv_bytes_per_token(cfg, "fp32"),
+                    k_filled_tok: store[n_heads] // n_tokens,
+                }
+            )
     fewest, most = HEAD_COUNTS[0], HEAD_COUNTS[-1]
-    checks.append(lab.at_least(say(f"MHA filled cache, {most} heads / {fewest} heads (d_k {d_k})",
-                                   f"MHA 实际填充的 cache：{most} 个头 / {fewest} 个头"
-                                   f"（d_k {d_k}）"),
-                               by_heads[most] / by_heads[fewest], MIN_HEADS_GROWTH,
-                               group=MORE_HEADS))  # fmt: skip
+    checks.append(
+        lab.at_least(
+            say(
+                f"MHA filled cache, {most} heads / {fewest} heads (d_k {d_k})",
+                f"MHA 实际填充的 cache：{most} 个头 / {fewest} 个头（d_k {d_k}）",
+            ),
+            by_heads[most] / by_heads[fewest],
+            MIN_HEADS_GROWTH,
+            group=MORE_HEADS,
+        )
+    )
     # The seed's own example, from the calculator (arithmetic on the published shapes: a row).
     llama = ModelConfig.preset("llama-2-70b")
     gqa = calc.kv_cache_bytes(llama, 4096, "fp16")
@@ -140,11 +176,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
     heads, kv_heads = llama.n_heads, llama.n_kv_heads
     gqa_gib, mha_gib = gqa / 2**30, mha / 2**30
     notes = [
-        say(f"filled caches after a prefill of {n_tokens} tokens, fp32, d_model {d_model}; the "
+        say(
+            f"filled caches after a prefill of {n_tokens} tokens, fp32, d_model {d_model}; the "
             "shrink is MHA's filled bytes over each model's",
             f"prefill {n_tokens} 个 token 之后实际填充的 cache，fp32，d_model {d_model}；缩小倍数"
-            "是 MHA 填充的字节数除以各模型填充的字节数"),
-        say(f"with d_k {d_k} the MHA cache holds {few_b:,} bytes with {fewest} heads and "
+            "是 MHA 填充的字节数除以各模型填充的字节数",
+        ),
+        say(
+            f"with d_k {d_k} the MHA cache holds {few_b:,} bytes with {fewest} heads and "
             f"{most_b:,} with {most}: per token 2 x layers x n_heads x d_k. At one d_model "
             f"({d_model}) it holds {same_few:,} and {same_most:,}: with d_k = "
             "d_model / n_heads (seed 000 §4.1's split of one budget) the product does not depend "
@@ -153,25 +192,36 @@ def run(ctx: lab.RunContext) -> lab.Result:
             f"{most_b:,} 字节：每个 token 占 2 x 层数 x n_heads x d_k。在同一个 d_model"
             f"（{d_model}）下，它占 {same_few:,} 和 {same_most:,}：d_k = d_model / n_heads"
             "（教程 000 §4.1 把同一份预算分给各个头）时，这个乘积与头数无关，所以原文这句话说的是"
-            "大小给定的头"),
-        say(f"Llama-2-70B ({heads} heads, {kv_heads} KV heads), 4096 tokens in "
+            "大小给定的头",
+        ),
+        say(
+            f"Llama-2-70B ({heads} heads, {kv_heads} KV heads), 4096 tokens in "
             f"fp16: {gqa_gib:.2f} GiB with GQA, {mha_gib:.2f} GiB as MHA (calc)",
             f"Llama-2-70B（{heads} 个头，{kv_heads} 个 KV 头），fp16 下 4096 个 token：用 GQA 占 "
-            f"{gqa_gib:.2f} GiB，若是 MHA 则占 {mha_gib:.2f} GiB（calc）"),
-    ]  # fmt: skip
+            f"{gqa_gib:.2f} GiB，若是 MHA 则占 {mha_gib:.2f} GiB（calc）",
+        ),
+    ]
     figure = _plot(rows[:4])
-    data = {"n_tokens": n_tokens, "by_heads": by_heads, "same_d_model": same_d_model,
-            "llama2_70b_gqa_bytes": gqa,
-            "llama2_70b_mha_bytes": mha}  # fmt: skip
+    data = {
+        "n_tokens": n_tokens,
+        "by_heads": by_heads,
+        "same_d_model": same_d_model,
+        "llama2_70b_gqa_bytes": gqa,
+        "llama2_70b_mha_bytes": mha,
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _plot(rows: list[dict]):
     fig, ax = lab.new_figure(6.0, 3.4)
-    lab.grouped_bars(ax, [f"{r['attention']}\nn_kv_heads={r['n_kv_heads']}" for r in rows], {
-        "calc.kv_bytes_per_token": [r["calc bytes/token"] / 1024 for r in rows],
-        "filled cache / tokens": [r["filled bytes/token"] / 1024 for r in rows],
-    })  # fmt: skip
+    lab.grouped_bars(
+        ax,
+        [f"{r['attention']}\nn_kv_heads={r['n_kv_heads']}" for r in rows],
+        {
+            "calc.kv_bytes_per_token": [r["calc bytes/token"] / 1024 for r in rows],
+            "filled cache / tokens": [r["filled bytes/token"] / 1024 for r in rows],
+        },
+    )
     ax.set_ylabel("KiB per token (fp32)")
     ax.set_title(f"KV cache per token, {N_HEADS} query heads: shrinks by n_heads / n_kv_heads")
     ax.legend(fontsize=8)

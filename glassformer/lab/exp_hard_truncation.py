@@ -64,8 +64,15 @@ def documents(task: str, n: int, generator: torch.Generator) -> tuple[Tensor, Te
 
 def train_reader(ctx: lab.RunContext, task: str, length: int, seed: int):
     steps, batch_size = ctx.pick(600, 300, 4), ctx.pick(32, 32, 4)
-    cfg = ModelConfig(family="bert", vocab_size=N_CLASSES + N_FILLER, d_model=ctx.pick(64, 64, 16),
-                      n_layers=2, n_heads=4, max_seq_len=DOC_LEN, position="rope")  # fmt: skip
+    cfg = ModelConfig(
+        family="bert",
+        vocab_size=N_CLASSES + N_FILLER,
+        d_model=ctx.pick(64, 64, 16),
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=DOC_LEN,
+        position="rope",
+    )
     torch.manual_seed(seed)
     model = Classifier(cfg)
 
@@ -73,8 +80,9 @@ def train_reader(ctx: lab.RunContext, task: str, length: int, seed: int):
         ids, labels = documents(task, batch_size, step_generator(seed, step))
         return {"input_ids": ids[:, :length], "labels": labels}
 
-    schedule = Schedule(max_steps=steps, learning_rate=3e-3, warmup_steps=max(1, steps // 20),
-                        weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=steps, learning_rate=3e-3, warmup_steps=max(1, steps // 20), weight_decay=0.0
+    )
     start = time.process_time()
     losses = fit(model, batch, schedule)
     seconds = time.process_time() - start
@@ -105,57 +113,93 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 accuracy, losses, seconds = train_reader(ctx, task, length, seed)
                 acc[(task, reader)].append(accuracy)
                 cost[reader].append(seconds)
-                checks.append(plateau(say(f"{task} task, {reader}, seed {seed}: relative loss "
-                                          "drop over the last fifth (0 below 0.05 nats)",
-                                          f"{_zh(task)}任务，{_zh(reader)}，随机种子 {seed}：最后"
-                                          "五分之一的损失相对降幅（低于 0.05 nats 记为 0）"),
-                                      losses))  # fmt: skip
+                checks.append(
+                    plateau(
+                        say(
+                            f"{task} task, {reader}, seed {seed}: relative loss "
+                            "drop over the last fifth (0 below 0.05 nats)",
+                            f"{_zh(task)}任务，{_zh(reader)}，随机种子 {seed}：最后"
+                            "五分之一的损失相对降幅（低于 0.05 nats 记为 0）",
+                        ),
+                        losses,
+                    )
+                )
     spread = {k: lab.over_seeds(v) for k, v in acc.items()}
     whole, cut = READERS
     for task in TASKS:
-        checks.append(lab.precondition(lab.at_least(
-            say(f"{task} task: whole-document reader's accuracy",
-                f"{_zh(task)}任务：读全文的模型的准确率"),
-            spread[(task, whole)].mean, MIN_LEARNED)))  # fmt: skip
+        checks.append(
+            lab.precondition(
+                lab.at_least(
+                    say(
+                        f"{task} task: whole-document reader's accuracy",
+                        f"{_zh(task)}任务：读全文的模型的准确率",
+                    ),
+                    spread[(task, whole)].mean,
+                    MIN_LEARNED,
+                )
+            )
+        )
     checks += [
-        lab.at_least(say("opening task: truncated - whole-document accuracy",
-                         "开头任务：截断 - 读全文的准确率"),
-                     spread[("opening", cut)].mean - spread[("opening", whole)].mean, -SAME,
-                     group=say("enough when the opening holds the label", "看开头就够")),
-        lab.at_most(say("training CPU time: truncated / whole document",
-                        "训练 CPU 时间：截断 / 读全文"),
-                    sum(cost[cut]) / sum(cost[whole]), MAX_TIME_SHARE,
-                    group=say("and cheaper", "而且更省")),
-    ]  # fmt: skip
+        lab.at_least(
+            say(
+                "opening task: truncated - whole-document accuracy",
+                "开头任务：截断 - 读全文的准确率",
+            ),
+            spread[("opening", cut)].mean - spread[("opening", whole)].mean,
+            -SAME,
+            group=say("enough when the opening holds the label", "看开头就够"),
+        ),
+        lab.at_most(
+            say("training CPU time: truncated / whole document", "训练 CPU 时间：截断 / 读全文"),
+            sum(cost[cut]) / sum(cost[whole]),
+            MAX_TIME_SHARE,
+            group=say("and cheaper", "而且更省"),
+        ),
+    ]
     task_col = say("task (where the label is)", "任务（标签所在位置）")
     time_col = say("training CPU s (mean)", "训练 CPU 秒数（均值）")
-    rows = [{task_col: say(t, _zh(t)), **{say(r, _zh(r)): str(spread[(t, r)]) for r in READERS}}
-            for t in TASKS]  # fmt: skip
-    rows.append({task_col: time_col, **{say(r, _zh(r)): sum(cost[r]) / len(cost[r])
-                                        for r in READERS}})  # fmt: skip
-    notes = [ctx.say(
-        f"documents of {DOC_LEN} tokens, one cue token among random filler ({N_CLASSES} classes, "
-        f"chance {CHANCE:.2f}), the cue in the first or the last {CUE_SPAN}; 2-layer encoders, "
-        f"mean-pooled; seeds {seeds}",
-        f"文档长 {DOC_LEN} 个 token，随机填充中有一个提示 token（{N_CLASSES} 类，随机猜测 "
-        f"{CHANCE:.2f}），提示在前 {CUE_SPAN} 个或后 {CUE_SPAN} 个 token 里；2 层编码器，"
-        f"平均池化；随机种子 {seeds}")]  # fmt: skip
+    rows = [
+        {task_col: say(t, _zh(t)), **{say(r, _zh(r)): str(spread[(t, r)]) for r in READERS}}
+        for t in TASKS
+    ]
+    rows.append(
+        {task_col: time_col, **{say(r, _zh(r)): sum(cost[r]) / len(cost[r]) for r in READERS}}
+    )
+    notes = [
+        ctx.say(
+            f"documents of {DOC_LEN} tokens, one cue token among random filler ({N_CLASSES} "
+            "classes, "
+            f"chance {CHANCE:.2f}), the cue in the first or the last {CUE_SPAN}; 2-layer encoders, "
+            f"mean-pooled; seeds {seeds}",
+            f"文档长 {DOC_LEN} 个 token，随机填充中有一个提示 token（{N_CLASSES} 类，随机猜测 "
+            f"{CHANCE:.2f}），提示在前 {CUE_SPAN} 个或后 {CUE_SPAN} 个 token 里；2 层编码器，"
+            f"平均池化；随机种子 {seeds}",
+        )
+    ]
     data = {f"{t}|{r}": v for (t, r), v in acc.items()}
     return lab.Result.from_checks(rows, checks, figure=_plot(spread), data=data, notes=notes)
 
 
 def _zh(word: str) -> str:
-    return {"opening": "开头", "ending": "结尾", "whole document": "读全文",
-            f"first {MAX_LEN} tokens": f"只读前 {MAX_LEN} 个 token"}[word]  # fmt: skip
+    return {
+        "opening": "开头",
+        "ending": "结尾",
+        "whole document": "读全文",
+        f"first {MAX_LEN} tokens": f"只读前 {MAX_LEN} 个 token",
+    }[word]
 
 
 def _plot(spread: dict):
     fig, ax = lab.new_figure(6.0, 3.4)
     for i, reader in enumerate(READERS):
-        ax.bar([j + (i - 0.5) * 0.38 for j in range(len(TASKS))],
-               [spread[(t, reader)].mean for t in TASKS], 0.38,
-               yerr=[spread[(t, reader)].spread for t in TASKS], capsize=3,
-               label=reader)  # fmt: skip
+        ax.bar(
+            [j + (i - 0.5) * 0.38 for j in range(len(TASKS))],
+            [spread[(t, reader)].mean for t in TASKS],
+            0.38,
+            yerr=[spread[(t, reader)].spread for t in TASKS],
+            capsize=3,
+            label=reader,
+        )
     ax.axhline(CHANCE, color="grey", linestyle=":", label="chance")
     ax.set_xticks(range(len(TASKS)), [f"label in the {t}" for t in TASKS])
     ax.set(ylabel="held-out accuracy (mean ± spread)", ylim=(0, 1.05))

@@ -44,8 +44,10 @@ def split_windows(ids: torch.Tensor, n: int, length: int, seed: int) -> tuple[Ba
     evaluation): no character is in both."""
     half = len(ids) // 2
     generator = torch.Generator().manual_seed(seed)
-    return (random_windows(ids[:half], n, length, generator),
-            random_windows(ids[half:], n, length, generator))  # fmt: skip
+    return (
+        random_windows(ids[:half], n, length, generator),
+        random_windows(ids[half:], n, length, generator),
+    )
 
 
 class FixedEval:
@@ -117,8 +119,9 @@ def prune(ctx: lab.RunContext, seed: int) -> SeedRun:
         random_curves.append(removal_curve(held_eval, order))
     curve = removal_curve(held_eval, ranked)
     eval_importance = single_head_importance(held_eval, heads)
-    return SeedRun(gpt, curve[0], ranked, ranking_importance, eval_importance, curve,
-                   random_curves, n_windows)  # fmt: skip
+    return SeedRun(
+        gpt, curve[0], ranked, ranking_importance, eval_importance, curve, random_curves, n_windows
+    )
 
 
 @lab.register("head-pruning")  # its claim: lab/claims.toml
@@ -133,46 +136,83 @@ def run(ctx: lab.RunContext) -> lab.Result:
         m = round(share * n)
         ranked = lab.over_seeds([r.increase(r.curve[m]) for r in runs])
         shuffled = lab.over_seeds([r.increase(r.random_mean(m)) for r in runs])
-        rows.append({
-            say("heads removed", "去掉的头"):
-                say(f"{m} of {n} ({share:.0%})", f"{n} 个中的 {m} 个（{share:.0%}）"),
-            say("eval loss, least important first", "评估损失，最不重要的先去掉"):
-                lab.over_seeds([r.curve[m] for r in runs]).mean,
-            say("increase, least important first", "上升，最不重要的先去掉"):
-                f"{ranked.mean:+.1%} ± {ranked.spread:.1%}",
-            say("increase, random order", "上升，随机顺序"):
-                f"{shuffled.mean:+.1%} ± {shuffled.spread:.1%}",
-        })  # fmt: skip
+        rows.append(
+            {
+                say("heads removed", "去掉的头"): say(
+                    f"{m} of {n} ({share:.0%})", f"{n} 个中的 {m} 个（{share:.0%}）"
+                ),
+                say(
+                    "eval loss, least important first", "评估损失，最不重要的先去掉"
+                ): lab.over_seeds([r.curve[m] for r in runs]).mean,
+                say(
+                    "increase, least important first", "上升，最不重要的先去掉"
+                ): f"{ranked.mean:+.1%} ± {ranked.spread:.1%}",
+                say(
+                    "increase, random order", "上升，随机顺序"
+                ): f"{shuffled.mean:+.1%} ± {shuffled.spread:.1%}",
+            }
+        )
 
     pruned = lab.over_seeds([r.increase(r.curve[k]) for r in runs])
     random_k = lab.over_seeds([r.increase(r.random_mean(k)) for r in runs])
     shares = lab.over_seeds([top_share(r.ranked, r.eval_importance, k) for r in runs])
     everything = lab.over_seeds([r.increase(r.curve[-1]) for r in runs])
     checks = [
-        lab.precondition(lab.at_most(say(f"seed {r.gpt.recipe.seed}: eval loss of the trained "
-                                         "model (nats/char)",
-                                         f"随机种子 {r.gpt.recipe.seed}：训练好的模型的评估损失"
-                                         "（nats/字符）"), r.base, MAX_EVAL_LOSS)) for r in runs
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_most(
+                say(
+                    f"seed {r.gpt.recipe.seed}: eval loss of the trained model (nats/char)",
+                    f"随机种子 {r.gpt.recipe.seed}：训练好的模型的评估损失（nats/字符）",
+                ),
+                r.base,
+                MAX_EVAL_LOSS,
+            )
+        )
+        for r in runs
+    ]
     few = say("剪掉相当比例的头几乎不掉", "剪掉相当比例的头几乎不掉")
     concentrated = say("重要头集中", "重要头集中")
     checks += [
-        lab.precondition(lab.at_least(say("eval loss increase with every head removed (mean)",
-                                          "去掉所有头时评估损失的上升（均值）"),
-                                      everything.mean, MIN_ALL_REMOVED_INCREASE)),
-        lab.at_most(say(f"eval loss increase with the {k} least important of {n} heads removed "
-                        "(mean + spread)",
-                        f"去掉 {n} 个头中最不重要的 {k} 个时评估损失的上升（均值 + 波动）"),
-                    pruned.mean + pruned.spread, MAX_PRUNED_INCREASE, group=few),
-        lab.at_least(say(f"share of the eval windows' single-head loss increases in the {k} heads "
-                         "ranked most important (mean - spread)",
-                         f"评估窗口上逐个去头的损失上升中，排名最重要的 {k} 个头所占的份额"
-                         "（均值 - 波动）"), shares.mean - shares.spread,
-                     MIN_TOP_SHARE, group=concentrated),
-        lab.exceeds_spread(say(f"increase removing a random {k} minus the {k} least important",
-                               f"随机去掉 {k} 个头的上升减去掉最不重要的 {k} 个头的上升"),
-                           random_k, pruned, group=concentrated),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(
+                    "eval loss increase with every head removed (mean)",
+                    "去掉所有头时评估损失的上升（均值）",
+                ),
+                everything.mean,
+                MIN_ALL_REMOVED_INCREASE,
+            )
+        ),
+        lab.at_most(
+            say(
+                f"eval loss increase with the {k} least important of {n} heads removed "
+                "(mean + spread)",
+                f"去掉 {n} 个头中最不重要的 {k} 个时评估损失的上升（均值 + 波动）",
+            ),
+            pruned.mean + pruned.spread,
+            MAX_PRUNED_INCREASE,
+            group=few,
+        ),
+        lab.at_least(
+            say(
+                f"share of the eval windows' single-head loss increases in the {k} heads "
+                "ranked most important (mean - spread)",
+                f"评估窗口上逐个去头的损失上升中，排名最重要的 {k} 个头所占的份额（均值 - 波动）",
+            ),
+            shares.mean - shares.spread,
+            MIN_TOP_SHARE,
+            group=concentrated,
+        ),
+        lab.exceeds_spread(
+            say(
+                f"increase removing a random {k} minus the {k} least important",
+                f"随机去掉 {k} 个头的上升减去掉最不重要的 {k} 个头的上升",
+            ),
+            random_k,
+            pruned,
+            group=concentrated,
+        ),
+    ]
 
     recipe = runs[0].gpt.recipe
     origins = sorted({r.gpt.origin for r in runs})
@@ -183,31 +223,41 @@ def run(ctx: lab.RunContext) -> lab.Result:
     origins_en, origins_zh = ", ".join(origins), "，".join(ORIGINS_ZH[o] for o in origins)
     agree_text = ", ".join(f"{a:+.2f}" for a in agree)
     notes = [
-        say(f"model: {recipe.shape}, {steps} training steps on Shakespeare "
+        say(
+            f"model: {recipe.shape}, {steps} training steps on Shakespeare "
             f"characters, seeds {seed_list} ({origins_en}); eval "
             f"loss {base_loss} nats/char on "
             f"{n_windows} eval windows of {recipe.context} characters (and as many ranking "
             "windows from the other half of the held-out text)",
             f"模型：{shape_zh}，在莎士比亚字符上训练 {steps} 步，随机种子 {seed_list}"
             f"（{origins_zh}）；在 {n_windows} 个 {recipe.context} 字符的评估窗口上评估损失为 "
-            f"{base_loss} nats/字符（另从留出文本的另一半取同样多的排名窗口）"),
-        say(f"relative rise of the eval loss with {k} of {n} heads removed, least important "
+            f"{base_loss} nats/字符（另从留出文本的另一半取同样多的排名窗口）",
+        ),
+        say(
+            f"relative rise of the eval loss with {k} of {n} heads removed, least important "
             f"first: {pruned}; a random {k}: {random_k}; every head: {everything}",
             f"去掉 {n} 个头中的 {k} 个（最不重要的先去）时评估损失的相对上升：{pruned}；"
-            f"随机去掉 {k} 个：{random_k}；去掉所有头：{everything}"),
-        say(f"the {k} heads ranked most important on the ranking windows carry {shares} of the "
+            f"随机去掉 {k} 个：{random_k}；去掉所有头：{everything}",
+        ),
+        say(
+            f"the {k} heads ranked most important on the ranking windows carry {shares} of the "
             f"single-head loss increases on the eval windows ({even:.0%} if spread evenly)",
             f"在排名窗口上排名最重要的 {k} 个头，占评估窗口上逐个去头损失上升的 {shares}"
-            f"（若平均分布则为 {even:.0%}）"),
-        say("rank correlation of single-head importance between ranking and eval windows: "
+            f"（若平均分布则为 {even:.0%}）",
+        ),
+        say(
+            "rank correlation of single-head importance between ranking and eval windows: "
             + agree_text,
-            "单个头的重要性在排名窗口与评估窗口之间的秩相关：" + agree_text),
-        say("heads are removed without any fine-tuning afterwards; the order is fixed by each "
+            "单个头的重要性在排名窗口与评估窗口之间的秩相关：" + agree_text,
+        ),
+        say(
+            "heads are removed without any fine-tuning afterwards; the order is fixed by each "
             "head's own importance measured alone, so interactions between heads are not "
             "searched",
             "去掉头之后不做任何微调；去头的顺序由每个头单独测得的重要性固定，"
-            "所以没有搜索头与头之间的相互作用"),
-    ]  # fmt: skip
+            "所以没有搜索头与头之间的相互作用",
+        ),
+    ]
     figure = _plot(runs, k)
     data = {
         f"seed {r.gpt.recipe.seed}": {
@@ -248,25 +298,45 @@ def _plot(runs: list[SeedRun], k: int):
         left.plot(
             ks, mean, marker="o", ms=3, color=color, label=f"{label} (mean ± spread of seeds)"
         )
-        left.fill_between(ks, [s.mean - s.spread for s in per_k],
-                          [s.mean + s.spread for s in per_k], color=color, alpha=0.2)  # fmt: skip
+        left.fill_between(
+            ks,
+            [s.mean - s.spread for s in per_k],
+            [s.mean + s.spread for s in per_k],
+            color=color,
+            alpha=0.2,
+        )
     base = sum(r.base for r in runs) / len(runs)
     left.axhline(base, color="black", ls=":", lw=1, label="no head removed")
     left.axvline(k, color="C3", ls="--", lw=1, label=f"{k} heads ({PRUNED_SHARE:.0%})")
-    left.set(xlabel="heads removed", ylabel="eval loss (nats / char)",
-             title="pruning, judged on held-out windows")  # fmt: skip
+    left.set(
+        xlabel="heads removed",
+        ylabel="eval loss (nats / char)",
+        title="pruning, judged on held-out windows",
+    )
     left.legend(fontsize=7)
     for r in runs:
         heads = r.ranked
-        right.scatter([r.ranking_importance[h] for h in heads],
-                      [r.eval_importance[h] for h in heads], s=14,
-                      label=f"seed {r.gpt.recipe.seed}")  # fmt: skip
+        right.scatter(
+            [r.ranking_importance[h] for h in heads],
+            [r.eval_importance[h] for h in heads],
+            s=14,
+            label=f"seed {r.gpt.recipe.seed}",
+        )
     values = [
         v for r in runs for d in (r.ranking_importance, r.eval_importance) for v in d.values()
     ]
-    right.plot([min(values), max(values)], [min(values), max(values)], color="black", lw=0.8,
-               ls=":", label="equal")  # fmt: skip
-    right.set(xlabel="Δ loss with the head removed, ranking windows (nats)",
-              ylabel="Δ loss, eval windows (nats)", title="single-head importance")  # fmt: skip
+    right.plot(
+        [min(values), max(values)],
+        [min(values), max(values)],
+        color="black",
+        lw=0.8,
+        ls=":",
+        label="equal",
+    )
+    right.set(
+        xlabel="Δ loss with the head removed, ranking windows (nats)",
+        ylabel="Δ loss, eval windows (nats)",
+        title="single-head importance",
+    )
     right.legend(fontsize=7)
     return fig

@@ -30,8 +30,7 @@ TIME_LOW, TIME_HIGH = 0.8, 1.25
 
 
 def attention_layer(n_heads: int, backend: str, seed: int) -> Attention:
-    cfg = ModelConfig(d_model=D_MODEL, n_heads=n_heads, attention_backend=backend,
-                      max_seq_len=4096)  # fmt: skip
+    cfg = ModelConfig(d_model=D_MODEL, n_heads=n_heads, attention_backend=backend, max_seq_len=4096)
     torch.manual_seed(seed)
     return Attention(cfg).eval()
 
@@ -71,46 +70,83 @@ def run(ctx: lab.RunContext) -> lab.Result:
     lengths = ctx.pick((128, 512, 1024, 2048), (128, 256, 512), (16, 32))
     repeats = ctx.pick(15, 4, 2)
     say = ctx.say
-    keys = {"T": "T（序列长度）", "attention": "注意力实现", "GFLOP (both)": "GFLOP（两者相同）",
-            "ms 8 heads x 64": "毫秒，8 头 x 64", "ms 1 head x 512": "毫秒，1 头 x 512",
-            "time ratio 8/1": "时间比 8/1", "score elements 8/1": "分数元素数 8/1"}  # fmt: skip
+    keys = {
+        "T": "T（序列长度）",
+        "attention": "注意力实现",
+        "GFLOP (both)": "GFLOP（两者相同）",
+        "ms 8 heads x 64": "毫秒，8 头 x 64",
+        "ms 1 head x 512": "毫秒，1 头 x 512",
+        "time ratio 8/1": "时间比 8/1",
+        "score elements 8/1": "分数元素数 8/1",
+    }
     for en, zh in keys.items():
         say(en, zh)
     rows, checks, timings, flop_ratios = [], [], {}, []
     generator = torch.Generator().manual_seed(ctx.seed)
     for seq_len in lengths:
         x = torch.randn(1, seq_len, D_MODEL, generator=generator)
-        flops = {n: counted_flops(attention_layer(h, "eager", ctx.seed), x)
-                 for n, h in SPLITS.items()}  # fmt: skip
+        flops = {
+            n: counted_flops(attention_layer(h, "eager", ctx.seed), x) for n, h in SPLITS.items()
+        }
         # Precondition: the counter sees every matmul of the closed form, attention's included.
         for name, counted in flops.items():
-            checks.append(lab.precondition(lab.approx(
-                say(f"T={seq_len}, {name}: counted FLOPs - closed form",
-                    f"T={seq_len}，{SPLITS_ZH[name]}：计数所得 FLOPs - 闭式公式"),
-                counted - closed_form_flops(seq_len), 0, 0)))  # fmt: skip
+            checks.append(
+                lab.precondition(
+                    lab.approx(
+                        say(
+                            f"T={seq_len}, {name}: counted FLOPs - closed form",
+                            f"T={seq_len}，{SPLITS_ZH[name]}：计数所得 FLOPs - 闭式公式",
+                        ),
+                        counted - closed_form_flops(seq_len),
+                        0,
+                        0,
+                    )
+                )
+            )
         flop_ratio = flops["8 heads x 64"] / flops["1 head x 512"]
         flop_ratios.append(flop_ratio)
         # The closed form has no H in it (H x T x T x d_k = T x T x d_model), so equal FLOPs are
         # arithmetic, a precondition; what could come out either way is the time they take.
-        checks.append(lab.precondition(lab.approx(say(f"T={seq_len}: FLOPs 8x64 / 1x512",
-                                                      f"T={seq_len}：FLOPs 之比 8x64 / 1x512"),
-                                                  flop_ratio, 1.0, FLOP_TOL)))  # fmt: skip
+        checks.append(
+            lab.precondition(
+                lab.approx(
+                    say(
+                        f"T={seq_len}: FLOPs 8x64 / 1x512", f"T={seq_len}：FLOPs 之比 8x64 / 1x512"
+                    ),
+                    flop_ratio,
+                    1.0,
+                    FLOP_TOL,
+                )
+            )
+        )
         for backend in BACKENDS:
             layers = {n: attention_layer(h, backend, ctx.seed) for n, h in SPLITS.items()}
             t = median_times(layers, x, repeats)
             ratio = t["8 heads x 64"] / t["1 head x 512"]
             timings[(backend, seq_len)] = (t, ratio)
-            rows.append({"T": seq_len, "attention": backend,
-                         "GFLOP (both)": flops["1 head x 512"] / 1e9,
-                         "ms 8 heads x 64": 1000 * t["8 heads x 64"],
-                         "ms 1 head x 512": 1000 * t["1 head x 512"],
-                         "time ratio 8/1": ratio,
-                         "score elements 8/1": f"{8 * seq_len**2:,} / {seq_len**2:,}"})  # fmt: skip
-            checks.append(lab.approx(say(f"T={seq_len}, {backend}: time 8x64 / 1x512",
-                                         f"T={seq_len}，{backend}：时间之比 8x64 / 1x512"), ratio,
-                                     (TIME_LOW + TIME_HIGH) / 2, (TIME_HIGH - TIME_LOW) / 2,
-                                     group=say(f"measured time, {backend}",
-                                               f"实测时间，{backend}")))  # fmt: skip
+            rows.append(
+                {
+                    "T": seq_len,
+                    "attention": backend,
+                    "GFLOP (both)": flops["1 head x 512"] / 1e9,
+                    "ms 8 heads x 64": 1000 * t["8 heads x 64"],
+                    "ms 1 head x 512": 1000 * t["1 head x 512"],
+                    "time ratio 8/1": ratio,
+                    "score elements 8/1": f"{8 * seq_len**2:,} / {seq_len**2:,}",
+                }
+            )
+            checks.append(
+                lab.approx(
+                    say(
+                        f"T={seq_len}, {backend}: time 8x64 / 1x512",
+                        f"T={seq_len}，{backend}：时间之比 8x64 / 1x512",
+                    ),
+                    ratio,
+                    (TIME_LOW + TIME_HIGH) / 2,
+                    (TIME_HIGH - TIME_LOW) / 2,
+                    group=say(f"measured time, {backend}", f"实测时间，{backend}"),
+                )
+            )
     notes = _notes(timings, lengths, repeats, say)
     figure = _plot(timings, lengths, flop_ratios)
     data = {f"{b} T={t}": {"seconds": s, "ratio": r} for (b, t), (s, r) in timings.items()}
@@ -118,23 +154,36 @@ def run(ctx: lab.RunContext) -> lab.Result:
 
 
 def _notes(timings: dict, lengths, repeats: int, say: Callable[[str, str], str]) -> list[str]:
-    notes = [say(f"times: median CPU seconds of {repeats} interleaved forwards, batch 1, no grad",
-                 f"时间：{repeats} 次交错前向的 CPU 秒数中位数，batch 1，不计梯度")]  # fmt: skip
+    notes = [
+        say(
+            f"times: median CPU seconds of {repeats} interleaved forwards, batch 1, no grad",
+            f"时间：{repeats} 次交错前向的 CPU 秒数中位数，batch 1，不计梯度",
+        )
+    ]
     for backend in BACKENDS:
         ratios = [timings[(backend, t)][1] for t in lengths]
-        outside = [f"T={t} x{r:.2f}" for t, r in zip(lengths, ratios, strict=True)
-                   if not TIME_LOW <= r <= TIME_HIGH]  # fmt: skip
+        outside = [
+            f"T={t} x{r:.2f}"
+            for t, r in zip(lengths, ratios, strict=True)
+            if not TIME_LOW <= r <= TIME_HIGH
+        ]
         low, high, listed = min(ratios), max(ratios), ", ".join(outside)
-        notes.append(say(f"{backend}: 8 heads / 1 head time ratio {low:.2f}-{high:.2f}"
-                         + (f"; outside [{TIME_LOW}, {TIME_HIGH}]: {listed}" if outside else ""),
-                         f"{backend}：8 头 / 1 头的时间比为 {low:.2f}-{high:.2f}"
-                         + (f"；超出 [{TIME_LOW}, {TIME_HIGH}] 的：{listed}"
-                            if outside else "")))  # fmt: skip
-    notes.append(say(
-        "the FLOP counter counts matmuls only; the eager path also scales, masks and softmaxes "
-        "H x T² score elements one by one, 8 times as many with 8 heads",
-        "FLOP 计数器只统计矩阵乘法；eager 路径还要对 H x T² 个分数元素逐个做缩放、掩码和 "
-        "softmax，8 个头时元素数是 1 个头的 8 倍"))  # fmt: skip
+        notes.append(
+            say(
+                f"{backend}: 8 heads / 1 head time ratio {low:.2f}-{high:.2f}"
+                + (f"; outside [{TIME_LOW}, {TIME_HIGH}]: {listed}" if outside else ""),
+                f"{backend}：8 头 / 1 头的时间比为 {low:.2f}-{high:.2f}"
+                + (f"；超出 [{TIME_LOW}, {TIME_HIGH}] 的：{listed}" if outside else ""),
+            )
+        )
+    notes.append(
+        say(
+            "the FLOP counter counts matmuls only; the eager path also scales, masks and softmaxes "
+            "H x T² score elements one by one, 8 times as many with 8 heads",
+            "FLOP 计数器只统计矩阵乘法；eager 路径还要对 H x T² 个分数元素逐个做缩放、掩码和 "
+            "softmax，8 个头时元素数是 1 个头的 8 倍",
+        )
+    )
     return notes
 
 
@@ -144,8 +193,9 @@ def _plot(timings: dict, lengths, flop_ratios: list[float]):
         for name, style in zip(SPLITS, ("-", "--"), strict=True):
             ms = [1000 * timings[(backend, t)][0][name] for t in lengths]
             left.plot(lengths, ms, marker + style, label=f"{backend}, {name}")
-        right.plot(lengths, [timings[(backend, t)][1] for t in lengths], marker + "-",
-                   label=backend)  # fmt: skip
+        right.plot(
+            lengths, [timings[(backend, t)][1] for t in lengths], marker + "-", label=backend
+        )
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(t) for t in lengths])

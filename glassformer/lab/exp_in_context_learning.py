@@ -23,23 +23,76 @@ from glassformer.lab import base as lab
 # Each task: 20 pairs, 8 of them the example pool, the rest queries. "upper" is a rule the
 # model can only read off the examples; the other two also need what it knows.
 TASKS: dict[str, list[tuple[str, str]]] = {
-    "antonym": [("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"),
-                ("happy", "sad"), ("light", "dark"), ("open", "closed"), ("early", "late"),
-                ("rich", "poor"), ("old", "new"), ("wet", "dry"), ("hard", "soft"),
-                ("long", "short"), ("high", "low"), ("full", "empty"), ("strong", "weak"),
-                ("good", "bad"), ("true", "false"), ("left", "right"), ("win", "lose")],
-    "capital": [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"),
-                ("Spain", "Madrid"), ("Russia", "Moscow"), ("Germany", "Berlin"),
-                ("Greece", "Athens"), ("Kenya", "Nairobi"), ("Peru", "Lima"),
-                ("Norway", "Oslo"), ("Cuba", "Havana"), ("Ireland", "Dublin"),
-                ("Austria", "Vienna"), ("Poland", "Warsaw"), ("Portugal", "Lisbon"),
-                ("Thailand", "Bangkok"), ("Sweden", "Stockholm"), ("Hungary", "Budapest"),
-                ("Denmark", "Copenhagen")],
-    "upper": [(w, w.upper()) for w in ["dog", "cat", "tree", "house", "river", "green", "apple",
-                                       "stone", "music", "paper", "chair", "cloud", "bread",
-                                       "horse", "night", "water", "table", "light", "sugar",
-                                       "field"]],
-}  # fmt: skip
+    "antonym": [
+        ("hot", "cold"),
+        ("big", "small"),
+        ("up", "down"),
+        ("fast", "slow"),
+        ("happy", "sad"),
+        ("light", "dark"),
+        ("open", "closed"),
+        ("early", "late"),
+        ("rich", "poor"),
+        ("old", "new"),
+        ("wet", "dry"),
+        ("hard", "soft"),
+        ("long", "short"),
+        ("high", "low"),
+        ("full", "empty"),
+        ("strong", "weak"),
+        ("good", "bad"),
+        ("true", "false"),
+        ("left", "right"),
+        ("win", "lose"),
+    ],
+    "capital": [
+        ("France", "Paris"),
+        ("Japan", "Tokyo"),
+        ("Italy", "Rome"),
+        ("Egypt", "Cairo"),
+        ("Spain", "Madrid"),
+        ("Russia", "Moscow"),
+        ("Germany", "Berlin"),
+        ("Greece", "Athens"),
+        ("Kenya", "Nairobi"),
+        ("Peru", "Lima"),
+        ("Norway", "Oslo"),
+        ("Cuba", "Havana"),
+        ("Ireland", "Dublin"),
+        ("Austria", "Vienna"),
+        ("Poland", "Warsaw"),
+        ("Portugal", "Lisbon"),
+        ("Thailand", "Bangkok"),
+        ("Sweden", "Stockholm"),
+        ("Hungary", "Budapest"),
+        ("Denmark", "Copenhagen"),
+    ],
+    "upper": [
+        (w, w.upper())
+        for w in [
+            "dog",
+            "cat",
+            "tree",
+            "house",
+            "river",
+            "green",
+            "apple",
+            "stone",
+            "music",
+            "paper",
+            "chair",
+            "cloud",
+            "bread",
+            "horse",
+            "night",
+            "water",
+            "table",
+            "light",
+            "sugar",
+            "field",
+        ]
+    ],
+}
 SHOTS = (0, 1, 2, 4, 8)
 POOL = 8  # examples are drawn from the first POOL pairs of a shuffle, queries from the rest
 # Thresholds, stated once. "Learns the task from the examples": with the most examples the model
@@ -48,8 +101,10 @@ POOL = 8  # examples are drawn from the first POOL pairs of a shuffle, queries f
 MIN_GAIN = 0.3
 MIN_ACCURACY = 0.5
 TASKS_ZH = {"antonym": "反义词", "capital": "首都", "upper": "大写"}
-NAMES_ZH = {"tiny random character GPT": "tiny 随机字符级 GPT",
-            "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}  # fmt: skip
+NAMES_ZH = {
+    "tiny random character GPT": "tiny 随机字符级 GPT",
+    "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+}
 
 
 def format_examples(pairs: list[tuple[str, str]]) -> str:
@@ -117,38 +172,74 @@ def run(ctx: lab.RunContext) -> lab.Result:
     say = ctx.say
     zh = TASKS_ZH
     rows = [
-        {say("examples in the prompt", "提示中的示例数"): k,
-         **{say(f"{task} accuracy", f"{zh[task]}准确率"): str(spread[task][i]) for task in tasks}}
+        {
+            say("examples in the prompt", "提示中的示例数"): k,
+            **{
+                say(f"{task} accuracy", f"{zh[task]}准确率"): str(spread[task][i]) for task in tasks
+            },
+        }
         for i, k in enumerate(shots)
-    ]  # fmt: skip
-    checks = [lab.precondition(lab.approx(say("parameters changed by the run (digest differs)",
-                                              "运行改动了参数（摘要不同）"),
-                                          float(before != after), 0, 0))]  # fmt: skip
+    ]
+    checks = [
+        lab.precondition(
+            lab.approx(
+                say("parameters changed by the run (digest differs)", "运行改动了参数（摘要不同）"),
+                float(before != after),
+                0,
+                0,
+            )
+        )
+    ]
     group = say("learns a task from examples in the prompt", "从提示中的示例学会任务")
     most_k = shots[-1]
     for task in tasks:
         most, none = spread[task][-1], spread[task][0]
-        checks.append(lab.exceeds_spread(say(f"{task}: accuracy with {most_k} - with 0 examples",
-                                             f"{zh[task]}：{most_k} 个示例时的准确率 - 0 个示例时"),
-                                         most, none, MIN_GAIN, group=group))  # fmt: skip
-        checks.append(lab.at_least(say(f"{task}: accuracy with {most_k} examples",
-                                       f"{zh[task]}：{most_k} 个示例时的准确率"), most.mean,
-                                   MIN_ACCURACY, group=group))  # fmt: skip
+        checks.append(
+            lab.exceeds_spread(
+                say(
+                    f"{task}: accuracy with {most_k} - with 0 examples",
+                    f"{zh[task]}：{most_k} 个示例时的准确率 - 0 个示例时",
+                ),
+                most,
+                none,
+                MIN_GAIN,
+                group=group,
+            )
+        )
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{task}: accuracy with {most_k} examples",
+                    f"{zh[task]}：{most_k} 个示例时的准确率",
+                ),
+                most.mean,
+                MIN_ACCURACY,
+                group=group,
+            )
+        )
     n_draws, name_zh = len(draws), NAMES_ZH.get(name, name)
     digest_before, digest_after = before[:16], after[:16]
     notes = [
-        say(f"model: {name}; {n_draws} draw(s) of examples per task, {n_queries} queries each, "
+        say(
+            f"model: {name}; {n_draws} draw(s) of examples per task, {n_queries} queries each, "
             "never among the examples; the prompt is plain lines 'x -> y', no chat template",
             f"模型：{name_zh}；每个任务抽取 {n_draws} 次示例，每次 {n_queries} 个查询，"
-            "查询从不出现在示例中；提示是普通的 'x -> y' 行，不用对话模板"),
-        say(f"parameter digest before and after: {digest_before}… / {digest_after}…",
-            f"运行前后的参数摘要：{digest_before}… / {digest_after}…"),
-    ]  # fmt: skip
+            "查询从不出现在示例中；提示是普通的 'x -> y' 行，不用对话模板",
+        ),
+        say(
+            f"parameter digest before and after: {digest_before}… / {digest_after}…",
+            f"运行前后的参数摘要：{digest_before}… / {digest_after}…",
+        ),
+    ]
     for task in tasks:
         curve = ", ".join(f"{k}: {s.mean:.2f}" for k, s in zip(shots, spread[task], strict=True))
         curve_zh = "，".join(f"{k}：{s.mean:.2f}" for k, s in zip(shots, spread[task], strict=True))
-        notes.append(say(f"{task} accuracy by number of examples: {curve}",
-                         f"{zh[task]}准确率随示例数的变化：{curve_zh}"))  # fmt: skip
+        notes.append(
+            say(
+                f"{task} accuracy by number of examples: {curve}",
+                f"{zh[task]}准确率随示例数的变化：{curve_zh}",
+            )
+        )
     if ctx.tiny:
         notes.append(
             say(
@@ -156,8 +247,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 "tiny 模式：用一个随机初始化的 1 层字符级 GPT 代替 SmolLM2",
             )
         )
-    data = {"shots": list(shots), "accuracy": accuracy, "draws": draws,
-            "n_queries": n_queries, "digest_before": before, "digest_after": after}  # fmt: skip
+    data = {
+        "shots": list(shots),
+        "accuracy": accuracy,
+        "draws": draws,
+        "n_queries": n_queries,
+        "digest_before": before,
+        "digest_after": after,
+    }
     figure = _plot(shots, spread, name)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -172,8 +269,14 @@ def _model(ctx: lab.RunContext):
         text = "".join(format_examples(pairs) for pairs in TASKS.values())
         tokenizer = CharTokenizer.from_text(text)
         torch.manual_seed(ctx.seed)
-        cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                          max_seq_len=256, position="rope")  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=tokenizer.vocab_size,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            max_seq_len=256,
+            position="rope",
+        )
         return build_model(cfg).eval(), tokenizer.encode, "tiny random character GPT"
     from glassformer.interop.pretrained import from_pretrained
 
@@ -189,10 +292,20 @@ def _plot(shots, spread: dict[str, list[lab.Spread]], name: str):
     fig, ax = lab.new_figure(6.0, 3.4)
     positions = list(range(len(shots)))  # evenly spaced: 0 examples has no place on a log axis
     for task, values in spread.items():
-        ax.errorbar(positions, [s.mean for s in values], yerr=[s.spread for s in values],
-                    marker="o", capsize=3, label=task)  # fmt: skip
+        ax.errorbar(
+            positions,
+            [s.mean for s in values],
+            yerr=[s.spread for s in values],
+            marker="o",
+            capsize=3,
+            label=task,
+        )
     ax.set_xticks(positions, [str(k) for k in shots])
-    ax.set(xlabel="examples in the prompt (k)", ylabel="greedy accuracy on held-out queries",
-           ylim=(-0.03, 1.03), title=f"in-context learning, weights frozen ({name})")  # fmt: skip
+    ax.set(
+        xlabel="examples in the prompt (k)",
+        ylabel="greedy accuracy on held-out queries",
+        ylim=(-0.03, 1.03),
+        title=f"in-context learning, weights frozen ({name})",
+    )
     ax.legend(fontsize=8)
     return fig

@@ -95,8 +95,11 @@ ROW_KEYS_ZH = {
     "right noun wins in both": "两句中正确名词都胜出",
     "right noun is the top word in both": "两句中正确名词都是权重最大的词",
 }
-ROLES_ZH = {"chooses the head": "用于选头", "held out": "留出",
-            "causal: not testable": "因果模型：无法检验"}  # fmt: skip
+ROLES_ZH = {
+    "chooses the head": "用于选头",
+    "held out": "留出",
+    "causal: not testable": "因果模型：无法检验",
+}
 
 
 def sign_test_min(n: int, alpha: float = ALPHA) -> int:
@@ -154,16 +157,19 @@ class PairAttention:
 
 def pair_attention(model, tokenizer, pair: SentencePair) -> PairAttention:
     prefer, top, rows = {}, {}, {}  # keyed by the noun the sentence's adjective fits
-    for adjective, noun in ((pair.first_adjective, pair.first),
-                            (pair.second_adjective, pair.second)):  # fmt: skip
+    for adjective, noun in (
+        (pair.first_adjective, pair.first),
+        (pair.second_adjective, pair.second),
+    ):
         weights, words = it_attention(model, tokenizer, pair.sentence(adjective))  # (L, H, T)
         first, second = noun_position(words, pair.first), noun_position(words, pair.second)
         wordlike = torch.tensor([w not in SPECIAL for w in words])  # (T,)
         prefer[noun] = weights[..., first] - weights[..., second]  # (L, H)
         top[noun] = weights.masked_fill(~wordlike, -1.0).argmax(dim=-1) == words.index(noun)
         rows[adjective] = weights
-    return PairAttention(pair, prefer[pair.first], prefer[pair.second], top[pair.first],
-                         top[pair.second], rows)  # fmt: skip
+    return PairAttention(
+        pair, prefer[pair.first], prefer[pair.second], top[pair.first], top[pair.second], rows
+    )
 
 
 def _models(ctx: lab.RunContext) -> dict:
@@ -184,9 +190,10 @@ def _row(model: str, role: str, found: PairAttention, head: tuple[int, int]) -> 
         "it→1st − it→2nd, adj fits 2nd": f"{found.prefer_second[layer, h].item():+.3f}",
         "shift toward the right noun": found.shift[layer, h].item(),
         "right noun wins in both": bool(found.resolved[layer, h]),
-        "right noun is the top word in both": bool(found.top_first[layer, h] &
-                                                   found.top_second[layer, h]),
-    }  # fmt: skip
+        "right noun is the top word in both": bool(
+            found.top_first[layer, h] & found.top_second[layer, h]
+        ),
+    }
 
 
 @lab.register("it-animal")  # its claim: lab/claims.toml
@@ -214,26 +221,49 @@ def run(ctx: lab.RunContext) -> lab.Result:
     # Precondition: the choice found a head that moves the right way on the seed's own pair.
     name, n_choosing = f"L{head[0]} H{head[1]}", len(CHOOSING)
     checks = [
-        lab.precondition(lab.at_least(say(f"minilm {name}: choosing pairs (of "
-                                          f"{n_choosing}) where it moves toward the right noun",
-                                          f"minilm {name}：选头句对（共 {n_choosing} 对）中它移向"
-                                          "正确名词的对数"),
-                                      votes[head].item(), sign_test_min(len(CHOOSING)))),
-        lab.at_least(say(f"held-out pairs (of {n}) where the chosen head's 'it' moves toward the "
-                         "right noun as the adjective flips",
-                         f"留出句对（共 {n} 对）中，形容词一换、所选头的 'it' 就移向正确名词"
-                         "的对数"),
-                     shifted, need, group=say("the flip", "翻转")),
-        lab.at_least(say(f"held-out pairs (of {n}) where the right noun outweighs the other in "
-                         "both sentences",
-                         f"留出句对（共 {n} 对）中，两句里正确名词的权重都超过另一个名词的对数"),
-                     resolved, need, group=say("it → the right noun", "it → 正确的名词")),
-        lab.at_least(say(f"held-out pairs (of {n}) where the right noun is the word 'it' weighs "
-                         "most ('权重最大') in both sentences",
-                         f"留出句对（共 {n} 对）中，两句里正确名词都是 'it' 权重最大的词"
-                         "（'权重最大'）的对数"),
-                     top, need, group=say("权重最大", "权重最大")),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(
+                    f"minilm {name}: choosing pairs (of "
+                    f"{n_choosing}) where it moves toward the right noun",
+                    f"minilm {name}：选头句对（共 {n_choosing} 对）中它移向正确名词的对数",
+                ),
+                votes[head].item(),
+                sign_test_min(len(CHOOSING)),
+            )
+        ),
+        lab.at_least(
+            say(
+                f"held-out pairs (of {n}) where the chosen head's 'it' moves toward the "
+                "right noun as the adjective flips",
+                f"留出句对（共 {n} 对）中，形容词一换、所选头的 'it' 就移向正确名词的对数",
+            ),
+            shifted,
+            need,
+            group=say("the flip", "翻转"),
+        ),
+        lab.at_least(
+            say(
+                f"held-out pairs (of {n}) where the right noun outweighs the other in "
+                "both sentences",
+                f"留出句对（共 {n} 对）中，两句里正确名词的权重都超过另一个名词的对数",
+            ),
+            resolved,
+            need,
+            group=say("it → the right noun", "it → 正确的名词"),
+        ),
+        lab.at_least(
+            say(
+                f"held-out pairs (of {n}) where the right noun is the word 'it' weighs "
+                "most ('权重最大') in both sentences",
+                f"留出句对（共 {n} 对）中，两句里正确名词都是 'it' 权重最大的词"
+                "（'权重最大'）的对数",
+            ),
+            top,
+            need,
+            group=say("权重最大", "权重最大"),
+        ),
+    ]
 
     pairs_shifted = sum((found.shift > 0).int() for found in held)  # (L, H) count per head
     consistent = [f"L{layer} H{h}" for layer, h in (pairs_shifted >= need).nonzero().tolist()]
@@ -241,7 +271,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
     seed_shift = chosen_on.shift[head].item()
     listed, ranks = ", ".join(consistent), _ranks_of(score, pairs_shifted >= need)
     notes = [
-        say(f"minilm (bidirectional, {n_all} heads): the head is chosen on "
+        say(
+            f"minilm (bidirectional, {n_all} heads): the head is chosen on "
             f"{n_choosing} pairs ({name}, right in {n_votes} of them, on "
             f"the seed's pair a shift of {seed_shift:+.3f}); "
             f"on the {n} held-out pairs it moves toward the right noun in {shifted}, the right "
@@ -251,15 +282,18 @@ def run(ctx: lab.RunContext) -> lab.Result:
             f"{n_votes} 对方向正确，在原文的句对上偏移 {seed_shift:+.3f}）；在 {n} 个留出句对上，"
             f"它在 {shifted} 对中移向正确名词，在 {resolved} 对中两句里正确名词的权重都超过另一个"
             f"名词，在 {top} 对中两句里正确名词都是权重最大的词（显著性水平 {ALPHA} 的符号检验"
-            f"需要 {need} 对）"),
-        say(f"for comparison, looking at the held-out pairs themselves (so not evidence): "
+            f"需要 {need} 对）",
+        ),
+        say(
+            f"for comparison, looking at the held-out pairs themselves (so not evidence): "
             f"{len(consistent)} of the {n_all} heads move toward the right noun in "
             f"at least {need} of the {n} ({listed or 'none'}); the choosing pairs "
             f"rank these at {ranks or 'no place'}",
             f"作为对照，直接看留出句对本身（因此不算证据）：{n_all} 个头中有 {len(consistent)} 个"
             f"在 {n} 对里至少 {need} 对移向正确名词（{listed or '没有'}）；"
-            + (f"选头句对把它们排在第 {ranks} 位" if ranks else "选头句对没有给它们排名")),
-    ]  # fmt: skip
+            + (f"选头句对把它们排在第 {ranks} 位" if ranks else "选头句对没有给它们排名"),
+        ),
+    ]
     if "smollm2" in models:
         rows_smol, note = _causal(models["smollm2"], say)
         rows.append(rows_smol)
@@ -267,21 +301,34 @@ def run(ctx: lab.RunContext) -> lab.Result:
         smol, smol_tok = models["smollm2"]
         readings = [reading(smol, smol_tok, pair) for pair in HELD_OUT]
         right = sum(a > 0 and b < 0 for a, b in readings)
-        checks.append(lab.at_least(say(
-            f"smollm2: held-out pairs (of {n}) where, after the whole sentence, the right noun "
-            "is the likelier next word in both sentences",
-            f"smollm2：留出句对（共 {n} 对）中，读完整句后两句里正确名词都是更可能的下一个词的"
-            "对数"), right, need,
-            group=say("smollm2 reads it → the right noun",
-                      "smollm2 把 it 读作正确的名词")))  # fmt: skip
-        per_pair = [f"{p.first}/{p.second} {a:+.2f}, {b:+.2f}"
-                    for p, (a, b) in zip(HELD_OUT, readings, strict=True)]  # fmt: skip
-        notes.append(say(
-            f"smollm2's reading after {QUESTION!r}: log P(1st noun) - log P(2nd noun) "
-            "per held-out pair, (adjective fits the 1st, fits the 2nd): " + "; ".join(per_pair),
-            f"smollm2 在 {QUESTION!r} 之后的读法：每个留出句对的 log P(第 1 个名词) - "
-            "log P(第 2 个名词)，（形容词指第 1 个名词，指第 2 个名词）："
-            + "；".join(per_pair)))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"smollm2: held-out pairs (of {n}) where, after the whole sentence, the right "
+                    "noun "
+                    "is the likelier next word in both sentences",
+                    f"smollm2：留出句对（共 {n} 对）中，"
+                    "读完整句后两句里正确名词都是更可能的下一个词的"
+                    "对数",
+                ),
+                right,
+                need,
+                group=say("smollm2 reads it → the right noun", "smollm2 把 it 读作正确的名词"),
+            )
+        )
+        per_pair = [
+            f"{p.first}/{p.second} {a:+.2f}, {b:+.2f}"
+            for p, (a, b) in zip(HELD_OUT, readings, strict=True)
+        ]
+        notes.append(
+            say(
+                f"smollm2's reading after {QUESTION!r}: log P(1st noun) - log P(2nd noun) "
+                "per held-out pair, (adjective fits the 1st, fits the 2nd): " + "; ".join(per_pair),
+                f"smollm2 在 {QUESTION!r} 之后的读法：每个留出句对的 log P(第 1 个名词) - "
+                "log P(第 2 个名词)，（形容词指第 1 个名词，指第 2 个名词）："
+                + "；".join(per_pair),
+            )
+        )
         data_smol = [list(r) for r in readings]
     else:
         data_smol = []
@@ -290,10 +337,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
         "votes": votes.tolist(),
         "head": list(head),
         "selection_shift": chosen_on.shift.tolist(),
-        "held_out": {found.pair.label: {"prefer_first": found.prefer_first[head].item(),
-                                        "prefer_second": found.prefer_second[head].item()}
-                     for found in held},
-    }  # fmt: skip
+        "held_out": {
+            found.pair.label: {
+                "prefer_first": found.prefer_first[head].item(),
+                "prefer_second": found.prefer_second[head].item(),
+            }
+            for found in held
+        },
+    }
     figure = _plot(chosen_on, held, head)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -356,11 +407,22 @@ def _plot(chosen_on: PairAttention, held: list[PairAttention], head: tuple[int, 
     shift = chosen_on.shift
     bound = shift.abs().max().item()
     image = left.imshow(shift.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
-    left.scatter([head[1]], [head[0]], marker="s", s=120, facecolors="none",
-                 edgecolors="black", label="chosen head")  # fmt: skip
-    left.set(xlabel="head", ylabel="layer", xticks=range(shift.shape[1]),
-             yticks=range(shift.shape[0]),
-             title=f"MiniLM, the seed's pair ({SELECTION.label})")  # fmt: skip
+    left.scatter(
+        [head[1]],
+        [head[0]],
+        marker="s",
+        s=120,
+        facecolors="none",
+        edgecolors="black",
+        label="chosen head",
+    )
+    left.set(
+        xlabel="head",
+        ylabel="layer",
+        xticks=range(shift.shape[1]),
+        yticks=range(shift.shape[0]),
+        title=f"MiniLM, the seed's pair ({SELECTION.label})",
+    )
     left.legend(fontsize=7, loc="upper right")
     fig.colorbar(image, ax=left, label="shift toward the right noun (attention weight)")
     labels = [f"{f.pair.first}/{f.pair.second}" for f in held]
@@ -376,7 +438,9 @@ def _plot(chosen_on: PairAttention, held: list[PairAttention], head: tuple[int, 
         fontsize=7,
     )
     right.axhline(0, color="black", lw=0.8)
-    right.set(ylabel="it→1st noun − it→2nd noun (weight)",
-              title=f"held-out pairs, the same head L{head[0]} H{head[1]}")  # fmt: skip
+    right.set(
+        ylabel="it→1st noun − it→2nd noun (weight)",
+        title=f"held-out pairs, the same head L{head[0]} H{head[1]}",
+    )
     right.legend(fontsize=7)
     return fig

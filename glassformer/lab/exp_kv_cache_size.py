@@ -21,8 +21,14 @@ PROMPT, NEW = 1000, 500  # the seed's example
 # Thresholds: "约 0.5 MB" and "约 2 GB" within 10%; "几百倍" = a ratio in [100, 1000);
 # "第 500 步要重算 1500 个 token" within one token; the cache must make decoding faster (>= 1x).
 ABOUT = 0.1
-UNITS_ZH = {"MiB": "MiB", "GiB": "GiB", "B": "字节", "tokens": "个 token", "x": "倍",
-            "tok/s": "token/秒"}  # fmt: skip
+UNITS_ZH = {
+    "MiB": "MiB",
+    "GiB": "GiB",
+    "B": "字节",
+    "tokens": "个 token",
+    "x": "倍",
+    "tok/s": "token/秒",
+}
 NAMES_ZH = {
     "SmolLM2-135M": "SmolLM2-135M",
     "SmolLM2-shaped (2 random layers, vocab 512)": "SmolLM2 形状（2 层随机权重，词表 512）",
@@ -32,9 +38,16 @@ NAMES_ZH = {
 def _tiny_gpt(max_seq_len: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        family="gpt", vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=max_seq_len,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
+        family="gpt",
+        vocab_size=64,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        max_seq_len=max_seq_len,
+        position="rope",
+        norm="rms",
+        ffn="swiglu",
+    )
     return build_model(cfg).eval()
 
 
@@ -90,22 +103,53 @@ def run(ctx: lab.RunContext) -> lab.Result:
     say = ctx.say
     for unit, unit_zh in UNITS_ZH.items():
         say(unit, unit_zh)
-    what, value, unit, quote = (say("what", "项目"), say("value", "数值"), say("unit", "单位"),
-                                say("seed", "原文"))  # fmt: skip
+    what, value, unit, quote = (
+        say("what", "项目"),
+        say("value", "数值"),
+        say("unit", "单位"),
+        say("seed", "原文"),
+    )
     rows, checks, notes = [], [], []
     llama = ModelConfig.preset("llama-7b")
     per_token = calc.kv_bytes_per_token(llama, "fp16")
     chat = calc.kv_cache_bytes(llama, 4096, "fp16")
-    rows.append({what: say("Llama-7B fp16 KV per token (calc)",
-                           "Llama-7B fp16 每个 token 的 KV（计算器）"), value: per_token / MIB,
-                 unit: "MiB", quote: say("约 0.5 MB", "约 0.5 MB")})  # fmt: skip
-    rows.append({what: say("Llama-7B fp16 KV, 4096 tokens (calc)",
-                           "Llama-7B fp16 的 KV，4096 个 token（计算器）"), value: chat / GIB,
-                 unit: "GiB", quote: say("约 2 GB", "约 2 GB")})  # fmt: skip
-    checks.append(lab.approx(say("7B fp16 MiB per token", "7B fp16 每个 token 的 MiB 数"),
-                             per_token / MIB, 0.5, 0.5 * ABOUT))  # fmt: skip
-    checks.append(lab.approx(say("7B fp16 GiB for 4096 tokens", "7B fp16 4096 个 token 的 GiB 数"),
-                             chat / GIB, 2.0, 2.0 * ABOUT))  # fmt: skip
+    rows.append(
+        {
+            what: say(
+                "Llama-7B fp16 KV per token (calc)", "Llama-7B fp16 每个 token 的 KV（计算器）"
+            ),
+            value: per_token / MIB,
+            unit: "MiB",
+            quote: say("约 0.5 MB", "约 0.5 MB"),
+        }
+    )
+    rows.append(
+        {
+            what: say(
+                "Llama-7B fp16 KV, 4096 tokens (calc)",
+                "Llama-7B fp16 的 KV，4096 个 token（计算器）",
+            ),
+            value: chat / GIB,
+            unit: "GiB",
+            quote: say("约 2 GB", "约 2 GB"),
+        }
+    )
+    checks.append(
+        lab.approx(
+            say("7B fp16 MiB per token", "7B fp16 每个 token 的 MiB 数"),
+            per_token / MIB,
+            0.5,
+            0.5 * ABOUT,
+        )
+    )
+    checks.append(
+        lab.approx(
+            say("7B fp16 GiB for 4096 tokens", "7B fp16 4096 个 token 的 GiB 数"),
+            chat / GIB,
+            2.0,
+            2.0 * ABOUT,
+        )
+    )
 
     model, name = lab.smollm2_or_stand_in(ctx)
     name_zh = NAMES_ZH.get(name, name)
@@ -116,17 +160,36 @@ def run(ctx: lab.RunContext) -> lab.Result:
         model(torch.randint(0, cfg.vocab_size, (1, n_fill)), cache=cache, last_token_only=True)
     dtype = "fp32" if cache.k.dtype == torch.float32 else "fp16"
     calc_bytes = calc.kv_bytes_per_token(cfg, dtype)
-    rows.append({what: say(f"{name} KV bytes per token ({dtype}, calc)",
-                           f"{name_zh} 每个 token 的 KV 字节数（{dtype}，计算器）"),
-                 value: calc_bytes, unit: "B", quote: ""})  # fmt: skip
-    rows.append({what: say(f"{name} filled cache / {n_fill} tokens",
-                           f"{name_zh} 已填充的缓存 / {n_fill} 个 token"), value:
-                 cache.filled_bytes / n_fill, unit: "B", quote: ""})  # fmt: skip
+    rows.append(
+        {
+            what: say(
+                f"{name} KV bytes per token ({dtype}, calc)",
+                f"{name_zh} 每个 token 的 KV 字节数（{dtype}，计算器）",
+            ),
+            value: calc_bytes,
+            unit: "B",
+            quote: "",
+        }
+    )
+    rows.append(
+        {
+            what: say(
+                f"{name} filled cache / {n_fill} tokens",
+                f"{name_zh} 已填充的缓存 / {n_fill} 个 token",
+            ),
+            value: cache.filled_bytes / n_fill,
+            unit: "B",
+            quote: "",
+        }
+    )
     # Preconditions: the setup does what it intends (the cache holds the bytes calc says, the
     # counter counts what is fed, caching changes no token); the claim's evidence follows.
-    filled = lab.approx(say(f"{name}: filled bytes/token - calc",
-                            f"{name_zh}：实际填充的字节/token 减计算器的值"),
-                        cache.filled_bytes / n_fill - calc_bytes, 0, 0)  # fmt: skip
+    filled = lab.approx(
+        say(f"{name}: filled bytes/token - calc", f"{name_zh}：实际填充的字节/token 减计算器的值"),
+        cache.filled_bytes / n_fill - calc_bytes,
+        0,
+        0,
+    )
     checks.append(lab.precondition(filled))
 
     prompt_len, n_new = ctx.pick((PROMPT, NEW), (PROMPT, NEW), (20, 10))
@@ -138,37 +201,88 @@ def run(ctx: lab.RunContext) -> lab.Result:
     closed_without = sum(PROMPT + i for i in range(NEW))
     size = f"{prompt_len}+{n_new}"
     rows += [
-        {what: say(f"positions fed, {size}, with cache (counted)",
-                   f"送入的位置数，{size}，有缓存（实数）"),
-         value: with_cache, unit: "tokens", quote: ""},
-        {what: say(f"positions fed, {size}, without cache (counted)",
-                   f"送入的位置数，{size}，无缓存（实数）"),
-         value: without_cache, unit: "tokens", quote: ""},
-        {what: say(f"last step without cache, {size} (counted)",
-                   f"无缓存时的最后一步，{size}（实数）"),
-         value: counted["without"][-1], unit: "tokens",
-         quote: say("1500 (at 1000+500)", "1500（在 1000+500 时）")},
-        {what: say("repeated work ratio without/with, 1000+500 (closed form)",
-                   "重复计算量之比 无缓存/有缓存，1000+500（闭式解）"),
-         value: closed_without / closed_with, unit: "x", quote: say("几百倍", "几百倍")},
-    ]  # fmt: skip
-    checks += [lab.precondition(c) for c in (
-        lab.approx(say("counted positions with cache - closed form",
-                       "有缓存时实数的位置数减闭式解"),
-                   with_cache - (prompt_len + n_new - 1), 0, 0),
-        lab.approx(say("counted positions without cache - closed form",
-                       "无缓存时实数的位置数减闭式解"),
-                   without_cache - sum(prompt_len + i for i in range(n_new)), 0, 0),
-        lab.approx(say("same greedy tokens with and without cache",
-                       "有无缓存时贪心解码的 token 相同"), counted["same_tokens"], 1, 0),
-    )]  # fmt: skip
+        {
+            what: say(
+                f"positions fed, {size}, with cache (counted)",
+                f"送入的位置数，{size}，有缓存（实数）",
+            ),
+            value: with_cache,
+            unit: "tokens",
+            quote: "",
+        },
+        {
+            what: say(
+                f"positions fed, {size}, without cache (counted)",
+                f"送入的位置数，{size}，无缓存（实数）",
+            ),
+            value: without_cache,
+            unit: "tokens",
+            quote: "",
+        },
+        {
+            what: say(
+                f"last step without cache, {size} (counted)", f"无缓存时的最后一步，{size}（实数）"
+            ),
+            value: counted["without"][-1],
+            unit: "tokens",
+            quote: say("1500 (at 1000+500)", "1500（在 1000+500 时）"),
+        },
+        {
+            what: say(
+                "repeated work ratio without/with, 1000+500 (closed form)",
+                "重复计算量之比 无缓存/有缓存，1000+500（闭式解）",
+            ),
+            value: closed_without / closed_with,
+            unit: "x",
+            quote: say("几百倍", "几百倍"),
+        },
+    ]
+    checks += [
+        lab.precondition(c)
+        for c in (
+            lab.approx(
+                say("counted positions with cache - closed form", "有缓存时实数的位置数减闭式解"),
+                with_cache - (prompt_len + n_new - 1),
+                0,
+                0,
+            ),
+            lab.approx(
+                say(
+                    "counted positions without cache - closed form", "无缓存时实数的位置数减闭式解"
+                ),
+                without_cache - sum(prompt_len + i for i in range(n_new)),
+                0,
+                0,
+            ),
+            lab.approx(
+                say("same greedy tokens with and without cache", "有无缓存时贪心解码的 token 相同"),
+                counted["same_tokens"],
+                1,
+                0,
+            ),
+        )
+    ]
     ratio = closed_without / closed_with
-    checks.append(lab.at_least(say("without/with ratio at 1000+500 ('几百倍' >= 100)",
-                                   "1000+500 时 无缓存/有缓存 之比（'几百倍' >= 100）"),
-                               ratio, 100))  # fmt: skip
-    checks.append(lab.at_most(say("without/with ratio at 1000+500 ('几百倍' < 1000)",
-                                  "1000+500 时 无缓存/有缓存 之比（'几百倍' < 1000）"),
-                              ratio, 999.99))  # fmt: skip
+    checks.append(
+        lab.at_least(
+            say(
+                "without/with ratio at 1000+500 ('几百倍' >= 100)",
+                "1000+500 时 无缓存/有缓存 之比（'几百倍' >= 100）",
+            ),
+            ratio,
+            100,
+        )
+    )
+    checks.append(
+        lab.at_most(
+            say(
+                "without/with ratio at 1000+500 ('几百倍' < 1000)",
+                "1000+500 时 无缓存/有缓存 之比（'几百倍' < 1000）",
+            ),
+            ratio,
+            999.99,
+        )
+    )
 
     speeds = []
     n_decode = ctx.pick(32, 16, 3)
@@ -177,13 +291,24 @@ def run(ctx: lab.RunContext) -> lab.Result:
         prompt = _prompt_ids(ctx, context, cfg.vocab_size)
         cached, uncached = _decode_speed(model, prompt, n_decode)
         speeds.append((context, cached, uncached))
-        rows.append({what: say(f"{name} decode tok/s at context {context}: cached / uncached",
-                               f"{name_zh} 在上下文 {context} 时的解码速度 tok/s：有缓存 / 无缓存"),
-                     value: f"{cached:.1f} / {uncached:.1f}", unit: "tok/s",
-                     quote: speed_quote})  # fmt: skip
-        checks.append(lab.at_least(say(f"cache speedup at context {context}",
-                                       f"上下文 {context} 时缓存带来的加速比"),
-                                   cached / uncached, 1.0))  # fmt: skip
+        rows.append(
+            {
+                what: say(
+                    f"{name} decode tok/s at context {context}: cached / uncached",
+                    f"{name_zh} 在上下文 {context} 时的解码速度 tok/s：有缓存 / 无缓存",
+                ),
+                value: f"{cached:.1f} / {uncached:.1f}",
+                unit: "tok/s",
+                quote: speed_quote,
+            }
+        )
+        checks.append(
+            lab.at_least(
+                say(f"cache speedup at context {context}", f"上下文 {context} 时缓存带来的加速比"),
+                cached / uncached,
+                1.0,
+            )
+        )
     if ctx.tiny:
         notes.append(
             say(
@@ -192,8 +317,11 @@ def run(ctx: lab.RunContext) -> lab.Result:
             )
         )
     figure = _plot(counted, speeds, name)
-    data = {"per_call_with_cache": counted["with"][:5], "speeds": speeds,
-            "closed_form": {"with": closed_with, "without": closed_without}}  # fmt: skip
+    data = {
+        "per_call_with_cache": counted["with"][:5],
+        "speeds": speeds,
+        "closed_form": {"with": closed_with, "without": closed_without},
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
@@ -213,8 +341,9 @@ def _plot(counted: dict, speeds: list, name: str):
     left.set_yscale("log")
     left.legend(fontsize=7)
     contexts = [f"context {s[0]}" for s in speeds]
-    lab.grouped_bars(right, contexts, {"KV cache": [s[1] for s in speeds],
-                                   "no cache": [s[2] for s in speeds]})  # fmt: skip
+    lab.grouped_bars(
+        right, contexts, {"KV cache": [s[1] for s in speeds], "no cache": [s[2] for s in speeds]}
+    )
     right.set_ylabel("decode tokens/s")
     right.set_title(name)
     right.legend(fontsize=7)

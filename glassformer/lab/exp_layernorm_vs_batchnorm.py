@@ -96,8 +96,13 @@ def measure(ctx: lab.RunContext) -> dict[str, dict[str, float]]:
         out["BatchNorm"]["batch of one token"] = float(batchnorm(single, bn).abs().max())
     except ValueError:  # torch: "Expected more than 1 value per channel when training"
         out["BatchNorm"]["batch of one token"] = float("nan")
-    out["meta"] = {"name": name, "sentences": len(texts), "dim": dim, "tokens": n,
-                   "longest": len(longest)}  # fmt: skip
+    out["meta"] = {
+        "name": name,
+        "sentences": len(texts),
+        "dim": dim,
+        "tokens": n,
+        "longest": len(longest),
+    }
     return out
 
 
@@ -115,57 +120,99 @@ def run(ctx: lab.RunContext) -> lab.Result:
     for condition, (en, zh) in conditions.items():
         group = say(en, zh)
         checks += [
-            lab.at_least(say(f"BatchNorm: max change of the sentence's values, {condition}",
-                             f"BatchNorm：句子数值的最大变化，{_zh(condition)}"),
-                         out["BatchNorm"][condition], MOVES, group=group),
-            lab.at_most(say(f"LayerNorm: max change of the sentence's values, {condition}",
-                            f"LayerNorm：句子数值的最大变化，{_zh(condition)}"),
-                        out["LayerNorm"][condition], STILL, group=group),
-        ]  # fmt: skip
+            lab.at_least(
+                say(
+                    f"BatchNorm: max change of the sentence's values, {condition}",
+                    f"BatchNorm：句子数值的最大变化，{_zh(condition)}",
+                ),
+                out["BatchNorm"][condition],
+                MOVES,
+                group=group,
+            ),
+            lab.at_most(
+                say(
+                    f"LayerNorm: max change of the sentence's values, {condition}",
+                    f"LayerNorm：句子数值的最大变化，{_zh(condition)}",
+                ),
+                out["LayerNorm"][condition],
+                STILL,
+                group=group,
+            ),
+        ]
     one = out["BatchNorm"]["batch of one token"]
     group = say("batch = 1 cannot be computed (BatchNorm, training mode)", "batch=1 就没法算")
     checks += [
-        lab.at_least(say("BatchNorm, a batch of one token: 1 if it cannot normalise (an error, or "
-                         "all zeros)", "BatchNorm，一个只有一个 token 的 batch：无法归一化（报错或"
-                         "全为零）则为 1"),
-                     float(one != one or one == 0.0), 1.0, group=group),
-        lab.at_least(say("LayerNorm, the same token: largest |value|", "LayerNorm，同一个 token："
-                         "最大绝对值"), out["LayerNorm"]["batch of one token"], MOVES, group=group),
-    ]  # fmt: skip
+        lab.at_least(
+            say(
+                "BatchNorm, a batch of one token: 1 if it cannot normalise (an error, or "
+                "all zeros)",
+                "BatchNorm，一个只有一个 token 的 batch：无法归一化（报错或全为零）则为 1",
+            ),
+            float(one != one or one == 0.0),
+            1.0,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                "LayerNorm, the same token: largest |value|", "LayerNorm，同一个 token：最大绝对值"
+            ),
+            out["LayerNorm"]["batch of one token"],
+            MOVES,
+            group=group,
+        ),
+    ]
     cond_col = say("condition", "条件")
-    rows = [{cond_col: say(c, _zh(c)),
-             say("LayerNorm", "LayerNorm"): out["LayerNorm"][c],
-             say("BatchNorm", "BatchNorm"): out["BatchNorm"][c]}
-            for c in (*conditions, "batch of one token")]  # fmt: skip
-    notes = [ctx.say(
-        f"inputs: {meta['name']}'s token embeddings (d={meta['dim']}) of {meta['sentences']} "
-        f"Shakespeare lines; the sentence read has {meta['tokens']} tokens, the longest "
-        f"{meta['longest']}; BatchNorm1d normalises each channel over the batch's positions, "
-        f"padding included; its inference mode uses running statistics from {N_WARMUP} training "
-        "batches; the batch-of-one row is the largest |value| out (nan: torch refused)",
-        f"输入：{meta['name']} 的词嵌入（d={meta['dim']}），取 {meta['sentences']} 行莎士比亚"
-        f"台词；被读的句子有 {meta['tokens']} 个 token，最长的一句 {meta['longest']} 个；"
-        "BatchNorm1d 对每个通道在整个 batch 的所有位置（含 padding）上做统计；它的推理模式用 "
-        f"{N_WARMUP} 个训练 batch 累积的滑动统计量；“一个 token 的 batch”一行是输出的最大绝对值"
-        "（nan：torch 拒绝计算）")]  # fmt: skip
-    return lab.Result.from_checks(rows, checks, figure=_plot(out, conditions), data=out,
-                                  notes=notes)  # fmt: skip
+    rows = [
+        {
+            cond_col: say(c, _zh(c)),
+            say("LayerNorm", "LayerNorm"): out["LayerNorm"][c],
+            say("BatchNorm", "BatchNorm"): out["BatchNorm"][c],
+        }
+        for c in (*conditions, "batch of one token")
+    ]
+    notes = [
+        ctx.say(
+            f"inputs: {meta['name']}'s token embeddings (d={meta['dim']}) of {meta['sentences']} "
+            f"Shakespeare lines; the sentence read has {meta['tokens']} tokens, the longest "
+            f"{meta['longest']}; BatchNorm1d normalises each channel over the batch's positions, "
+            f"padding included; its inference mode uses running statistics from {N_WARMUP} "
+            "training "
+            "batches; the batch-of-one row is the largest |value| out (nan: torch refused)",
+            f"输入：{meta['name']} 的词嵌入（d={meta['dim']}），取 {meta['sentences']} 行莎士比亚"
+            f"台词；被读的句子有 {meta['tokens']} 个 token，最长的一句 {meta['longest']} 个；"
+            "BatchNorm1d 对每个通道在整个 batch 的所有位置（含 padding）上做统计；它的推理模式用 "
+            f"{N_WARMUP} 个训练 batch 累积的滑动统计量；“一个 token 的 batch”一行是输出的最大绝对值"
+            "（nan：torch 拒绝计算）",
+        )
+    ]
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(out, conditions), data=out, notes=notes
+    )
 
 
 def _zh(condition: str) -> str:
-    return {"padding": "加 padding", "batch-mates": "换 batch 里的其他样本",
-            "train vs inference": "训练模式对推理模式",
-            "batch of one token": "只有一个 token 的 batch"}[condition]  # fmt: skip
+    return {
+        "padding": "加 padding",
+        "batch-mates": "换 batch 里的其他样本",
+        "train vs inference": "训练模式对推理模式",
+        "batch of one token": "只有一个 token 的 batch",
+    }[condition]
 
 
 def _plot(out: dict, conditions: dict):
     fig, ax = lab.new_figure(6.4, 3.4)
     names = list(conditions)
     floor = 1e-8  # log scale: an exact 0 drawn at the floor
-    lab.grouped_bars(ax, names, {norm: [max(out[norm][c], floor) for c in names]
-                                 for norm in ("LayerNorm", "BatchNorm")})  # fmt: skip
+    lab.grouped_bars(
+        ax,
+        names,
+        {norm: [max(out[norm][c], floor) for c in names] for norm in ("LayerNorm", "BatchNorm")},
+    )
     ax.axhline(MOVES, color="k", linestyle=":", label=f"{MOVES}: depends")
-    ax.set(yscale="log", ylabel="max change of one sentence's values",
-           title="the same sentence, normalised under other conditions")  # fmt: skip
+    ax.set(
+        yscale="log",
+        ylabel="max change of one sentence's values",
+        title="the same sentence, normalised under other conditions",
+    )
     ax.legend(fontsize=7)
     return fig

@@ -60,9 +60,13 @@ GROUPS_ZH = {
     G_SCALED: f"RoPE + NTK / YaRN 在 {FACTORS[-1]}L 仍可用（外推到训练长度的数十倍）",
 }
 METHODS_ZH = {
-    "learned": "可学习位置编码", "sinusoidal": "正弦位置编码", "rope": "RoPE", "alibi": "ALiBi",
-    "rope + NTK": "RoPE + NTK", "rope + YaRN": "RoPE + YaRN",
-}  # fmt: skip
+    "learned": "可学习位置编码",
+    "sinusoidal": "正弦位置编码",
+    "rope": "RoPE",
+    "alibi": "ALiBi",
+    "rope + NTK": "RoPE + NTK",
+    "rope + YaRN": "RoPE + YaRN",
+}
 
 
 def rope_scaling(method: str, factor: int, train_len: int) -> dict | None:
@@ -168,8 +172,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 curves[method].append(curve)
 
     # loss[method][i]: the loss at FACTORS[i] * L over seeds; rise: 16L minus L, seed by seed
-    loss = {m: [lab.over_seeds(col) for col in zip(*runs, strict=True)]
-            for m, runs in per_seed.items()}  # fmt: skip
+    loss = {
+        m: [lab.over_seeds(col) for col in zip(*runs, strict=True)] for m, runs in per_seed.items()
+    }
     rise = {m: lab.over_seeds([r[-1] - r[0] for r in runs]) for m, runs in per_seed.items()}
     top = f"{FACTORS[-1]}L"
     say = ctx.say
@@ -191,58 +196,95 @@ def run(ctx: lab.RunContext) -> lab.Result:
         say(group, group_zh)
     checks = [
         lab.precondition(
-            lab.at_most(say(f"{p}: held-out loss at L (nats)", f"{zh[p]}：L 处的留出损失（nats）"),
-                        loss[p][0].mean, unigram - CONTEXT_GAIN)
+            lab.at_most(
+                say(f"{p}: held-out loss at L (nats)", f"{zh[p]}：L 处的留出损失（nats）"),
+                loss[p][0].mean,
+                unigram - CONTEXT_GAIN,
+            )
         )
         for p in POSITIONS
-    ]  # fmt: skip
+    ]
     for p in ABSOLUTE:
-        checks.append(lab.exceeds_spread(say(f"{p}: loss at {top} − loss at L (nats)",
-                                             f"{zh[p]}：{top} 处的损失 − L 处的损失（nats）"),
-                                         loss[p][-1], loss[p][0], COLLAPSE_RISE,
-                                         group=G_ABSOLUTE))  # fmt: skip
+        checks.append(
+            lab.exceeds_spread(
+                say(
+                    f"{p}: loss at {top} − loss at L (nats)",
+                    f"{zh[p]}：{top} 处的损失 − L 处的损失（nats）",
+                ),
+                loss[p][-1],
+                loss[p][0],
+                COLLAPSE_RISE,
+                group=G_ABSOLUTE,
+            )
+        )
     for r in RELATIVE:
         for a in ABSOLUTE:
-            checks.append(lab.exceeds_spread(say(f"rise L→{top}: {a} − {r} (nats)",
-                                                 f"L→{top} 的上升：{zh[a]} − {zh[r]}（nats）"),
-                                             rise[a], rise[r], group=G_RELATIVE))  # fmt: skip
+            checks.append(
+                lab.exceeds_spread(
+                    say(
+                        f"rise L→{top}: {a} − {r} (nats)",
+                        f"L→{top} 的上升：{zh[a]} − {zh[r]}（nats）",
+                    ),
+                    rise[a],
+                    rise[r],
+                    group=G_RELATIVE,
+                )
+            )
     for m in SCALINGS:
-        checks.append(lab.within_spread(say(f"{m}: loss at {top} − RoPE's loss at L (nats)",
-                                            f"{zh[m]}：{top} 处损失 − RoPE 在 L 处损失（nats）"),
-                                        loss[m][-1], loss["rope"][0], USABLE_MARGIN,
-                                        group=G_SCALED))  # fmt: skip
+        checks.append(
+            lab.within_spread(
+                say(
+                    f"{m}: loss at {top} − RoPE's loss at L (nats)",
+                    f"{zh[m]}：{top} 处损失 − RoPE 在 L 处损失（nats）",
+                ),
+                loss[m][-1],
+                loss["rope"][0],
+                USABLE_MARGIN,
+                group=G_SCALED,
+            )
+        )
 
     figure = _plot(loss, rise, curves, train_len)
     n_seeds, cuts, last_row = len(seeds), ", ".join(f"{k}L" for k in FACTORS), eval_len - 1
     final_en = ", ".join(f"{p} {lab.over_seeds(v).mean:.3f}" for p, v in train_loss.items())
     final_zh = "，".join(f"{zh[p]} {lab.over_seeds(v).mean:.3f}" for p, v in train_loss.items())
     notes = [
-        say(f"{n_seeds} seed(s) {seeds}; each model trained {steps} steps on {train_len}-char "
+        say(
+            f"{n_seeds} seed(s) {seeds}; each model trained {steps} steps on {train_len}-char "
             f"windows of the training split (batch {batch_size}, the same batches for every kind), "
             f"scored on {n_eval} windows of the held-out validation tail cut to "
             f"{cuts} = up to {eval_len} chars",
             f"{n_seeds} 个随机种子 {seeds}；每个模型在训练集的 {train_len} 字符窗口上训练 "
             f"{steps} 步（批大小 {batch_size}，每种位置编码用相同的批次），"
-            f"在留出的验证集尾部取 {n_eval} 个窗口评估，截成 {cuts}，最长 {eval_len} 个字符"),
-        say(f"unigram entropy of the training characters {unigram:.3f} nats; final training loss "
+            f"在留出的验证集尾部取 {n_eval} 个窗口评估，截成 {cuts}，最长 {eval_len} 个字符",
+        ),
+        say(
+            f"unigram entropy of the training characters {unigram:.3f} nats; final training loss "
             "per kind: " + final_en,
-            f"训练字符的一元熵为 {unigram:.3f} nats；各种位置编码最终的训练损失：" + final_zh),
-        say("the learned table has rows up to the longest window so it runs at all; rows "
+            f"训练字符的一元熵为 {unigram:.3f} nats；各种位置编码最终的训练损失：" + final_zh,
+        ),
+        say(
+            "the learned table has rows up to the longest window so it runs at all; rows "
             f"{train_len}..{last_row} never receive a gradient (only weight decay)",
             "可学习位置编码的表一直排到最长窗口，这样它才跑得起来；第 "
-            f"{train_len}..{last_row} 行从未得到梯度（只有权重衰减）"),
-        say("NTK and YaRN change only the RoPE frequencies of the RoPE model's trained weights, at "
+            f"{train_len}..{last_row} 行从未得到梯度（只有权重衰减）",
+        ),
+        say(
+            "NTK and YaRN change only the RoPE frequencies of the RoPE model's trained weights, at "
             "evaluation time, with no training at the long length; NTK (dynamic) is a no-op at L, "
             "YaRN uses factor k at kL (factor 1 at L: plain RoPE)",
             "NTK 和 YaRN 只在评估时改动 RoPE 模型已训练权重的 RoPE 频率，不在长长度上做任何训练；"
-            "NTK（动态）在 L 处不起作用，YaRN 在 kL 处用因子 k（L 处因子为 1：即普通 RoPE）"),
-        say(f"{top} is the low end of 数十倍 (tens of times L): a pass at {top} would not yet show "
+            "NTK（动态）在 L 处不起作用，YaRN 在 kL 处用因子 k（L 处因子为 1：即普通 RoPE）",
+        ),
+        say(
+            f"{top} is the low end of 数十倍 (tens of times L): a pass at {top} would not yet show "
             f"数十倍, a failure already falls short of it at {top}",
             f"{top} 只是“数十倍”的下限：在 {top} 通过还不足以说明数十倍，"
-            f"在 {top} 就失败则已经达不到"),
+            f"在 {top} 就失败则已经达不到",
+        ),
         _reading(loss, rise, top, say),
         _alibi_comparison(loss, top, say),
-    ]  # fmt: skip
+    ]
     data = {
         "train_len": train_len,
         "factors": list(FACTORS),
@@ -263,8 +305,11 @@ def _reading(loss: dict, rise: dict, top: str, say) -> str:
     """Where each method's loss at the longest window sits against its loss at L."""
     parts, parts_zh = [], []
     for m, r in rise.items():
-        over = [k for k, s in zip(FACTORS, loss[m], strict=True)
-                if s.mean - loss[m][0].mean > USABLE_MARGIN]  # fmt: skip
+        over = [
+            k
+            for k, s in zip(FACTORS, loss[m], strict=True)
+            if s.mean - loss[m][0].mean > USABLE_MARGIN
+        ]
         where = (
             f"first more than {USABLE_MARGIN} nats above L at {over[0]}L"
             if over
@@ -277,8 +322,10 @@ def _reading(loss: dict, rise: dict, top: str, say) -> str:
         )
         parts.append(f"{m} {r.mean:+.3f} ({where})")
         parts_zh.append(f"{METHODS_ZH[m]} {r.mean:+.3f}（{where_zh}）")
-    return say(f"rise from L to {top} (nats): " + "; ".join(parts),
-               f"从 L 到 {top} 的上升（nats）：" + "；".join(parts_zh))  # fmt: skip
+    return say(
+        f"rise from L to {top} (nats): " + "; ".join(parts),
+        f"从 L 到 {top} 的上升（nats）：" + "；".join(parts_zh),
+    )
 
 
 def _alibi_comparison(loss: dict, top: str, say) -> str:
@@ -320,12 +367,23 @@ def _plot(loss: dict, rise: dict, curves: dict, train_len: int):
     fig, (left, right) = lab.new_figure(10.0, 4.0, ncols=2)
     styles = {m: "--" if m in SCALINGS else "-" for m in loss}
     rope_at_l = loss["rope"][0].mean
-    left.axhspan(rope_at_l - USABLE_MARGIN, rope_at_l + USABLE_MARGIN, color="0.88",
-                 label=f"RoPE at L ± {USABLE_MARGIN} (no difference)")  # fmt: skip
+    left.axhspan(
+        rope_at_l - USABLE_MARGIN,
+        rope_at_l + USABLE_MARGIN,
+        color="0.88",
+        label=f"RoPE at L ± {USABLE_MARGIN} (no difference)",
+    )
     for m, spreads in loss.items():
-        left.errorbar(FACTORS, [s.mean for s in spreads], yerr=[s.spread for s in spreads],
-                      fmt=styles[m] + "o", ms=3, capsize=2, lw=1.3,
-                      label=f"{m} ({FACTORS[-1]}L − L: {rise[m].mean:+.2f})")  # fmt: skip
+        left.errorbar(
+            FACTORS,
+            [s.mean for s in spreads],
+            yerr=[s.spread for s in spreads],
+            fmt=styles[m] + "o",
+            ms=3,
+            capsize=2,
+            lw=1.3,
+            label=f"{m} ({FACTORS[-1]}L − L: {rise[m].mean:+.2f})",
+        )
     left.set_xscale("log", base=2)
     left.set_xticks(FACTORS, [f"{k}×" for k in FACTORS])
     left.set(

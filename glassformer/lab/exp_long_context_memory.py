@@ -51,8 +51,14 @@ def child(model_arg: str, n_tokens: int, seed: int) -> None:
 def generation(model_arg: str, n_tokens: int, seed: int) -> dict:
     code = f"from {__name__} import child; child({model_arg!r}, {n_tokens}, {seed})"
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=900, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"generation after {n_tokens} tokens failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -90,19 +96,39 @@ def run(ctx: lab.RunContext) -> lab.Result:
     per_token = calc.kv_bytes_per_token(cfg, "fp32")
     rate = slope(lengths, [r["mib"] * 2**20 for r in runs])  # bytes per context token
     speed = runs[-1]["decode"] / runs[0]["decode"]
-    group = say("long contexts cost memory, at the KV cache's rate, and time",
-                "长 context 费显存（按 KV cache 的速率）也费时间")  # fmt: skip
+    group = say(
+        "long contexts cost memory, at the KV cache's rate, and time",
+        "长 context 费显存（按 KV cache 的速率）也费时间",
+    )
     checks = [
-        lab.at_least(say("memory added per context token / KV cache bytes per token",
-                         "每个上下文 token 增加的内存 / KV cache 每 token 字节数"),
-                     rate / per_token, MIN_RATE, group=group),
-        lab.at_most(say("memory added per context token / KV cache bytes per token (upper)",
-                        "每个上下文 token 增加的内存 / KV cache 每 token 字节数（上限）"),
-                    rate / per_token, MAX_RATE, group=group),
-        lab.at_most(say(f"decode tok/s at {lengths[-1]} / at {lengths[0]} tokens",
-                        f"{lengths[-1]} token 时 / {lengths[0]} token 时的每秒解码 token 数"),
-                    speed, MAX_SPEED_SHARE, group=group),
-    ]  # fmt: skip
+        lab.at_least(
+            say(
+                "memory added per context token / KV cache bytes per token",
+                "每个上下文 token 增加的内存 / KV cache 每 token 字节数",
+            ),
+            rate / per_token,
+            MIN_RATE,
+            group=group,
+        ),
+        lab.at_most(
+            say(
+                "memory added per context token / KV cache bytes per token (upper)",
+                "每个上下文 token 增加的内存 / KV cache 每 token 字节数（上限）",
+            ),
+            rate / per_token,
+            MAX_RATE,
+            group=group,
+        ),
+        lab.at_most(
+            say(
+                f"decode tok/s at {lengths[-1]} / at {lengths[0]} tokens",
+                f"{lengths[-1]} token 时 / {lengths[0]} token 时的每秒解码 token 数",
+            ),
+            speed,
+            MAX_SPEED_SHARE,
+            group=group,
+        ),
+    ]
     t_col, m_col = (
         say("context tokens", "上下文 token 数"),
         say("peak rise (MiB)", "峰值增量（MiB）"),
@@ -111,28 +137,40 @@ def run(ctx: lab.RunContext) -> lab.Result:
         say("KV cache (MiB, calc)", "KV cache（MiB，计算）"),
         say("decode tok/s", "每秒解码 token 数"),
     )
-    rows = [{t_col: n + N_NEW, m_col: r["mib"], kv_col: per_token * (n + N_NEW) / 2**20,
-             d_col: r["decode"]} for n, r in zip(lengths, runs, strict=True)]  # fmt: skip
+    rows = [
+        {
+            t_col: n + N_NEW,
+            m_col: r["mib"],
+            kv_col: per_token * (n + N_NEW) / 2**20,
+            d_col: r["decode"],
+        }
+        for n, r in zip(lengths, runs, strict=True)
+    ]
     seven_b = calc.kv_bytes_per_token(ModelConfig.preset("llama-7b"), "fp16")
     notes = [
-        ctx.say(f"{'a SmolLM2-shaped stand-in' if ctx.tiny else 'SmolLM2-135M'} in a fresh "
-                f"process per length, {N_NEW} tokens after a random prompt; KV cache "
-                f"{per_token / 1024:.0f} KiB per token (fp32); measured {rate / 1024:.0f} KiB per "
-                f"context token; decode {runs[0]['decode']:.0f} -> {runs[-1]['decode']:.0f} tok/s",
-                f"{'SmolLM2 形状的替身' if ctx.tiny else 'SmolLM2-135M'}，每个长度一个新进程，随机"
-                f"提示之后生成 {N_NEW} 个 token；KV cache 每 token {per_token / 1024:.0f} KiB"
-                "（fp32）；"
-                f"实测每个上下文 token {rate / 1024:.0f} KiB；解码 {runs[0]['decode']:.0f} -> "
-                f"{runs[-1]['decode']:.0f} tok/s"),
-        ctx.say(f"the seed's 7B model (Llama-7B, fp16) holds {seven_b / 2**20:.2f} MiB per token "
-                f"(calc), {seven_b * 4096 / 2**30:.1f} GiB at 4,096 tokens: the same account at "
-                "the scale the seed means",
-                f"原文的 7B 模型（Llama-7B，fp16）每 token {seven_b / 2**20:.2f} MiB（计算），"
-                f"4,096 token 时 {seven_b * 4096 / 2**30:.1f} GiB：同一本账放到原文说的规模上"),
-    ]  # fmt: skip
+        ctx.say(
+            f"{'a SmolLM2-shaped stand-in' if ctx.tiny else 'SmolLM2-135M'} in a fresh "
+            f"process per length, {N_NEW} tokens after a random prompt; KV cache "
+            f"{per_token / 1024:.0f} KiB per token (fp32); measured {rate / 1024:.0f} KiB per "
+            f"context token; decode {runs[0]['decode']:.0f} -> {runs[-1]['decode']:.0f} tok/s",
+            f"{'SmolLM2 形状的替身' if ctx.tiny else 'SmolLM2-135M'}，每个长度一个新进程，随机"
+            f"提示之后生成 {N_NEW} 个 token；KV cache 每 token {per_token / 1024:.0f} KiB"
+            "（fp32）；"
+            f"实测每个上下文 token {rate / 1024:.0f} KiB；解码 {runs[0]['decode']:.0f} -> "
+            f"{runs[-1]['decode']:.0f} tok/s",
+        ),
+        ctx.say(
+            f"the seed's 7B model (Llama-7B, fp16) holds {seven_b / 2**20:.2f} MiB per token "
+            f"(calc), {seven_b * 4096 / 2**30:.1f} GiB at 4,096 tokens: the same account at "
+            "the scale the seed means",
+            f"原文的 7B 模型（Llama-7B，fp16）每 token {seven_b / 2**20:.2f} MiB（计算），"
+            f"4,096 token 时 {seven_b * 4096 / 2**30:.1f} GiB：同一本账放到原文说的规模上",
+        ),
+    ]
     data = {"lengths": lengths, "runs": runs, "kv_bytes_per_token": per_token, "rate": rate}
-    return lab.Result.from_checks(rows, checks, figure=_plot(lengths, runs, per_token),
-                                  data=data, notes=notes)  # fmt: skip
+    return lab.Result.from_checks(
+        rows, checks, figure=_plot(lengths, runs, per_token), data=data, notes=notes
+    )
 
 
 def _plot(lengths: list[int], runs: list[dict], per_token: int):

@@ -77,14 +77,24 @@ def _configs(ctx: lab.RunContext, length: int) -> dict[str, ModelConfig]:
     lstm_width = ctx.pick(96, 96, 24)
     return {
         "LSTM": ModelConfig(
-            family="rnn", cell="lstm", vocab_size=VOCAB, d_model=lstm_width, n_layers=2,
+            family="rnn",
+            cell="lstm",
+            vocab_size=VOCAB,
+            d_model=lstm_width,
+            n_layers=2,
             max_seq_len=length,
         ),
         "GPT": ModelConfig(
-            vocab_size=VOCAB, d_model=width, n_layers=2, n_heads=4, position="rope", norm="rms",
-            ffn="swiglu", max_seq_len=length,
+            vocab_size=VOCAB,
+            d_model=width,
+            n_layers=2,
+            n_heads=4,
+            position="rope",
+            norm="rms",
+            ffn="swiglu",
+            max_seq_len=length,
         ),
-    }  # fmt: skip
+    }
 
 
 @lab.register("long-range")  # its claim: lab/claims.toml
@@ -94,8 +104,9 @@ def run(ctx: lab.RunContext) -> lab.Result:
     steps = ctx.pick(400, 120, 5)
     batch_size, n_eval = ctx.pick(32, 32, 8), ctx.pick(128, 64, 4)
     seeds = ctx.seeds()
-    schedule = Schedule(max_steps=steps, learning_rate=3e-3, warmup_steps=min(20, steps // 4),
-                        weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=steps, learning_rate=3e-3, warmup_steps=min(20, steps // 4), weight_decay=0.0
+    )
     # accuracy[name][i]: one value per seed at delays[i]; so is the last training loss
     accuracy: dict[str, list[list[float]]] = {}
     final_loss: dict[str, list[list[float]]] = {}
@@ -116,39 +127,73 @@ def run(ctx: lab.RunContext) -> lab.Result:
     acc = {name: [lab.over_seeds(v) for v in values] for name, values in accuracy.items()}
     say = ctx.say
     rows = [
-        {say("delay d", "延迟 d"): d,
-         say("LSTM accuracy", "LSTM 准确率"): str(acc["LSTM"][i]),
-         say("GPT accuracy", "GPT 准确率"): str(acc["GPT"][i]),
-         say("LSTM train loss (last step)", "LSTM 训练损失（最后一步）"):
-             lab.over_seeds(final_loss["LSTM"][i]).mean,
-         say("GPT train loss (last step)", "GPT 训练损失（最后一步）"):
-             lab.over_seeds(final_loss["GPT"][i]).mean}
+        {
+            say("delay d", "延迟 d"): d,
+            say("LSTM accuracy", "LSTM 准确率"): str(acc["LSTM"][i]),
+            say("GPT accuracy", "GPT 准确率"): str(acc["GPT"][i]),
+            say("LSTM train loss (last step)", "LSTM 训练损失（最后一步）"): lab.over_seeds(
+                final_loss["LSTM"][i]
+            ).mean,
+            say("GPT train loss (last step)", "GPT 训练损失（最后一步）"): lab.over_seeds(
+                final_loss["GPT"][i]
+            ).mean,
+        }
         for i, d in enumerate(delays)
-    ]  # fmt: skip
+    ]
     first, last = delays[0], delays[-1]
     lstm, gpt = acc["LSTM"], acc["GPT"]
     falls = say(LSTM_FALLS, "LSTM 的回忆准确率随距离下降")
     reads = say(ATTENTION_READS, "注意力直接读取远处的 token")
     checks = [
-        lab.precondition(lab.at_least(say(f"LSTM mean accuracy at d={first}",
-                                          f"d={first} 时 LSTM 的平均准确率"), lstm[0].mean,
-                                      MIN_LEARNED)),
-        lab.precondition(lab.at_least(say(f"GPT mean accuracy at d={first}",
-                                          f"d={first} 时 GPT 的平均准确率"), gpt[0].mean,
-                                      MIN_LEARNED)),
-        lab.precondition(lab.at_least(say(f"GPT mean accuracy at d={last}",
-                                          f"d={last} 时 GPT 的平均准确率"), gpt[-1].mean,
-                                      MIN_LEARNED)),
-        lab.exceeds_spread(say(f"LSTM accuracy drop, d={first} -> d={last}",
-                               f"LSTM 准确率的下降，d={first} -> d={last}"), lstm[0], lstm[-1],
-                           MIN_LSTM_DROP, group=falls),
-        lab.within_spread(say(f"GPT accuracy change, d={first} -> d={last}",
-                              f"GPT 准确率的变化，d={first} -> d={last}"), gpt[0], gpt[-1],
-                          MAX_GPT_DROP, group=reads),
-        lab.exceeds_spread(say(f"GPT - LSTM accuracy at d={last}",
-                               f"d={last} 时 GPT 减 LSTM 的准确率"), gpt[-1], lstm[-1],
-                           MIN_GPT_LEAD, group=reads),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(f"LSTM mean accuracy at d={first}", f"d={first} 时 LSTM 的平均准确率"),
+                lstm[0].mean,
+                MIN_LEARNED,
+            )
+        ),
+        lab.precondition(
+            lab.at_least(
+                say(f"GPT mean accuracy at d={first}", f"d={first} 时 GPT 的平均准确率"),
+                gpt[0].mean,
+                MIN_LEARNED,
+            )
+        ),
+        lab.precondition(
+            lab.at_least(
+                say(f"GPT mean accuracy at d={last}", f"d={last} 时 GPT 的平均准确率"),
+                gpt[-1].mean,
+                MIN_LEARNED,
+            )
+        ),
+        lab.exceeds_spread(
+            say(
+                f"LSTM accuracy drop, d={first} -> d={last}",
+                f"LSTM 准确率的下降，d={first} -> d={last}",
+            ),
+            lstm[0],
+            lstm[-1],
+            MIN_LSTM_DROP,
+            group=falls,
+        ),
+        lab.within_spread(
+            say(
+                f"GPT accuracy change, d={first} -> d={last}",
+                f"GPT 准确率的变化，d={first} -> d={last}",
+            ),
+            gpt[0],
+            gpt[-1],
+            MAX_GPT_DROP,
+            group=reads,
+        ),
+        lab.exceeds_spread(
+            say(f"GPT - LSTM accuracy at d={last}", f"d={last} 时 GPT 减 LSTM 的准确率"),
+            gpt[-1],
+            lstm[-1],
+            MIN_GPT_LEAD,
+            group=reads,
+        ),
+    ]
     below = [d for d, a in zip(delays, lstm, strict=True) if a.mean < 2 / VOCAB]
     n_lstm, n_gpt, chance = params["LSTM"], params["GPT"], 1 / VOCAB
     recall_en = f"the LSTM recalls {lstm[0]} at d={first} and {lstm[-1]} at d={last}; "
@@ -164,40 +209,66 @@ def run(ctx: lab.RunContext) -> lab.Result:
             recall_zh + "在测过的每个延迟上它都高于随机猜测的两倍",
         )
     notes = [
-        say(f"parameters: LSTM {n_lstm:,}, GPT {n_gpt:,}; {steps} steps of "
+        say(
+            f"parameters: LSTM {n_lstm:,}, GPT {n_gpt:,}; {steps} steps of "
             f"{batch_size} sequences of {length} symbols each, the same batches for both; seeds "
             f"{seeds}; chance accuracy 1/{VOCAB} = {chance:.3f}",
             f"参数量：LSTM {n_lstm:,}，GPT {n_gpt:,}；训练 {steps} 步，每步 {batch_size} 条序列，"
             f"每条 {length} 个符号，两者用相同的批次；随机种子 {seeds}；"
-            f"随机猜测的准确率 1/{VOCAB} = {chance:.3f}"),
+            f"随机猜测的准确率 1/{VOCAB} = {chance:.3f}",
+        ),
         recall,
-        say("recalling d steps back means holding the last d symbols in one state vector, and the "
+        say(
+            "recalling d steps back means holding the last d symbols in one state vector, and the "
             "gradient that would teach it crosses d steps: the seed's two causes together; more "
             "steps or a wider state move the delay where an LSTM fails, so the table is for this "
             "budget",
             "回忆 d 步之前的符号，意味着要把最近 d 个符号都存在一个状态向量里，而教会它这件事的"
             "梯度也要穿过 d 步：这正是原文说的两个原因合在一起；更多的训练步数或更宽的状态会改变"
-            "LSTM 失败的延迟位置，所以这张表只对应这个训练预算"),
-    ]  # fmt: skip
+            "LSTM 失败的延迟位置，所以这张表只对应这个训练预算",
+        ),
+    ]
     figure = _plot(delays, acc)
-    data = {"delays": delays, "accuracy": accuracy, "final_train_loss": final_loss,
-            "params": params, "steps": steps, "length": length, "seeds": seeds}  # fmt: skip
+    data = {
+        "delays": delays,
+        "accuracy": accuracy,
+        "final_train_loss": final_loss,
+        "params": params,
+        "steps": steps,
+        "length": length,
+        "seeds": seeds,
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
 def _plot(delays: list[int], accuracy: dict[str, list[lab.Spread]]):
     fig, ax = lab.new_figure(6.0, 3.4)
     for name, values in accuracy.items():
-        ax.errorbar(delays, [a.mean for a in values], yerr=[a.spread for a in values],
-                    marker="o", capsize=3, label=name)  # fmt: skip
+        ax.errorbar(
+            delays,
+            [a.mean for a in values],
+            yerr=[a.spread for a in values],
+            marker="o",
+            capsize=3,
+            label=name,
+        )
     ax.axhline(1 / VOCAB, color="grey", linestyle=":", label=f"chance (1/{VOCAB})")
     gpt = accuracy["GPT"]
     if abs(gpt[0].mean - gpt[-1].mean) <= (gpt[0].spread ** 2 + gpt[-1].spread ** 2) ** 0.5:
-        ax.text(delays[len(delays) // 2], gpt[-1].mean - 0.08, "GPT: no difference across d "
-                "(within the spread)", ha="center", fontsize=7)  # fmt: skip
-    ax.set(xscale="log", xlabel="delay d (recall the symbol d positions back)",
-           ylabel="accuracy on fresh sequences\n(mean ± sd over seeds)", ylim=(0, 1.05),
-           title="delayed recall: same steps, same batches")  # fmt: skip
+        ax.text(
+            delays[len(delays) // 2],
+            gpt[-1].mean - 0.08,
+            "GPT: no difference across d (within the spread)",
+            ha="center",
+            fontsize=7,
+        )
+    ax.set(
+        xscale="log",
+        xlabel="delay d (recall the symbol d positions back)",
+        ylabel="accuracy on fresh sequences\n(mean ± sd over seeds)",
+        ylim=(0, 1.05),
+        title="delayed recall: same steps, same batches",
+    )
     ax.minorticks_off()
     ax.set_xticks(delays, [str(d) for d in delays])
     ax.legend(fontsize=8)

@@ -20,9 +20,33 @@ from torch import nn
 
 from glassformer.lab import base as lab
 
-NAMES = ("Alice", "Bruno", "Chen", "Dmitri", "Elena", "Farah", "Goran", "Hana", "Ivan", "Julia",
-         "Kenji", "Lena", "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara",
-         "Umar", "Vera", "Wen", "Yusuf", "Zoe")  # fmt: skip
+NAMES = (
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dmitri",
+    "Elena",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Julia",
+    "Kenji",
+    "Lena",
+    "Marco",
+    "Nadia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wen",
+    "Yusuf",
+    "Zoe",
+)
 # Thresholds, stated once. The seed's claim: the fact at the end is answered better than the
 # fact in the middle. "Better" by at least 0.10 accuracy (one trial in ten) and by at least 0.5
 # nats of mean log-prob of the answer's digits (e^0.5 ≈ 1.6x as likely), each judged on the
@@ -180,74 +204,102 @@ def run(ctx: lab.RunContext) -> lab.Result:
             say(f"{f:.2f}" + label, f"{f:.2f}" + LABELS_ZH[label])
     rows = [
         {
-            say("fact at (fraction of context)", "事实所在位置（占上下文的比例）"):
-                f"{f:.2f}" + _label(i, n_facts),
+            say("fact at (fraction of context)", "事实所在位置（占上下文的比例）"): f"{f:.2f}"
+            + _label(i, n_facts),
             say("trials", "试验次数"): n_trials,
             say("greedy accuracy", "贪心解码准确率"): accuracy[i],
             say("mean log p(answer) (nats)", "平均 log p(答案)（nats）"): mean_logprob[i],
         }
         for i, f in enumerate(fractions)
-    ]  # fmt: skip
+    ]
     middle, end = n_facts // 2, n_facts - 1
     chance = 1 / n_facts
     accuracy_gap = paired_gap([float(h) for h in hits[end]], [float(h) for h in hits[middle]])
     logprob_gap = paired_gap(logprobs[end], logprobs[middle])
     group = say(END_BEATS_MIDDLE, "末尾的事实比中间的事实答得更好")
     checks = [
-        lab.precondition(lab.at_least(say(f"best accuracy - chance (1/{n_facts})",
-                                          f"最高准确率 - 随机猜测（1/{n_facts}）"),
-                                      max(accuracy) - chance, 0.0)),
-        lab.at_least(say("accuracy: end − middle, mean − 2 SE over trials",
-                         "准确率：末尾 − 中间，各次试验的均值 − 2 SE"),
-                     accuracy_gap[0] - 2 * accuracy_gap[1], MIN_ACCURACY_GAP,
-                     group=group),
-        lab.at_least(say("mean log p(answer): end − middle (nats), mean − 2 SE over trials",
-                         "平均 log p(答案)：末尾 − 中间（nats），各次试验的均值 − 2 SE"),
-                     logprob_gap[0] - 2 * logprob_gap[1], MIN_LOGPROB_GAP,
-                     group=group),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(
+                    f"best accuracy - chance (1/{n_facts})", f"最高准确率 - 随机猜测（1/{n_facts}）"
+                ),
+                max(accuracy) - chance,
+                0.0,
+            )
+        ),
+        lab.at_least(
+            say(
+                "accuracy: end − middle, mean − 2 SE over trials",
+                "准确率：末尾 − 中间，各次试验的均值 − 2 SE",
+            ),
+            accuracy_gap[0] - 2 * accuracy_gap[1],
+            MIN_ACCURACY_GAP,
+            group=group,
+        ),
+        lab.at_least(
+            say(
+                "mean log p(answer): end − middle (nats), mean − 2 SE over trials",
+                "平均 log p(答案)：末尾 − 中间（nats），各次试验的均值 − 2 SE",
+            ),
+            logprob_gap[0] - 2 * logprob_gap[1],
+            MIN_LOGPROB_GAP,
+            group=group,
+        ),
+    ]
     mean_tokens = sum(prompt_tokens) / len(prompt_tokens)
     notes = [
-        say(f"{n_trials} prompts of {n_facts} facts each (context about {mean_tokens:.0f} tokens, "
+        say(
+            f"{n_trials} prompts of {n_facts} facts each (context about {mean_tokens:.0f} tokens, "
             f"Shakespeare filler between the facts); every prompt asks about all {n_facts} facts, "
             "so each position gets the same prompts and the other facts act as distractors",
             f"{n_trials} 个提示，每个含 {n_facts} 条事实（上下文约 {mean_tokens:.0f} 个 token，"
             f"事实之间填充莎士比亚文本）；每个提示都会问到全部 {n_facts} 条事实，所以每个位置用的"
-            "是同样的提示，其他事实充当干扰项"),
-        say("greedy accuracy: every digit of the answer is the model's argmax after 'The secret "
+            "是同样的提示，其他事实充当干扰项",
+        ),
+        say(
+            "greedy accuracy: every digit of the answer is the model's argmax after 'The secret "
             "number of <name> is' - what temperature-0 generation would write; log p is summed "
             "over the answer's tokens (a space and four digits)",
             "贪心解码准确率：在 'The secret number of <name> is' 之后，答案的每一位数字都是模型的"
             " argmax——也就是温度为 0 的生成会写出的内容；log p 是答案各 token（一个空格和四位"
-            "数字）的总和"),
-        say("the prompt is tokenized in two pieces (notes | question + answer prefix) so all "
+            "数字）的总和",
+        ),
+        say(
+            "the prompt is tokenized in two pieces (notes | question + answer prefix) so all "
             "questions share one prefill; the split sits before a blank line",
             "提示分两段做分词（笔记 | 问题 + 答案前缀），让所有问题共用一次 prefill；"
-            "切分点在一个空行之前"),
-        say("the seed asks a chat model about a 500-character text; here a 135M model and a few "
+            "切分点在一个空行之前",
+        ),
+        say(
+            "the seed asks a chat model about a 500-character text; here a 135M model and a few "
             "hundred tokens, so this tests the pattern, not the seed's products",
             "原文是就一段 500 字的文本提问一个对话模型；这里用的是 135M 的模型和几百个 token，"
-            "所以检验的是这种规律，而不是原文所说的那些产品"),
-    ]  # fmt: skip
+            "所以检验的是这种规律，而不是原文所说的那些产品",
+        ),
+    ]
     acc_mean, acc_se = accuracy_gap
     lp_mean, lp_se = logprob_gap
-    notes.append(say(
-        f"end − middle, paired over {n_trials} trials: accuracy {acc_mean:+.3f} ± "
-        f"{acc_se:.3f} (SE), log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
-        f"末尾 − 中间，按 {n_trials} 次试验配对：准确率 {acc_mean:+.3f} ± {acc_se:.3f}（SE），"
-        f"log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
-    ))  # fmt: skip
+    notes.append(
+        say(
+            f"end − middle, paired over {n_trials} trials: accuracy {acc_mean:+.3f} ± "
+            f"{acc_se:.3f} (SE), log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
+            f"末尾 − 中间，按 {n_trials} 次试验配对：准确率 {acc_mean:+.3f} ± {acc_se:.3f}（SE），"
+            f"log p {lp_mean:+.3f} ± {lp_se:.3f} nats",
+        )
+    )
     start_gap = paired_gap(logprobs[0], logprobs[middle])
     acc_start, acc_middle = accuracy[0], accuracy[middle]
-    notes.append(say(
-        f"the fact at the very start against the middle (not part of the seed's exercise): "
-        f"accuracy {acc_start:.2f} vs {acc_middle:.2f}, log p {start_gap[0]:+.3f} ± "
-        f"{start_gap[1]:.3f} nats; Liu et al.'s 'Lost in the Middle' (2023) found a U-shape, "
-        "start and end both above the middle",
-        f"最开头的事实与中间的对比（不属于原文的练习）：准确率 {acc_start:.2f} 对 "
-        f"{acc_middle:.2f}，log p {start_gap[0]:+.3f} ± {start_gap[1]:.3f} nats；Liu et al. 的 "
-        "'Lost in the Middle'（2023）发现的是 U 形：开头和末尾都高于中间",
-    ))  # fmt: skip
+    notes.append(
+        say(
+            f"the fact at the very start against the middle (not part of the seed's exercise): "
+            f"accuracy {acc_start:.2f} vs {acc_middle:.2f}, log p {start_gap[0]:+.3f} ± "
+            f"{start_gap[1]:.3f} nats; Liu et al.'s 'Lost in the Middle' (2023) found a U-shape, "
+            "start and end both above the middle",
+            f"最开头的事实与中间的对比（不属于原文的练习）：准确率 {acc_start:.2f} 对 "
+            f"{acc_middle:.2f}，log p {start_gap[0]:+.3f} ± {start_gap[1]:.3f} nats；Liu et al. 的 "
+            "'Lost in the Middle'（2023）发现的是 U 形：开头和末尾都高于中间",
+        )
+    )
     data = {
         "fractions": fractions,
         "accuracy": accuracy,
@@ -274,12 +326,17 @@ def _plot(fractions, accuracy, mean_logprob, n_trials: int, chance: float):
     fig, (left, right) = lab.new_figure(9.0, 3.4, ncols=2)
     left.plot(fractions, accuracy, marker="o")
     left.axhline(chance, color="gray", linestyle=":", label=f"chance (1/{round(1 / chance)})")
-    left.set(xlabel="position of the fact (0 = start, 1 = end of context)",
-             ylabel="greedy accuracy", ylim=(-0.02, 1.02),
-             title=f"exact answer, {n_trials} prompts")  # fmt: skip
+    left.set(
+        xlabel="position of the fact (0 = start, 1 = end of context)",
+        ylabel="greedy accuracy",
+        ylim=(-0.02, 1.02),
+        title=f"exact answer, {n_trials} prompts",
+    )
     left.legend(fontsize=7)
     right.plot(fractions, mean_logprob, marker="o", color="C1")
-    right.set(xlabel="position of the fact (0 = start, 1 = end of context)",
-              ylabel="mean log p(answer digits) (nats)",
-              title="SmolLM2-135M: log-prob of the right number")  # fmt: skip
+    right.set(
+        xlabel="position of the fact (0 = start, 1 = end of context)",
+        ylabel="mean log p(answer digits) (nats)",
+        title="SmolLM2-135M: log-prob of the right number",
+    )
     return fig

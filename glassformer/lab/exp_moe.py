@@ -74,9 +74,11 @@ class Sizes:
 
 
 def sizes(ctx: lab.RunContext) -> Sizes:
-    return ctx.pick(full=Sizes(1500, 96, 4, 256, 16, 64, 256, 10, 32),
-                    quick=Sizes(300, 64, 3, 192, 16, 64, 128, 4, 16),
-                    tiny=Sizes(4, 32, 1, 64, 2, 16, 4, 1, 3))  # fmt: skip
+    return ctx.pick(
+        full=Sizes(1500, 96, 4, 256, 16, 64, 256, 10, 32),
+        quick=Sizes(300, 64, 3, 192, 16, 64, 128, 4, 16),
+        tiny=Sizes(4, 32, 1, 64, 2, 16, 4, 1, 3),
+    )
 
 
 def deepseek_counts() -> dict[str, int]:
@@ -90,15 +92,30 @@ def model_configs(
     """The same GPT but for the FFN: dense of width F; MoE of E experts of width F/k (the k a
     token runs hold as many weights as the dense FFN), its balance loss weighted `aux`; dense
     of width E*F/k (as many FFN weights as all E experts)."""
-    common = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=4,
-                  max_seq_len=length, position="rope", norm="rms", bias=False)  # fmt: skip
+    common = dict(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=4,
+        max_seq_len=length,
+        position="rope",
+        norm="rms",
+        bias=False,
+    )
     expert_width = ffn_width // TOP_K
     return {
         DENSE: ModelConfig(**common, ffn="swiglu", d_ff=ffn_width),
-        MOE: ModelConfig(**common, ffn="moe", n_experts=N_EXPERTS, n_experts_per_token=TOP_K,
-                         moe_expert_ffn="swiglu", d_ff=expert_width, moe_aux_loss_coef=aux),
+        MOE: ModelConfig(
+            **common,
+            ffn="moe",
+            n_experts=N_EXPERTS,
+            n_experts_per_token=TOP_K,
+            moe_expert_ffn="swiglu",
+            d_ff=expert_width,
+            moe_aux_loss_coef=aux,
+        ),
         DENSE_TOTAL: ModelConfig(**common, ffn="swiglu", d_ff=N_EXPERTS * expert_width),
-    }  # fmt: skip
+    }
 
 
 def seeded_model(cfg: ModelConfig, seed: int):
@@ -118,8 +135,10 @@ def worst_plateau(what: str, runs: list[list[float]]) -> lab.Check:
     """Precondition: lab.converged (the last tenth of training against the tenth before) for the
     seed whose loss still fell most."""
     window = max(1, len(runs[0]) // 10)
-    return max((lab.converged(what, losses, window, PLATEAU_TOLERANCE) for losses in runs),
-               key=lambda c: c.measured)  # fmt: skip
+    return max(
+        (lab.converged(what, losses, window, PLATEAU_TOLERANCE) for losses in runs),
+        key=lambda c: c.measured,
+    )
 
 
 class Timer:
@@ -162,8 +181,10 @@ def time_models(models: dict, batch, prompt: list[int], n_new: int, rounds: int)
             if round_ > 0:
                 for kind, t in zip(times[name], (step, prefill, decode), strict=True):
                     times[name][kind].append(t)
-    return {name: {kind: statistics.median(ts) for kind, ts in by_kind.items()}
-            for name, by_kind in times.items()}  # fmt: skip
+    return {
+        name: {kind: statistics.median(ts) for kind, ts in by_kind.items()}
+        for name, by_kind in times.items()
+    }
 
 
 @dataclass
@@ -176,10 +197,16 @@ class Trained:
 
 
 def train_all(ctx: lab.RunContext, size: Sizes, configs: dict, corpus) -> Trained:
-    schedule = Schedule(max_steps=size.steps, learning_rate=LEARNING_RATE,
-                        warmup_steps=max(1, size.steps // 10))  # fmt: skip
-    out = Trained({n: [] for n in configs}, {n: [] for n in configs},
-                  {n: {k: [] for k in KINDS_ZH} for n in configs}, [], [])  # fmt: skip
+    schedule = Schedule(
+        max_steps=size.steps, learning_rate=LEARNING_RATE, warmup_steps=max(1, size.steps // 10)
+    )
+    out = Trained(
+        {n: [] for n in configs},
+        {n: [] for n in configs},
+        {n: {k: [] for k in KINDS_ZH} for n in configs},
+        [],
+        [],
+    )
     for seed in ctx.seeds():
         batches = window_batches(corpus.train, size.batch_size, size.length, seed)
         for name, cfg in configs.items():
@@ -204,12 +231,15 @@ def run(ctx: lab.RunContext) -> lab.Result:
     size, say = sizes(ctx), ctx.say
     corpus = shakespeare_chars(ctx.pick(None, None, 200_000))
     unigram = unigram_entropy(corpus.train)
-    configs = model_configs(corpus.tokenizer.vocab_size, size.d_model, size.n_layers,
-                            size.ffn_width, size.length)  # fmt: skip
+    configs = model_configs(
+        corpus.tokenizer.vocab_size, size.d_model, size.n_layers, size.ffn_width, size.length
+    )
     trained = train_all(ctx, size, configs, corpus)
     val = {name: lab.over_seeds(v) for name, v in trained.val.items()}
-    cost = {name: {kind: lab.over_seeds(ts) for kind, ts in by_kind.items()}
-            for name, by_kind in trained.times.items()}  # fmt: skip
+    cost = {
+        name: {kind: lab.over_seeds(ts) for kind, ts in by_kind.items()}
+        for name, by_kind in trained.times.items()
+    }
     counts = {name: parameter_counts(cfg) for name, cfg in configs.items()}
     for name in configs:
         say(name, MODELS_ZH[name])
@@ -217,67 +247,129 @@ def run(ctx: lab.RunContext) -> lab.Result:
     checks = _checks(ctx, trained, val, cost, unigram)
     notes = _notes(ctx, size, val, cost, counts, trained)
     figure = _plot(trained.losses, val, cost, torch.tensor(trained.shares).mean(0))
-    data = {"deepseek_v3": deepseek_counts(), "val": trained.val, "seconds": trained.times,
-            "shares": trained.shares, "aux": trained.aux, "steps": size.steps,
-            "seeds": ctx.seeds(), "unigram_entropy": unigram,
-            "counts": {n: {"total": c["total"], "active": c["active"]}
-                       for n, c in counts.items()}}  # fmt: skip
+    data = {
+        "deepseek_v3": deepseek_counts(),
+        "val": trained.val,
+        "seconds": trained.times,
+        "shares": trained.shares,
+        "aux": trained.aux,
+        "steps": size.steps,
+        "seeds": ctx.seeds(),
+        "unigram_entropy": unigram,
+        "counts": {n: {"total": c["total"], "active": c["active"]} for n, c in counts.items()},
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
-def _checks(ctx: lab.RunContext, trained: Trained, val: dict, cost: dict,
-            unigram: float) -> list[lab.Check]:  # fmt: skip
+def _checks(
+    ctx: lab.RunContext, trained: Trained, val: dict, cost: dict, unigram: float
+) -> list[lab.Check]:
     say = ctx.say
-    checks = [worst_plateau(say(f"{name}: relative loss drop over the last tenth of training, "
-                                "worst seed", f"{MODELS_ZH[name]}：训练最后十分之一的损失相对降幅"
-                                "（最差的随机种子）"), runs)
-              for name, runs in trained.losses.items()]  # fmt: skip
+    checks = [
+        worst_plateau(
+            say(
+                f"{name}: relative loss drop over the last tenth of training, worst seed",
+                f"{MODELS_ZH[name]}：训练最后十分之一的损失相对降幅（最差的随机种子）",
+            ),
+            runs,
+        )
+        for name, runs in trained.losses.items()
+    ]
     for name, losses in trained.val.items():
-        checks.append(lab.precondition(lab.at_least(
-            say(f"unigram entropy - {name} held-out loss (nats, worst seed)",
-                f"一元熵 - {MODELS_ZH[name]}的留出损失（nats，最差的随机种子）"),
-            unigram - max(losses), MIN_BELOW_UNIGRAM)))  # fmt: skip
+        checks.append(
+            lab.precondition(
+                lab.at_least(
+                    say(
+                        f"unigram entropy - {name} held-out loss (nats, worst seed)",
+                        f"一元熵 - {MODELS_ZH[name]}的留出损失（nats，最差的随机种子）",
+                    ),
+                    unigram - max(losses),
+                    MIN_BELOW_UNIGRAM,
+                )
+            )
+        )
     largest = max(max(max(layer) for layer in per_seed) for per_seed in trained.shares)
     checks += [
-        lab.precondition(lab.at_most(
-            say("largest expert share x E (1 = uniform), any layer or seed",
-                "最大专家份额 x E（1 = 均匀），任一层或随机种子"),
-            largest * N_EXPERTS, MAX_SHARE_OVER_UNIFORM)),
-        lab.precondition(lab.exceeds_spread(
-            say("held-out loss, dense equal active - dense equal total (nats)",
-                "留出损失：稠密（激活参数相同）- 稠密（总参数相同）（nats）"),
-            val[DENSE], val[DENSE_TOTAL])),
-    ]  # fmt: skip
-    capacity = say("capacity: more at the same compute, counted by total parameters",
-                   "容量：同等算力下更大，按总参数算")  # fmt: skip
+        lab.precondition(
+            lab.at_most(
+                say(
+                    "largest expert share x E (1 = uniform), any layer or seed",
+                    "最大专家份额 x E（1 = 均匀），任一层或随机种子",
+                ),
+                largest * N_EXPERTS,
+                MAX_SHARE_OVER_UNIFORM,
+            )
+        ),
+        lab.precondition(
+            lab.exceeds_spread(
+                say(
+                    "held-out loss, dense equal active - dense equal total (nats)",
+                    "留出损失：稠密（激活参数相同）- 稠密（总参数相同）（nats）",
+                ),
+                val[DENSE],
+                val[DENSE_TOTAL],
+            )
+        ),
+    ]
+    capacity = say(
+        "capacity: more at the same compute, counted by total parameters",
+        "容量：同等算力下更大，按总参数算",
+    )
     gain = val[DENSE].mean - val[DENSE_TOTAL].mean
     checks += [
-        lab.exceeds_spread(say("held-out loss, dense (equal active) - MoE (nats)",
-                               "留出损失：稠密（激活参数相同）- MoE（nats）"),
-                           val[DENSE], val[MOE], group=capacity),
-        lab.at_least(say("MoE's share of the gain from equal active to equal total dense weights",
-                         "MoE 拿到的“从激活参数相同到总参数相同”稠密模型增益的比例"),
-                     (val[DENSE].mean - val[MOE].mean) / gain if gain else 0.0,
-                     MIN_SHARE_OF_GAIN, group=capacity),
-    ]  # fmt: skip
-    cheaper = say("cheaper than the dense model of equal capacity (equal total)",
-                  "比容量相同（总参数相同）的稠密模型更省")  # fmt: skip
+        lab.exceeds_spread(
+            say(
+                "held-out loss, dense (equal active) - MoE (nats)",
+                "留出损失：稠密（激活参数相同）- MoE（nats）",
+            ),
+            val[DENSE],
+            val[MOE],
+            group=capacity,
+        ),
+        lab.at_least(
+            say(
+                "MoE's share of the gain from equal active to equal total dense weights",
+                "MoE 拿到的“从激活参数相同到总参数相同”稠密模型增益的比例",
+            ),
+            (val[DENSE].mean - val[MOE].mean) / gain if gain else 0.0,
+            MIN_SHARE_OF_GAIN,
+            group=capacity,
+        ),
+    ]
+    cheaper = say(
+        "cheaper than the dense model of equal capacity (equal total)",
+        "比容量相同（总参数相同）的稠密模型更省",
+    )
     for kind, kind_zh in KINDS_ZH.items():
-        checks.append(lab.exceeds_spread(
-            say(f"s / {kind}, dense (equal total) - MoE",
-                f"每个{kind_zh}的秒数：稠密（总参数相同）- MoE"),
-            cost[DENSE_TOTAL][kind], cost[MOE][kind], group=cheaper))  # fmt: skip
+        checks.append(
+            lab.exceeds_spread(
+                say(
+                    f"s / {kind}, dense (equal total) - MoE",
+                    f"每个{kind_zh}的秒数：稠密（总参数相同）- MoE",
+                ),
+                cost[DENSE_TOTAL][kind],
+                cost[MOE][kind],
+                group=cheaper,
+            )
+        )
     decode = {name: cost[name]["decode token"].mean for name in cost}
-    checks.append(lab.at_most(
-        say("s / generated token, MoE / sqrt(dense equal active x equal total)",
-            "每个生成 token 的秒数：MoE / sqrt(稠密激活参数相同 x 稠密总参数相同)"),
-        decode[MOE] / (decode[DENSE] * decode[DENSE_TOTAL]) ** 0.5, 1.0,
-        group=say("inference cost follows active parameters", "推理成本按激活参数算")))  # fmt: skip
+    checks.append(
+        lab.at_most(
+            say(
+                "s / generated token, MoE / sqrt(dense equal active x equal total)",
+                "每个生成 token 的秒数：MoE / sqrt(稠密激活参数相同 x 稠密总参数相同)",
+            ),
+            decode[MOE] / (decode[DENSE] * decode[DENSE_TOTAL]) ** 0.5,
+            1.0,
+            group=say("inference cost follows active parameters", "推理成本按激活参数算"),
+        )
+    )
     return checks
 
 
-def _rows(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict,
-          shares: list) -> list[dict]:  # fmt: skip
+def _rows(
+    ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict, shares: list
+) -> list[dict]:
     say, deepseek = ctx.say, deepseek_counts()
     model, total, active = (
         say("model", "模型"),
@@ -285,13 +377,25 @@ def _rows(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict,
         say("active params", "激活参数"),
     )
     held = say("held-out loss (nats)", "留出损失（nats）")
-    rows = [{model: say("DeepSeek-V3 (its config, counted)", "DeepSeek-V3（按其配置数出）"),
-             total: f"{deepseek['total'] / 1e9:.1f}B", active: f"{deepseek['active'] / 1e9:.2f}B"},
-            {model: say("DeepSeek-V3 (published)", "DeepSeek-V3（公布值）"), total: "671B",
-             active: "37B"}]  # fmt: skip
+    rows = [
+        {
+            model: say("DeepSeek-V3 (its config, counted)", "DeepSeek-V3（按其配置数出）"),
+            total: f"{deepseek['total'] / 1e9:.1f}B",
+            active: f"{deepseek['active'] / 1e9:.2f}B",
+        },
+        {
+            model: say("DeepSeek-V3 (published)", "DeepSeek-V3（公布值）"),
+            total: "671B",
+            active: "37B",
+        },
+    ]
     for name in counts:
-        row = {model: name, total: counts[name]["total"], active: counts[name]["active"],
-               held: str(val[name])}  # fmt: skip
+        row = {
+            model: name,
+            total: counts[name]["total"],
+            active: counts[name]["active"],
+            held: str(val[name]),
+        }
         for kind, kind_zh in KINDS_ZH.items():
             spread = cost[name][kind]
             row[say(f"ms / {kind}", f"毫秒 / {kind_zh}")] = (
@@ -300,14 +404,21 @@ def _rows(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict,
         rows.append(row)
     mean_shares = torch.tensor(shares).mean(0)  # (layers, E), over seeds
     for layer, share in enumerate(mean_shares.tolist()):
-        rows.append({model: say(f"MoE layer {layer}: expert shares (mean over seeds)",
-                                f"MoE 第 {layer} 层：各专家份额（随机种子间均值）"),
-                     total: " ".join(f"{s:.2f}" for s in share)})  # fmt: skip
+        rows.append(
+            {
+                model: say(
+                    f"MoE layer {layer}: expert shares (mean over seeds)",
+                    f"MoE 第 {layer} 层：各专家份额（随机种子间均值）",
+                ),
+                total: " ".join(f"{s:.2f}" for s in share),
+            }
+        )
     return rows
 
 
-def _notes(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict,
-           trained: Trained) -> list[str]:  # fmt: skip
+def _notes(
+    ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict, trained: Trained
+) -> list[str]:
     say, seeds = ctx.say, ctx.seeds()
     width, total_width = size.ffn_width // TOP_K, N_EXPERTS * size.ffn_width // TOP_K
     c = {name: (counts[name]["active"], counts[name]["total"]) for name in counts}
@@ -323,7 +434,8 @@ def _notes(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict
     aux = statistics.mean(a for per_seed in trained.aux for a in per_seed)
     share = f"{gap / gain:.2f}" if gain else "-"
     return [
-        say(f"MoE: {N_EXPERTS} SwiGLU experts of width {width}, top-{TOP_K}, balance loss "
+        say(
+            f"MoE: {N_EXPERTS} SwiGLU experts of width {width}, top-{TOP_K}, balance loss "
             f"weight 0.01; dense (equal active): one SwiGLU of width {size.ffn_width}; dense "
             f"(equal total): width {total_width}; {size.n_layers} layers, d={size.d_model}. "
             f"Active / total parameters: MoE {c[MOE][0]} / {c[MOE][1]}, dense (equal active) "
@@ -332,18 +444,24 @@ def _notes(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict
             f"稠密（激活参数相同）：一个宽 {size.ffn_width} 的 SwiGLU；稠密（总参数相同）：宽 "
             f"{total_width}；{size.n_layers} 层，d={size.d_model}。激活 / 总参数：MoE {c[MOE][0]} "
             f"/ {c[MOE][1]}，稠密（激活参数相同）{c[DENSE][0]}，稠密（总参数相同）"
-            f"{c[DENSE_TOTAL][0]}"),
-        say(f"all three trained {size.steps} steps on the same {size.batch_size}x{size.length}"
+            f"{c[DENSE_TOTAL][0]}",
+        ),
+        say(
+            f"all three trained {size.steps} steps on the same {size.batch_size}x{size.length}"
             f"-character batches per seed (seeds {seeds}), lr {LEARNING_RATE:g}, warmup then "
             f"cosine; held-out loss over {size.n_val} windows of the corpus's last tenth",
             f"三个模型在每个随机种子下用相同的 {size.batch_size}x{size.length} 字符批次训练 "
             f"{size.steps} 步（随机种子 {seeds}），学习率 {LEARNING_RATE:g}，先预热再余弦衰减；"
-            f"留出损失取语料最后十分之一中的 {size.n_val} 个窗口"),
-        say(f"held-out loss: dense (equal active) {val[DENSE]}, MoE {val[MOE]}, dense (equal "
+            f"留出损失取语料最后十分之一中的 {size.n_val} 个窗口",
+        ),
+        say(
+            f"held-out loss: dense (equal active) {val[DENSE]}, MoE {val[MOE]}, dense (equal "
             f"total) {val[DENSE_TOTAL]}: the MoE gets {share} of the equal-total model's gain",
             f"留出损失：稠密（激活参数相同）{val[DENSE]}，MoE {val[MOE]}，稠密（总参数相同）"
-            f"{val[DENSE_TOTAL]}：MoE 拿到总参数相同模型增益的 {share}"),
-        say(f"cost on this CPU, MoE over dense (equal total): {over_total}; over dense (equal "
+            f"{val[DENSE_TOTAL]}：MoE 拿到总参数相同模型增益的 {share}",
+        ),
+        say(
+            f"cost on this CPU, MoE over dense (equal total): {over_total}; over dense (equal "
             f"active): {over_active}. {size.rounds} rounds after one warm-up, median per seed; "
             f"generation: a {size.length - size.n_new}-token prompt and {size.n_new} greedy "
             "tokens at batch 1, every model through the same PyTorch modules (the fused C decode "
@@ -354,13 +472,16 @@ def _notes(ctx: lab.RunContext, size: Sizes, val: dict, cost: dict, counts: dict
             f"{size.length - size.n_new} token 的提示，批大小 1 贪心生成 {size.n_new} 个 token，"
             "三个模型都走同样的 PyTorch 模块（融合的 C 解码步没有 MoE 版本，一律关闭）。"
             "glassformer 的 MoE 在 Python 里逐个专家循环（每个分到 token 的专家做一次 gather 和 "
-            "index_add）"),
-        say(f"expert shares: fractions of the held-out windows' token-to-expert assignments "
+            "index_add）",
+        ),
+        say(
+            f"expert shares: fractions of the held-out windows' token-to-expert assignments "
             f"(uniform = 1/{N_EXPERTS} = {1 / N_EXPERTS:.3f}); mean balance loss {aux:.3f} "
             "(1.0 = balanced)",
             f"专家份额：留出窗口中 token 分配到各专家的比例（均匀 = 1/{N_EXPERTS} = "
-            f"{1 / N_EXPERTS:.3f}）；负载均衡损失均值 {aux:.3f}（1.0 = 均衡）"),
-    ]  # fmt: skip
+            f"{1 / N_EXPERTS:.3f}）；负载均衡损失均值 {aux:.3f}（1.0 = 均衡）",
+        ),
+    ]
 
 
 def _plot(losses: dict, val: dict, cost: dict, mean_shares: torch.Tensor):
@@ -375,26 +496,50 @@ def _plot(losses: dict, val: dict, cost: dict, mean_shares: torch.Tensor):
                 alpha=0.7,
                 label=f"{name}: held-out {val[name]}" if seed_losses is runs[0] else None,
             )
-    curves.set(xlabel="step", ylabel=f"train loss (nats, mean of {window} steps)",
-               title="one line per seed")  # fmt: skip
+    curves.set(
+        xlabel="step",
+        ylabel=f"train loss (nats, mean of {window} steps)",
+        title="one line per seed",
+    )
     curves.legend(fontsize=7)
     kinds = list(KINDS_ZH)
     for i, name in enumerate(cost):
         means = [cost[name][k].mean * 1e3 for k in kinds]
         spreads = [cost[name][k].spread * 1e3 for k in kinds]
         offset = (i - 1) * 0.27  # three bars centred on each kind
-        bars.bar([j + offset for j in range(len(kinds))], means, 0.27, yerr=spreads, capsize=2,
-                 label=name)  # fmt: skip
+        bars.bar(
+            [j + offset for j in range(len(kinds))],
+            means,
+            0.27,
+            yerr=spreads,
+            capsize=2,
+            label=name,
+        )
     bars.set_xticks(range(len(kinds)), [f"per\n{k}" for k in kinds])
-    bars.set(yscale="log", ylabel="milliseconds (log scale; mean ± spread over seeds)",
-             title="time on this CPU")  # fmt: skip
+    bars.set(
+        yscale="log",
+        ylabel="milliseconds (log scale; mean ± spread over seeds)",
+        title="time on this CPU",
+    )
     bars.legend(fontsize=7)
     image = load.imshow(mean_shares.numpy(), cmap="viridis", aspect="auto", vmin=0)
-    load.set(xlabel="expert", ylabel="layer", title=f"expert share (uniform {1 / N_EXPERTS:.3f})",
-             xticks=range(mean_shares.shape[1]), yticks=range(mean_shares.shape[0]))  # fmt: skip
+    load.set(
+        xlabel="expert",
+        ylabel="layer",
+        title=f"expert share (uniform {1 / N_EXPERTS:.3f})",
+        xticks=range(mean_shares.shape[1]),
+        yticks=range(mean_shares.shape[0]),
+    )
     for layer in range(mean_shares.shape[0]):
         for expert in range(mean_shares.shape[1]):
-            load.text(expert, layer, f"{mean_shares[layer, expert]:.2f}", ha="center",
-                      va="center", fontsize=7, color="w")  # fmt: skip
+            load.text(
+                expert,
+                layer,
+                f"{mean_shares[layer, expert]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="w",
+            )
     fig.colorbar(image, ax=load, label="share of assignments")
     return fig

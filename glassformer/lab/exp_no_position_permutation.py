@@ -27,19 +27,29 @@ LONG_SENTENCE = "那只猫没跳上桌子因为它太累了"
 SAME_TOL, DIFFERENT_MIN = 1e-5, 1e-3
 EQUIVARIANT = "without positions, attention sees a set"
 WORDS_ZH = {
-    "bert": "bert（双向）", "gpt": "gpt（因果）", "bidirectional": "双向", "causal": "因果",
-    "none": "无位置编码", "learned": "可学习位置编码", "sinusoidal": "正弦位置编码",
+    "bert": "bert（双向）",
+    "gpt": "gpt（因果）",
+    "bidirectional": "双向",
+    "causal": "因果",
+    "none": "无位置编码",
+    "learned": "可学习位置编码",
+    "sinusoidal": "正弦位置编码",
     "rope": "RoPE（旋转位置编码）",
-}  # fmt: skip
+}
 
 
 def _model(family: str, position: str, vocab_size: int, ctx: lab.RunContext) -> torch.nn.Module:
     torch.manual_seed(ctx.seed)
     cfg = ModelConfig(
-        family=family, vocab_size=vocab_size, d_model=ctx.pick(64, 64, 32),
-        n_layers=ctx.pick(4, 2, 1), n_heads=4, max_seq_len=32, position=position,
+        family=family,
+        vocab_size=vocab_size,
+        d_model=ctx.pick(64, 64, 32),
+        n_layers=ctx.pick(4, 2, 1),
+        n_heads=4,
+        max_seq_len=32,
+        position=position,
         attention_backend="eager",
-    )  # fmt: skip
+    )
     return build_model(cfg).eval()
 
 
@@ -93,16 +103,31 @@ def run(ctx: lab.RunContext) -> lab.Result:
             label = f"bert, position={position}"
             group = say(EQUIVARIANT, "没有位置编码时，注意力看到的是集合")
             if position == "none":
-                checks.append(lab.at_most(say(f"{label}: 我爱她/她爱我 gap",
-                                              f"{label}：我爱她/她爱我 的差异"), gap, SAME_TOL,
-                                          group=group))  # fmt: skip
-                checks.append(lab.at_most(say(f"{label}: shuffled-sentence gap",
-                                              f"{label}：打乱句子的差异"), long_gap, SAME_TOL,
-                                          group=group))  # fmt: skip
+                checks.append(
+                    lab.at_most(
+                        say(f"{label}: 我爱她/她爱我 gap", f"{label}：我爱她/她爱我 的差异"),
+                        gap,
+                        SAME_TOL,
+                        group=group,
+                    )
+                )
+                checks.append(
+                    lab.at_most(
+                        say(f"{label}: shuffled-sentence gap", f"{label}：打乱句子的差异"),
+                        long_gap,
+                        SAME_TOL,
+                        group=group,
+                    )
+                )
             else:
-                probe = lab.at_least(say(f"{label}: 我爱她/她爱我 gap (the probe sees order)",
-                                         f"{label}：我爱她/她爱我 的差异（探针看得出顺序）"), gap,
-                                     DIFFERENT_MIN)  # fmt: skip
+                probe = lab.at_least(
+                    say(
+                        f"{label}: 我爱她/她爱我 gap (the probe sees order)",
+                        f"{label}：我爱她/她爱我 的差异（探针看得出顺序）",
+                    ),
+                    gap,
+                    DIFFERENT_MIN,
+                )
                 checks.append(lab.precondition(probe))
     figure = _plot(rows)
     gpt_none = next(r for r in rows if r["family"] == "gpt" and r["position"] == "none")
@@ -128,11 +153,13 @@ def run(ctx: lab.RunContext) -> lab.Result:
         )
     notes = [
         gpt_note,
-        say(f"random-init models (seed {ctx.seed}), {n_orders} random shuffles of "
+        say(
+            f"random-init models (seed {ctx.seed}), {n_orders} random shuffles of "
             f"{LONG_SENTENCE} (length {n_long}) besides the 我爱她 -> 她爱我 swap",
             f"随机初始化的模型（随机种子 {ctx.seed}），除 我爱她 -> 她爱我 的互换外，"
-            f"还把 {LONG_SENTENCE}（长度 {n_long}）随机打乱 {n_orders} 次"),
-    ]  # fmt: skip
+            f"还把 {LONG_SENTENCE}（长度 {n_long}）随机打乱 {n_orders} 次",
+        ),
+    ]
     return lab.Result.from_checks(rows, checks, figure=figure, notes=notes)
 
 

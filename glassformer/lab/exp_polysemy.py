@@ -26,25 +26,34 @@ from glassformer.lab.exp_embedding_distances import unreadable_tokens
 # and the same token (" apple": "Apple" at the start of a sentence is another token).
 SENTENCES = {
     "minilm": {
-        "en": {"fruit": ["I ate an apple", "She picked a ripe apple from the tree"],
-               "company": ["Apple released a new iPhone", "He works as an engineer at Apple"]},
-        "zh": {"fruit": ["苹果真甜", "我吃了一个苹果"],
-               "company": ["苹果发布会", "乔布斯创办了苹果"]},
+        "en": {
+            "fruit": ["I ate an apple", "She picked a ripe apple from the tree"],
+            "company": ["Apple released a new iPhone", "He works as an engineer at Apple"],
+        },
+        "zh": {
+            "fruit": ["苹果真甜", "我吃了一个苹果"],
+            "company": ["苹果发布会", "乔布斯创办了苹果"],
+        },
     },
     "smollm2": {
-        "en": {"fruit": ["I ate an apple", "She picked a ripe apple"],
-               "company": ["The new iPhone was released by apple",
-                           "He works as an engineer at apple"]},
-        "zh": {"fruit": ["我吃了一个苹果", "她从树上摘了一个红苹果"],
-               "company": ["乔布斯创办了苹果", "库克是这家科技公司苹果"]},
+        "en": {
+            "fruit": ["I ate an apple", "She picked a ripe apple"],
+            "company": ["The new iPhone was released by apple", "He works as an engineer at apple"],
+        },
+        "zh": {
+            "fruit": ["我吃了一个苹果", "她从树上摘了一个红苹果"],
+            "company": ["乔布斯创办了苹果", "库克是这家科技公司苹果"],
+        },
     },
-}  # fmt: skip
+}
 WORD = {"en": "apple", "zh": "苹果"}
 NEIGHBOURS = {
-    "en": {"fruit": ["banana", "orange", "pear", "grape"],
-           "company": ["Microsoft", "Google", "Samsung", "Amazon"]},
+    "en": {
+        "fruit": ["banana", "orange", "pear", "grape"],
+        "company": ["Microsoft", "Google", "Samsung", "Amazon"],
+    },
     "zh": {"fruit": ["香蕉", "橙子", "梨", "葡萄"], "company": ["微软", "谷歌", "三星", "亚马逊"]},
-}  # fmt: skip
+}
 FRAME = {"en": "Word: {}", "zh": "词语：{}"}  # a neutral left context for SmolLM2's neighbours
 SEED_PHRASES = ("苹果发布会", "苹果真甜")  # the seed's example: 苹果 comes first
 LANGS_ZH = {"en": "英文", "zh": "中文"}
@@ -94,8 +103,14 @@ def layer_vectors(
     out = []
     for layer in range(len(cap.residual)):
         hidden = cap.residual[layer]  # (N, T, C)
-        out.append(torch.stack([hidden[row, pos[-1]] if causal else hidden[row, pos].mean(0)
-                                for row, (_, pos) in enumerate(spans)]))  # fmt: skip
+        out.append(
+            torch.stack(
+                [
+                    hidden[row, pos[-1]] if causal else hidden[row, pos].mean(0)
+                    for row, (_, pos) in enumerate(spans)
+                ]
+            )
+        )
     return out, spans
 
 
@@ -150,64 +165,107 @@ def run(ctx: lab.RunContext) -> lab.Result:
             words = [w for sense in ("fruit", "company") for w in NEIGHBOURS[lang][sense]]
             near, _ = layer_vectors(model, tokenizer, frames, words, causal)
             k = len(NEIGHBOURS[lang]["fruit"])
-            where = say(f"{name}, {lang}, layer {chosen}",
-                        f"{name}，{LANGS_ZH[lang]}，第 {chosen} 层")  # fmt: skip
+            where = say(
+                f"{name}, {lang}, layer {chosen}", f"{name}，{LANGS_ZH[lang]}，第 {chosen} 层"
+            )
             unreadable = unreadable_tokens(tokenizer, list(next(iter(pieces))))
             meaningful = not (set(unreadable) & {"[UNK]"})  # byte pieces compose in context
-            per_layer = [sense_scores(a, {"fruit": n[:k], "company": n[k:]})
-                         for a, n in zip(apples, near, strict=True)]  # fmt: skip
-            curves[f"{name}, {lang}"] = [np.mean(s["within"]) - np.mean(s["cross"])
-                                         for s in per_layer]  # fmt: skip
+            per_layer = [
+                sense_scores(a, {"fruit": n[:k], "company": n[k:]})
+                for a, n in zip(apples, near, strict=True)
+            ]
+            curves[f"{name}, {lang}"] = [
+                np.mean(s["within"]) - np.mean(s["cross"]) for s in per_layer
+            ]
             scores = per_layer[chosen]
             stats = {key: lab.over_seeds(values) for key, values in scores.items()}
             where_zh = f"{name}，{LANGS_ZH[lang]}，第 {chosen} 层"
-            rows.append({say("model, language, layer", "模型，语言，层"): where,
-                         say("word pieces", "词的子词数"): len(next(iter(pieces))),
-                         say("same input ids", "输入 id 相同"): len(pieces) == 1,
-                         say("sim within sense", "同一词义内的相似度"): str(stats["within"]),
-                         say("sim across senses", "不同词义间的相似度"): str(stats["cross"]),
-                         say("fruit sense→fruit / company words", "水果义→水果词 / 公司词"):
-                         f"{stats['fruit: own'].mean:.3f} / {stats['fruit: other'].mean:.3f}",
-                         say("company sense→company / fruit words", "公司义→公司词 / 水果词"):
-                         f"{stats['company: own'].mean:.3f} / {stats['company: other'].mean:.3f}",
-                         say("evidence?", "算作证据？"):
-                         "yes" if meaningful else "no: [UNK]"})  # fmt: skip
-            checks.append(lab.precondition(lab.approx(
-                say(f"{name}, {lang}: distinct input id sequences of {word} over 4 sentences",
-                    f"{name}，{LANGS_ZH[lang]}：{word} 在 4 个句子中不同输入 id 序列的个数"),
-                len(pieces), 1, 0)))  # fmt: skip
+            rows.append(
+                {
+                    say("model, language, layer", "模型，语言，层"): where,
+                    say("word pieces", "词的子词数"): len(next(iter(pieces))),
+                    say("same input ids", "输入 id 相同"): len(pieces) == 1,
+                    say("sim within sense", "同一词义内的相似度"): str(stats["within"]),
+                    say("sim across senses", "不同词义间的相似度"): str(stats["cross"]),
+                    say(
+                        "fruit sense→fruit / company words", "水果义→水果词 / 公司词"
+                    ): f"{stats['fruit: own'].mean:.3f} / {stats['fruit: other'].mean:.3f}",
+                    say(
+                        "company sense→company / fruit words", "公司义→公司词 / 水果词"
+                    ): f"{stats['company: own'].mean:.3f} / {stats['company: other'].mean:.3f}",
+                    say("evidence?", "算作证据？"): "yes" if meaningful else "no: [UNK]",
+                }
+            )
+            checks.append(
+                lab.precondition(
+                    lab.approx(
+                        say(
+                            f"{name}, {lang}: distinct input id sequences of {word} over 4 "
+                            "sentences",
+                            f"{name}，{LANGS_ZH[lang]}：{word} 在 4 个句子中不同输入 id 序列的个数",
+                        ),
+                        len(pieces),
+                        1,
+                        0,
+                    )
+                )
+            )
             if not meaningful:
-                notes.append(say(f"{name}, {lang}: {word} is [UNK] to this tokenizer (and so is "
-                                 "every Chinese character): no evidence",
-                                 f"{name}，{LANGS_ZH[lang]}：{word} 对这个分词器是 [UNK]"
-                                 "（每个汉字也都是）：不算证据"))  # fmt: skip
+                notes.append(
+                    say(
+                        f"{name}, {lang}: {word} is [UNK] to this tokenizer (and so is "
+                        "every Chinese character): no evidence",
+                        f"{name}，{LANGS_ZH[lang]}：{word} 对这个分词器是 [UNK]"
+                        "（每个汉字也都是）：不算证据",
+                    )
+                )
                 continue
             checks += [
-                lab.exceeds_spread(say(f"{where}: sim within sense - across senses",
-                                       f"{where_zh}：同一词义内的相似度 - 不同词义间的相似度"),
-                                   stats["within"], stats["cross"],
-                                   group=differ),
-                lab.exceeds_spread(say(f"{where}: fruit-sense {word} → fruit - company words",
-                                       f"{where_zh}：水果义的 {word} → 水果词 - 公司词"),
-                                   stats["fruit: own"], stats["fruit: other"],
-                                   group=closer),
-                lab.exceeds_spread(say(f"{where}: company-sense {word} → company - fruit words",
-                                       f"{where_zh}：公司义的 {word} → 公司词 - 水果词"),
-                                   stats["company: own"], stats["company: other"],
-                                   group=closer),
-            ]  # fmt: skip
+                lab.exceeds_spread(
+                    say(
+                        f"{where}: sim within sense - across senses",
+                        f"{where_zh}：同一词义内的相似度 - 不同词义间的相似度",
+                    ),
+                    stats["within"],
+                    stats["cross"],
+                    group=differ,
+                ),
+                lab.exceeds_spread(
+                    say(
+                        f"{where}: fruit-sense {word} → fruit - company words",
+                        f"{where_zh}：水果义的 {word} → 水果词 - 公司词",
+                    ),
+                    stats["fruit: own"],
+                    stats["fruit: other"],
+                    group=closer,
+                ),
+                lab.exceeds_spread(
+                    say(
+                        f"{where}: company-sense {word} → company - fruit words",
+                        f"{where_zh}：公司义的 {word} → 公司词 - 水果词",
+                    ),
+                    stats["company: own"],
+                    stats["company: other"],
+                    group=closer,
+                ),
+            ]
         if causal:
             phrases, _ = layer_vectors(model, tokenizer, list(SEED_PHRASES), ["苹果"] * 2, True)
             same = float(cosine(phrases[chosen][:1], phrases[chosen][1:])[0, 0])
-            notes.append(say(f"{name}: 苹果 in the seed's {SEED_PHRASES}: cosine {same:.4f} at "
-                             f"layer {chosen}; a causal model sees only what comes before the "
-                             "word, and here nothing does",
-                             f"{name}：原文 {SEED_PHRASES} 中的 苹果 在第 {chosen} 层的余弦相似度"
-                             f"为 {same:.4f}；因果模型只看得到这个词之前的内容，而这里它前面"
-                             "什么也没有"))  # fmt: skip
+            notes.append(
+                say(
+                    f"{name}: 苹果 in the seed's {SEED_PHRASES}: cosine {same:.4f} at "
+                    f"layer {chosen}; a causal model sees only what comes before the "
+                    "word, and here nothing does",
+                    f"{name}：原文 {SEED_PHRASES} 中的 苹果 在第 {chosen} 层的余弦相似度"
+                    f"为 {same:.4f}；因果模型只看得到这个词之前的内容，而这里它前面"
+                    "什么也没有",
+                )
+            )
     figure = _plot(curves)
-    return lab.Result.from_checks(rows, checks, figure=figure, data={"margins": curves},
-                                  notes=notes)  # fmt: skip
+    return lab.Result.from_checks(
+        rows, checks, figure=figure, data={"margins": curves}, notes=notes
+    )
 
 
 def _plot(curves: dict):

@@ -73,8 +73,13 @@ def fit_shift_map(table: Tensor, k: int, fit: Tensor, test: Tensor) -> tuple[Ten
 def rope_scores(q: Tensor, k: Tensor, distances: Tensor, start: int = 0) -> Tensor:
     """q·k after RoPE with the query at position start + Δ and the key at `start`:
     q, k (P, D), distances (L,) -> (P, L) scores (unscaled)."""
-    cfg = ModelConfig(d_model=D, n_heads=1, position="rope", rope_theta=BASE,
-                      max_seq_len=int(distances.max()) + start + 1)  # fmt: skip
+    cfg = ModelConfig(
+        d_model=D,
+        n_heads=1,
+        position="rope",
+        rope_theta=BASE,
+        max_seq_len=int(distances.max()) + start + 1,
+    )
     rope = RotaryEmbedding(cfg)
     cos_q, sin_q = rope((distances + start)[None])  # (1, 1, L, D)
     cos_k, sin_k = rope(torch.tensor([[start]]))  # (1, 1, 1, D)
@@ -116,13 +121,16 @@ def run(ctx: lab.RunContext) -> lab.Result:
         _, control_residual, _ = fit_shift_map(control, k, fit, test)
         _, short_residual, short_cond = fit_shift_map(table, k, short_fit, short_test)
         last = SHORT_WINDOW - 1
-        rows.append({part: say(f"sinusoidal, k={k}", f"正弦位置编码，k={k}"),
-                     say("held-out residual", "留出残差"): residual,
-                     say("|M_k - rotation|/|rotation|", "|M_k - 旋转|/|旋转|"): off,
-                     say("condition", "条件数"): cond,
-                     say("random table residual", "随机表残差"): control_residual,
-                     say(f"fit on 0..{last}: residual", f"在 0..{last} 上拟合：残差"):
-                     short_residual})  # fmt: skip
+        rows.append(
+            {
+                part: say(f"sinusoidal, k={k}", f"正弦位置编码，k={k}"),
+                say("held-out residual", "留出残差"): residual,
+                say("|M_k - rotation|/|rotation|", "|M_k - 旋转|/|旋转|"): off,
+                say("condition", "条件数"): cond,
+                say("random table residual", "随机表残差"): control_residual,
+                say(f"fit on 0..{last}: residual", f"在 0..{last} 上拟合：残差"): short_residual,
+            }
+        )
         checks.append(
             lab.precondition(
                 lab.at_least(
@@ -145,22 +153,33 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 group="PE(i+k) linear in PE(i)",
             )
         )
-        checks.append(lab.at_most(say(f"k={k}: |M_k - block rotation| / |rotation|",
-                                      f"k={k}：|M_k - 分块旋转| / |旋转|"), off,
-                                  ROTATION_MAX, group="PE(i+k) linear in PE(i)"))  # fmt: skip
+        checks.append(
+            lab.at_most(
+                say(
+                    f"k={k}: |M_k - block rotation| / |rotation|",
+                    f"k={k}：|M_k - 分块旋转| / |旋转|",
+                ),
+                off,
+                ROTATION_MAX,
+                group="PE(i+k) linear in PE(i)",
+            )
+        )
     short = [r[f"fit on 0..{SHORT_WINDOW - 1}: residual"] for r in rows]
     if max(short) > RESIDUAL_MAX:
         last, end = SHORT_WINDOW - 1, 2 * SHORT_WINDOW - 1
         low, high = min(short), max(short)
-        notes.append(say(
-            f"fitted on positions 0..{last} only, the slow pairs barely turn "
-            f"(condition {short_cond:.2g}) and M_k misses positions {SHORT_WINDOW}.."
-            f"{end} by {low:.2g}-{high:.2g}: a short window does "
-            "not pin the map down; positions spread over one slowest turn do",
-            f"只在位置 0..{last} 上拟合时，慢速的那几对几乎不转（条件数 {short_cond:.2g}），"
-            f"M_k 在位置 {SHORT_WINDOW}..{end} 上偏差 {low:.2g}-{high:.2g}：短窗口定不住这个映射；"
-            "位置分布跨过最慢一对的一整圈才定得住",
-        ))  # fmt: skip
+        notes.append(
+            say(
+                f"fitted on positions 0..{last} only, the slow pairs barely turn "
+                f"(condition {short_cond:.2g}) and M_k misses positions {SHORT_WINDOW}.."
+                f"{end} by {low:.2g}-{high:.2g}: a short window does "
+                "not pin the map down; positions spread over one slowest turn do",
+                f"只在位置 0..{last} 上拟合时，慢速的那几对几乎不转（条件数 {short_cond:.2g}），"
+                f"M_k 在位置 {SHORT_WINDOW}..{end} 上偏差 "
+                f"{low:.2g}-{high:.2g}：短窗口定不住这个映射；"
+                "位置分布跨过最慢一对的一整圈才定得住",
+            )
+        )
 
     far = ctx.pick(4096, 4096, 1024)
     bins = [b for b in BINS if b[1] <= far]
@@ -169,10 +188,18 @@ def run(ctx: lab.RunContext) -> lab.Result:
     ones_scores = rope_scores(ones, ones, all_distances)  # (1, far)
     shifted = rope_scores(ones, ones, all_distances, start=1000)
     drift = float((shifted - ones_scores).abs().max() / ones_scores[0, 0])
-    checks.append(lab.precondition(lab.at_most(
-        say("RoPE score depends on the distance only: |s(Δ+1000, 1000) - s(Δ, 0)| / s(0)",
-            "RoPE 打分只取决于距离：|s(Δ+1000, 1000) - s(Δ, 0)| / s(0)"), drift,
-        RELATIVE_TOL)))  # fmt: skip
+    checks.append(
+        lab.precondition(
+            lab.at_most(
+                say(
+                    "RoPE score depends on the distance only: |s(Δ+1000, 1000) - s(Δ, 0)| / s(0)",
+                    "RoPE 打分只取决于距离：|s(Δ+1000, 1000) - s(Δ, 0)| / s(0)",
+                ),
+                drift,
+                RELATIVE_TOL,
+            )
+        )
+    )
     n_pairs = ctx.pick(1024, 512, 64)
     q = torch.randn(n_pairs, D, generator=generator)
     k_vecs = torch.randn(n_pairs, D, generator=generator)
@@ -186,30 +213,49 @@ def run(ctx: lab.RunContext) -> lab.Result:
     }
     for name, means in curves.items():
         rises, ratio = decay_numbers(means)
-        rows.append({part: say(f"RoPE, {name}", f"RoPE，{CURVES_ZH[name]}"),
-                     say("bin means", "各区间均值"): [round(v, 2) for v in means],
-                     say("rising bins", "上升的区间数"): rises,
-                     say("farthest / nearest", "最远 / 最近"): ratio})  # fmt: skip
-    for name, group in (("all-ones q, k", "RoPE decay, all-ones q, k"),
-                        ("independent random q, k (mean |score|)",
-                         "RoPE decay, independent random q, k")):  # fmt: skip
+        rows.append(
+            {
+                part: say(f"RoPE, {name}", f"RoPE，{CURVES_ZH[name]}"),
+                say("bin means", "各区间均值"): [round(v, 2) for v in means],
+                say("rising bins", "上升的区间数"): rises,
+                say("farthest / nearest", "最远 / 最近"): ratio,
+            }
+        )
+    for name, group in (
+        ("all-ones q, k", "RoPE decay, all-ones q, k"),
+        ("independent random q, k (mean |score|)", "RoPE decay, independent random q, k"),
+    ):
         rises, ratio = decay_numbers(curves[name])
-        checks.append(lab.at_most(say(f"{name}: bins whose mean rises",
-                                      f"{CURVES_ZH[name]}：均值上升的区间数"), rises, 0,
-                                  group=group))  # fmt: skip
-        checks.append(lab.at_most(say(f"{name}: farthest bin / distance 0",
-                                      f"{CURVES_ZH[name]}：最远区间 / 距离 0"), ratio, DECAY_MAX,
-                                  group=group))  # fmt: skip
+        checks.append(
+            lab.at_most(
+                say(f"{name}: bins whose mean rises", f"{CURVES_ZH[name]}：均值上升的区间数"),
+                rises,
+                0,
+                group=group,
+            )
+        )
+        checks.append(
+            lab.at_most(
+                say(f"{name}: farthest bin / distance 0", f"{CURVES_ZH[name]}：最远区间 / 距离 0"),
+                ratio,
+                DECAY_MAX,
+                group=group,
+            )
+        )
     for name, means in curves.items():
         rises, ratio = decay_numbers(means)
         decays = rises == 0 and ratio <= DECAY_MAX
         verb = "decays" if decays else "does not decay"
         verb_zh = "衰减" if decays else "不衰减"
         nearest, farthest = means[0], means[-1]
-        notes.append(say(f"RoPE, {name}: {verb} (distance-0 mean {nearest:.3g}, farthest bin "
-                         f"{farthest:.3g}, {rises} rising bins)",
-                         f"RoPE，{CURVES_ZH[name]}：{verb_zh}（距离 0 的均值 {nearest:.3g}，"
-                         f"最远区间 {farthest:.3g}，{rises} 个区间上升）"))  # fmt: skip
+        notes.append(
+            say(
+                f"RoPE, {name}: {verb} (distance-0 mean {nearest:.3g}, farthest bin "
+                f"{farthest:.3g}, {rises} rising bins)",
+                f"RoPE，{CURVES_ZH[name]}：{verb_zh}（距离 0 的均值 {nearest:.3g}，"
+                f"最远区间 {farthest:.3g}，{rises} 个区间上升）",
+            )
+        )
     figure = _plot(rows, shifts, curves, bins, ones_scores[0])
     data = {"bins": bins, "curves": curves, "shifts": list(shifts), "n_fit": n_fit}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
@@ -221,10 +267,11 @@ def _plot(rows, shifts, curves, bins, ones_curve: Tensor):
     labels = [f"k={k}" for k in shifts]
     series = {
         "fit on random positions": [r["held-out residual"] for r in sin_rows],
-        f"fit on 0..{SHORT_WINDOW - 1}": [r[f"fit on 0..{SHORT_WINDOW - 1}: residual"]
-                                          for r in sin_rows],
+        f"fit on 0..{SHORT_WINDOW - 1}": [
+            r[f"fit on 0..{SHORT_WINDOW - 1}: residual"] for r in sin_rows
+        ],
         "random table (control)": [r["random table residual"] for r in sin_rows],
-    }  # fmt: skip
+    }
     lab.grouped_bars(left, labels, series)
     left.set_yscale("log")
     left.axhline(RESIDUAL_MAX, color="k", linestyle=":", linewidth=1, label="threshold")
@@ -234,8 +281,14 @@ def _plot(rows, shifts, curves, bins, ones_curve: Tensor):
     left.set_title("PE(pos+k) ≈ PE(pos)·M_k（最小二乘）", fontsize=9)
     left.legend(fontsize=7, ncol=2, loc="upper center")
     distances = torch.arange(1, len(ones_curve))
-    right.plot(distances, ones_curve[1:] / ones_curve[0], linewidth=0.6, alpha=0.4,
-               color="tab:blue", label="all-ones, every Δ")  # fmt: skip
+    right.plot(
+        distances,
+        ones_curve[1:] / ones_curve[0],
+        linewidth=0.6,
+        alpha=0.4,
+        color="tab:blue",
+        label="all-ones, every Δ",
+    )
     centers = [math.sqrt(max(a, 0.5) * b) for a, b in bins]
     for (name, means), marker in zip(curves.items(), "os^", strict=True):
         right.plot(centers, [m / means[0] for m in means], marker + "-", label=name)

@@ -30,8 +30,9 @@ ROOF_SHARE = 0.5
 TTFT_GROWTH = 2.0
 FLOP_TOL = 0.01  # counted vs calc cost: the same matmuls, so within 1%
 PHASES_ZH = {"prefill": "prefill", "decode step": "decode 单步"}
-NAMES_ZH = {"SmolLM2-shaped (2 random layers, vocab 512)":
-            "SmolLM2 形状的模型（2 层随机初始化，词表 512）"}  # fmt: skip
+NAMES_ZH = {
+    "SmolLM2-shaped (2 random layers, vocab 512)": "SmolLM2 形状的模型（2 层随机初始化，词表 512）"
+}
 
 
 def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -133,43 +134,80 @@ def run(ctx: lab.RunContext) -> lab.Result:
     }
     say = ctx.say
     rows, checks = [], []
-    checks.append(lab.precondition(lab.approx(
-        say("counted prefill FLOPs / calc cost", "计数得到的 prefill FLOPs / calc 估算"),
-        prefill_flops / calc.prefill_flops(cfg, prompt_len), 1.0, FLOP_TOL)))  # fmt: skip
-    checks.append(lab.precondition(lab.approx(
-        say("counted decode FLOPs / calc cost", "计数得到的 decode FLOPs / calc 估算"),
-        decode_flops / calc.decode_flops(cfg, prompt_len, 1), 1.0, FLOP_TOL)))  # fmt: skip
+    checks.append(
+        lab.precondition(
+            lab.approx(
+                say("counted prefill FLOPs / calc cost", "计数得到的 prefill FLOPs / calc 估算"),
+                prefill_flops / calc.prefill_flops(cfg, prompt_len),
+                1.0,
+                FLOP_TOL,
+            )
+        )
+    )
+    checks.append(
+        lab.precondition(
+            lab.approx(
+                say("counted decode FLOPs / calc cost", "计数得到的 decode FLOPs / calc 估算"),
+                decode_flops / calc.decode_flops(cfg, prompt_len, 1),
+                1.0,
+                FLOP_TOL,
+            )
+        )
+    )
     achieved = {}
     for phase, (flops, nbytes, seconds) in phases.items():
         achieved[phase] = (flops / seconds / 1e9, nbytes / seconds / 1e9)
-        rows.append({say("phase", "阶段"): say(f"{phase} ({prompt_len}-token context)",
-                                               f"{PHASES_ZH[phase]}（上下文 {prompt_len} 个 "
-                                               "token）"),
-                     say("GFLOP", "GFLOP（十亿次浮点运算）"): flops / 1e9,
-                     say("MB read", "读取 MB"): nbytes / 1e6,
-                     say("FLOP/byte", "FLOP/字节"): flops / nbytes,
-                     say("ridge FLOP/byte", "拐点 FLOP/字节"): ridge,
-                     say("ms (CPU)", "耗时 ms（CPU）"): 1000 * seconds,
-                     say("GFLOP/s (peak)", "GFLOP/s（峰值）"):
-                     f"{achieved[phase][0]:.1f} ({gflops:.1f})",
-                     say("GB/s (peak)", "GB/s（峰值）"):
-                     f"{achieved[phase][1]:.2f} ({gbps:.1f})"})  # fmt: skip
+        rows.append(
+            {
+                say("phase", "阶段"): say(
+                    f"{phase} ({prompt_len}-token context)",
+                    f"{PHASES_ZH[phase]}（上下文 {prompt_len} 个 token）",
+                ),
+                say("GFLOP", "GFLOP（十亿次浮点运算）"): flops / 1e9,
+                say("MB read", "读取 MB"): nbytes / 1e6,
+                say("FLOP/byte", "FLOP/字节"): flops / nbytes,
+                say("ridge FLOP/byte", "拐点 FLOP/字节"): ridge,
+                say("ms (CPU)", "耗时 ms（CPU）"): 1000 * seconds,
+                say(
+                    "GFLOP/s (peak)", "GFLOP/s（峰值）"
+                ): f"{achieved[phase][0]:.1f} ({gflops:.1f})",
+                say("GB/s (peak)", "GB/s（峰值）"): f"{achieved[phase][1]:.2f} ({gbps:.1f})",
+            }
+        )
     group = say("prefill compute-bound", "prefill 受算力限制")
-    checks.append(lab.at_least(say("prefill FLOPs/byte / ridge point",
-                                   "prefill 的 FLOP/字节 / 拐点"),
-                               prefill_flops / prefill_bytes / ridge, 1.0,
-                               group=group))  # fmt: skip
-    checks.append(lab.at_least(say("prefill achieved / peak FLOP/s",
-                                   "prefill 实际 FLOP/s / 峰值 FLOP/s"),
-                               achieved["prefill"][0] / gflops, ROOF_SHARE,
-                               group=group))  # fmt: skip
+    checks.append(
+        lab.at_least(
+            say("prefill FLOPs/byte / ridge point", "prefill 的 FLOP/字节 / 拐点"),
+            prefill_flops / prefill_bytes / ridge,
+            1.0,
+            group=group,
+        )
+    )
+    checks.append(
+        lab.at_least(
+            say("prefill achieved / peak FLOP/s", "prefill 实际 FLOP/s / 峰值 FLOP/s"),
+            achieved["prefill"][0] / gflops,
+            ROOF_SHARE,
+            group=group,
+        )
+    )
     group = say("decode memory-bound", "decode 受内存带宽限制")
-    checks.append(lab.at_most(say("decode FLOPs/byte / ridge point", "decode 的 FLOP/字节 / 拐点"),
-                              decode_flops / decode_bytes / ridge, 1.0, group=group))  # fmt: skip
-    checks.append(lab.at_least(say("decode achieved / peak read bytes/s",
-                                   "decode 实际读取字节/s / 峰值读取字节/s"),
-                               achieved["decode step"][1] / gbps, ROOF_SHARE,
-                               group=group))  # fmt: skip
+    checks.append(
+        lab.at_most(
+            say("decode FLOPs/byte / ridge point", "decode 的 FLOP/字节 / 拐点"),
+            decode_flops / decode_bytes / ridge,
+            1.0,
+            group=group,
+        )
+    )
+    checks.append(
+        lab.at_least(
+            say("decode achieved / peak read bytes/s", "decode 实际读取字节/s / 峰值读取字节/s"),
+            achieved["decode step"][1] / gbps,
+            ROOF_SHARE,
+            group=group,
+        )
+    )
 
     lengths = ctx.pick((64, 128, 256, 512), (16, 32, 64, 128), (4, 8, 16, 32))
     engine = Engine(model, max_rows=1, max_seq_len=max(lengths) + 2)
@@ -178,20 +216,42 @@ def run(ctx: lab.RunContext) -> lab.Result:
     for n in lengths:
         prompt = torch.randint(0, cfg.vocab_size, (n,), generator=generator).tolist()
         ttft[n] = first_token_seconds(engine, prompt, ctx.pick(3, 1, 1))
-        rows.append({"phase": say(f"first token after a {n}-token prompt",
-                                  f"{n} 个 token 的 prompt 之后的首个 token"),
-                     "ms (CPU)": 1000 * ttft[n][0],
-                     say("wall ms (Engine TTFT)", "墙钟 ms（Engine TTFT）"): 1000 * ttft[n][1],
-                     "GFLOP": calc.prefill_flops(cfg, n) / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "phase": say(
+                    f"first token after a {n}-token prompt",
+                    f"{n} 个 token 的 prompt 之后的首个 token",
+                ),
+                "ms (CPU)": 1000 * ttft[n][0],
+                say("wall ms (Engine TTFT)", "墙钟 ms（Engine TTFT）"): 1000 * ttft[n][1],
+                "GFLOP": calc.prefill_flops(cfg, n) / 1e9,
+            }
+        )
     cpu = [ttft[n][0] for n in lengths]
     rises = sum(b > a for a, b in itertools.pairwise(cpu))
     group = say("first-token time grows with the prompt", "首 token 时间随 prompt 增长")
-    checks.append(lab.at_least(say("longer prompts with a longer first-token time",
-                                   "prompt 变长时首 token 时间也变长的次数"), rises,
-                               len(lengths) - 1, group=group))  # fmt: skip
-    checks.append(lab.at_least(say(f"first-token time, {lengths[-1]} / {lengths[0]} tokens",
-                                   f"首 token 时间，{lengths[-1]} / {lengths[0]} 个 token"),
-                               cpu[-1] / cpu[0], TTFT_GROWTH, group=group))  # fmt: skip
+    checks.append(
+        lab.at_least(
+            say(
+                "longer prompts with a longer first-token time",
+                "prompt 变长时首 token 时间也变长的次数",
+            ),
+            rises,
+            len(lengths) - 1,
+            group=group,
+        )
+    )
+    checks.append(
+        lab.at_least(
+            say(
+                f"first-token time, {lengths[-1]} / {lengths[0]} tokens",
+                f"首 token 时间，{lengths[-1]} / {lengths[0]} 个 token",
+            ),
+            cpu[-1] / cpu[0],
+            TTFT_GROWTH,
+            group=group,
+        )
+    )
     notes = _notes(ctx, name, phases, achieved, gflops, gbps, ridge, lengths, cpu)
     figure = _plot(phases, ridge, gflops, gbps, lengths, ttft)
     data = {
@@ -207,33 +267,40 @@ def _notes(ctx, name, phases, achieved, gflops, gbps, ridge, lengths, cpu) -> li
     say = ctx.say
     name_zh = NAMES_ZH.get(name, name)
     notes = [
-        say(f"model: {name}, one thread; peaks measured here: {gflops:.1f} GFLOP/s matmul, "
+        say(
+            f"model: {name}, one thread; peaks measured here: {gflops:.1f} GFLOP/s matmul, "
             f"{gbps:.1f} GB/s read, ridge {ridge:.1f} FLOP/byte; times are CPU seconds (process "
             "time), wall-clock TTFT from the Engine is shown beside them",
             f"模型：{name_zh}，单线程；这里测得的峰值：matmul {gflops:.1f} GFLOP/s，读取 "
             f"{gbps:.1f} GB/s，拐点 {ridge:.1f} FLOP/字节；时间是 CPU 秒数（进程时间），旁边列出 "
-            "Engine 报告的墙钟 TTFT")
-    ]  # fmt: skip
+            "Engine 报告的墙钟 TTFT",
+        )
+    ]
     for phase, (flops, nbytes, _) in phases.items():
         intensity = flops / nbytes
         above = intensity > ridge
         side = "above" if above else "below"
         flop_share, read_share = achieved[phase][0] / gflops, achieved[phase][1] / gbps
-        notes.append(say(
-            f"{phase}: {intensity:.1f} FLOP/byte, {side} the ridge; runs at "
-            f"{flop_share:.0%} of the FLOP/s peak and "
-            f"{read_share:.0%} of the read peak",
-            f"{PHASES_ZH[phase]}：{intensity:.1f} FLOP/字节，{'高于' if above else '低于'}拐点；"
-            f"运行速度达到 FLOP/s 峰值的 {flop_share:.0%}、读取峰值的 {read_share:.0%}",
-        ))  # fmt: skip
+        notes.append(
+            say(
+                f"{phase}: {intensity:.1f} FLOP/byte, {side} the ridge; runs at "
+                f"{flop_share:.0%} of the FLOP/s peak and "
+                f"{read_share:.0%} of the read peak",
+                f"{PHASES_ZH[phase]}：{intensity:.1f} FLOP/字节，"
+                f"{'高于' if above else '低于'}拐点；"
+                f"运行速度达到 FLOP/s 峰值的 {flop_share:.0%}、读取峰值的 {read_share:.0%}",
+            )
+        )
     slope = (cpu[-1] - cpu[0]) / (lengths[-1] - lengths[0])
     first_ms, last_ms, slope_ms = 1000 * cpu[0], 1000 * cpu[-1], 1000 * slope
-    notes.append(say(
-        f"first token: {first_ms:.0f} ms at {lengths[0]} tokens, {last_ms:.0f} ms at "
-        f"{lengths[-1]} ({slope_ms:.2f} ms per extra prompt token)",
-        f"首个 token：{lengths[0]} 个 token 时 {first_ms:.0f} ms，{lengths[-1]} 个时 "
-        f"{last_ms:.0f} ms（prompt 每多一个 token 多 {slope_ms:.2f} ms）",
-    ))  # fmt: skip
+    notes.append(
+        say(
+            f"first token: {first_ms:.0f} ms at {lengths[0]} tokens, {last_ms:.0f} ms at "
+            f"{lengths[-1]} ({slope_ms:.2f} ms per extra prompt token)",
+            f"首个 token：{lengths[0]} 个 token 时 {first_ms:.0f} ms，{lengths[-1]} 个时 "
+            f"{last_ms:.0f} ms（prompt 每多一个 token 多 {slope_ms:.2f} ms）",
+        )
+    )
     return notes
 
 

@@ -47,10 +47,13 @@ def previous_token_mass(model: nn.Module, ids: Tensor) -> tuple[Tensor, float]:
     with capture(model, residual=False) as cap:
         logits = model(ids)  # (B, T, V)
     queries = torch.arange(MIN_POSITION, ids.shape[1])
-    mass = torch.stack([
-        cap.attention[layer][:, :, queries, queries - 1].float().mean(dim=2)  # (B, H)
-        for layer in range(len(cap.attention))
-    ], dim=1)  # fmt: skip
+    mass = torch.stack(
+        [
+            cap.attention[layer][:, :, queries, queries - 1].float().mean(dim=2)  # (B, H)
+            for layer in range(len(cap.attention))
+        ],
+        dim=1,
+    )
     loss = nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), ids[:, 1:])
     return mass, loss.item()
 
@@ -103,8 +106,13 @@ def char_seed(ctx: lab.RunContext, seed: int) -> CharSeed:
     windows = random_windows(gpt.val_ids, ctx.pick(64, 32, 4), gpt.recipe.context, generator)
     ids = windows["input_ids"]
     tail = gpt.train_losses[-20:]
-    return CharSeed(Reading.of(gpt.model, ids), Reading.of(random_twin(gpt.model, seed), ids),
-                    sum(tail) / len(tail), len(gpt.train_losses), gpt.train_losses)  # fmt: skip
+    return CharSeed(
+        Reading.of(gpt.model, ids),
+        Reading.of(random_twin(gpt.model, seed), ids),
+        sum(tail) / len(tail),
+        len(gpt.train_losses),
+        gpt.train_losses,
+    )
 
 
 def smollm2(ctx: lab.RunContext) -> tuple[nn.Module, Tensor, str]:
@@ -169,31 +177,57 @@ def _rows(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random: 
         return ", ".join("L{}H{}".format(*r.head) for r in readings)
 
     return [
-        {what: ctx.say("chosen head (highest on the choosing half)",
-                       "选出的头（选择那一半上最高）"),
-         char: heads([c.trained for c in chars]), char_random: heads([c.random for c in chars]),
-         pre: heads([smol]), pre_random: heads([smol_random])},
-        {what: ctx.say("chosen head's attention on t - 1, held-out half",
-                       "选出的头在留出那一半上对 t - 1 的注意力"),
-         char: str(spread["best"]), char_random: str(spread["random best"]), pre: smol.best,
-         pre_random: smol_random.best},
-        {what: ctx.say(f"share of heads with >= {MIN_PREVIOUS_MASS} on t - 1",
-                       f"对 t - 1 的注意力 >= {MIN_PREVIOUS_MASS} 的头所占比例"),
-         char: str(spread["share"]), char_random: str(spread["random share"]),
-         pre: smol.share, pre_random: smol_random.share},
-        {what: ctx.say("the median head's attention on t - 1", "中位数头对 t - 1 的注意力"),
-         char: str(lab.over_seeds([c.trained.median for c in chars])),
-         char_random: str(lab.over_seeds([c.random.median for c in chars])),
-         pre: smol.median, pre_random: smol_random.median},
-        {what: ctx.say("mean attention on t - 1 over all heads", "所有头对 t - 1 的平均注意力"),
-         char: str(lab.over_seeds([c.trained.mass.mean().item() for c in chars])),
-         char_random: str(lab.over_seeds([c.random.mass.mean().item() for c in chars])),
-         pre: smol.mass.mean().item(), pre_random: smol_random.mass.mean().item()},
-        {what: ctx.say("held-out loss (nats / token)", "留出文本上的损失（nats / token）"),
-         char: str(lab.over_seeds([c.trained.loss for c in chars])),
-         char_random: str(lab.over_seeds([c.random.loss for c in chars])),
-         pre: smol.loss, pre_random: smol_random.loss},
-    ]  # fmt: skip
+        {
+            what: ctx.say(
+                "chosen head (highest on the choosing half)", "选出的头（选择那一半上最高）"
+            ),
+            char: heads([c.trained for c in chars]),
+            char_random: heads([c.random for c in chars]),
+            pre: heads([smol]),
+            pre_random: heads([smol_random]),
+        },
+        {
+            what: ctx.say(
+                "chosen head's attention on t - 1, held-out half",
+                "选出的头在留出那一半上对 t - 1 的注意力",
+            ),
+            char: str(spread["best"]),
+            char_random: str(spread["random best"]),
+            pre: smol.best,
+            pre_random: smol_random.best,
+        },
+        {
+            what: ctx.say(
+                f"share of heads with >= {MIN_PREVIOUS_MASS} on t - 1",
+                f"对 t - 1 的注意力 >= {MIN_PREVIOUS_MASS} 的头所占比例",
+            ),
+            char: str(spread["share"]),
+            char_random: str(spread["random share"]),
+            pre: smol.share,
+            pre_random: smol_random.share,
+        },
+        {
+            what: ctx.say("the median head's attention on t - 1", "中位数头对 t - 1 的注意力"),
+            char: str(lab.over_seeds([c.trained.median for c in chars])),
+            char_random: str(lab.over_seeds([c.random.median for c in chars])),
+            pre: smol.median,
+            pre_random: smol_random.median,
+        },
+        {
+            what: ctx.say("mean attention on t - 1 over all heads", "所有头对 t - 1 的平均注意力"),
+            char: str(lab.over_seeds([c.trained.mass.mean().item() for c in chars])),
+            char_random: str(lab.over_seeds([c.random.mass.mean().item() for c in chars])),
+            pre: smol.mass.mean().item(),
+            pre_random: smol_random.mass.mean().item(),
+        },
+        {
+            what: ctx.say("held-out loss (nats / token)", "留出文本上的损失（nats / token）"),
+            char: str(lab.over_seeds([c.trained.loss for c in chars])),
+            char_random: str(lab.over_seeds([c.random.loss for c in chars])),
+            pre: smol.loss,
+            pre_random: smol_random.loss,
+        },
+    ]
 
 
 def _checks(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random: Reading):
@@ -201,39 +235,92 @@ def _checks(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random
     pretrained = ctx.say("SmolLM2 (pretrained)", "SmolLM2（预训练）")
     worst = max(c.final_loss for c in chars)
     return [
-        lab.precondition(lab.at_most(
-            ctx.say("char GPT, worst random seed: final training loss (nats/char, last 20 "
-                    "steps)", "字符级 GPT，最差的随机种子：最终训练损失（nats/字符，最后 20 步）"),
-            worst, MAX_CHAR_TRAIN_LOSS)),
-        *(lab.converged(ctx.say(f"char GPT, seed {seed}: relative loss drop over the last fifth "
-                                "of training", f"字符级 GPT，随机种子 {seed}：训练最后五分之一的"
-                                "损失相对降幅"),
-                        c.losses, max(1, len(c.losses) // 5), PLATEAU_TOLERANCE)
-          for seed, c in zip(ctx.seeds(), chars, strict=True)),
-        lab.precondition(lab.at_most(
-            ctx.say("SmolLM2: loss on held-out Shakespeare (nats / token)",
-                    "SmolLM2：留出的莎士比亚文本上的损失（nats / token）"),
-            smol.loss, MAX_SMOLLM2_LOSS)),
-        lab.at_least(ctx.say("char GPT: chosen head's attention on t - 1 (mean over seeds)",
-                             "字符级 GPT：选出的头对 t - 1 的注意力（随机种子间均值）"),
-                     spread["best"].mean, MIN_PREVIOUS_MASS, group=here),
-        lab.at_least(ctx.say("char GPT: chosen head's attention on t - 1 / random weights'",
-                             "字符级 GPT：选出的头对 t - 1 的注意力 / 随机权重的"),
-                     spread["best"].mean / spread["random best"].mean, MIN_RATIO_TO_RANDOM,
-                     group=here),
-        lab.at_least(ctx.say("char GPT: chosen head's attention on t - 1 / the median head's",
-                             "字符级 GPT：选出的头对 t - 1 的注意力 / 中位数头的"),
-                     spread["over median"].mean, MIN_RATIO_TO_MEDIAN, group=here),
-        lab.at_least(ctx.say("SmolLM2: chosen head's attention on t - 1",
-                             "SmolLM2：选出的头对 t - 1 的注意力"),
-                     smol.best, MIN_PREVIOUS_MASS, group=pretrained),
-        lab.at_least(ctx.say("SmolLM2: chosen head's attention on t - 1 / random weights'",
-                             "SmolLM2：选出的头对 t - 1 的注意力 / 随机权重的"),
-                     smol.best / smol_random.best, MIN_RATIO_TO_RANDOM, group=pretrained),
-        lab.at_least(ctx.say("SmolLM2: chosen head's attention on t - 1 / the median head's",
-                             "SmolLM2：选出的头对 t - 1 的注意力 / 中位数头的"),
-                     smol.best / smol.median, MIN_RATIO_TO_MEDIAN, group=pretrained),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_most(
+                ctx.say(
+                    "char GPT, worst random seed: final training loss (nats/char, last 20 steps)",
+                    "字符级 GPT，最差的随机种子：最终训练损失（nats/字符，最后 20 步）",
+                ),
+                worst,
+                MAX_CHAR_TRAIN_LOSS,
+            )
+        ),
+        *(
+            lab.converged(
+                ctx.say(
+                    f"char GPT, seed {seed}: relative loss drop over the last fifth of training",
+                    f"字符级 GPT，随机种子 {seed}：训练最后五分之一的损失相对降幅",
+                ),
+                c.losses,
+                max(1, len(c.losses) // 5),
+                PLATEAU_TOLERANCE,
+            )
+            for seed, c in zip(ctx.seeds(), chars, strict=True)
+        ),
+        lab.precondition(
+            lab.at_most(
+                ctx.say(
+                    "SmolLM2: loss on held-out Shakespeare (nats / token)",
+                    "SmolLM2：留出的莎士比亚文本上的损失（nats / token）",
+                ),
+                smol.loss,
+                MAX_SMOLLM2_LOSS,
+            )
+        ),
+        lab.at_least(
+            ctx.say(
+                "char GPT: chosen head's attention on t - 1 (mean over seeds)",
+                "字符级 GPT：选出的头对 t - 1 的注意力（随机种子间均值）",
+            ),
+            spread["best"].mean,
+            MIN_PREVIOUS_MASS,
+            group=here,
+        ),
+        lab.at_least(
+            ctx.say(
+                "char GPT: chosen head's attention on t - 1 / random weights'",
+                "字符级 GPT：选出的头对 t - 1 的注意力 / 随机权重的",
+            ),
+            spread["best"].mean / spread["random best"].mean,
+            MIN_RATIO_TO_RANDOM,
+            group=here,
+        ),
+        lab.at_least(
+            ctx.say(
+                "char GPT: chosen head's attention on t - 1 / the median head's",
+                "字符级 GPT：选出的头对 t - 1 的注意力 / 中位数头的",
+            ),
+            spread["over median"].mean,
+            MIN_RATIO_TO_MEDIAN,
+            group=here,
+        ),
+        lab.at_least(
+            ctx.say(
+                "SmolLM2: chosen head's attention on t - 1", "SmolLM2：选出的头对 t - 1 的注意力"
+            ),
+            smol.best,
+            MIN_PREVIOUS_MASS,
+            group=pretrained,
+        ),
+        lab.at_least(
+            ctx.say(
+                "SmolLM2: chosen head's attention on t - 1 / random weights'",
+                "SmolLM2：选出的头对 t - 1 的注意力 / 随机权重的",
+            ),
+            smol.best / smol_random.best,
+            MIN_RATIO_TO_RANDOM,
+            group=pretrained,
+        ),
+        lab.at_least(
+            ctx.say(
+                "SmolLM2: chosen head's attention on t - 1 / the median head's",
+                "SmolLM2：选出的头对 t - 1 的注意力 / 中位数头的",
+            ),
+            smol.best / smol.median,
+            MIN_RATIO_TO_MEDIAN,
+            group=pretrained,
+        ),
+    ]
 
 
 def _notes(ctx, chars: list[CharSeed], smol: Reading, name: str, ids: Tensor) -> list[str]:
@@ -241,22 +328,25 @@ def _notes(ctx, chars: list[CharSeed], smol: Reading, name: str, ids: Tensor) ->
     n_heads = smol.mass.numel()
     count = round(smol.share * n_heads)
     return [
-        ctx.say(f"char GPT: {len(chars)} random seed(s), {gpt.steps} training steps each on "
-                "Shakespeare; windows from the held-out tenth of the corpus; queries from "
-                f"position {MIN_POSITION} on",
-                f"字符级 GPT：{len(chars)} 个随机种子，每个在莎士比亚文本上训练 {gpt.steps} 步；"
-                f"窗口取自语料留出的最后十分之一；只计位置 {MIN_POSITION} 起的查询"),
-        ctx.say(f"{name}: {ids.shape[0]} windows of {ids.shape[1]} tokens; {count} of its "
-                f"{n_heads} heads put >= {MIN_PREVIOUS_MASS} of their attention on t - 1 "
-                f"(the chosen one, layer {smol.head[0]} head {smol.head[1]}: {smol.best:.2f})",
-                f"{name}：{ids.shape[0]} 个 {ids.shape[1]} token 的窗口；{n_heads} 个头中有 "
-                f"{count} 个把 >= {MIN_PREVIOUS_MASS} 的注意力放在 t - 1 上（选出的第 "
-                f"{smol.head[0]} 层第 {smol.head[1]} 个头：{smol.best:.2f}）"),
-    ]  # fmt: skip
+        ctx.say(
+            f"char GPT: {len(chars)} random seed(s), {gpt.steps} training steps each on "
+            "Shakespeare; windows from the held-out tenth of the corpus; queries from "
+            f"position {MIN_POSITION} on",
+            f"字符级 GPT：{len(chars)} 个随机种子，每个在莎士比亚文本上训练 {gpt.steps} 步；"
+            f"窗口取自语料留出的最后十分之一；只计位置 {MIN_POSITION} 起的查询",
+        ),
+        ctx.say(
+            f"{name}: {ids.shape[0]} windows of {ids.shape[1]} tokens; {count} of its "
+            f"{n_heads} heads put >= {MIN_PREVIOUS_MASS} of their attention on t - 1 "
+            f"(the chosen one, layer {smol.head[0]} head {smol.head[1]}: {smol.best:.2f})",
+            f"{name}：{ids.shape[0]} 个 {ids.shape[1]} token 的窗口；{n_heads} 个头中有 "
+            f"{count} 个把 >= {MIN_PREVIOUS_MASS} 的注意力放在 t - 1 上（选出的第 "
+            f"{smol.head[0]} 层第 {smol.head[1]} 个头：{smol.best:.2f}）",
+        ),
+    ]
 
 
-def _plot(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random: Reading,
-          name: str):  # fmt: skip
+def _plot(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random: Reading, name: str):
     fig, (bars, mine, theirs) = lab.new_figure(14.0, 4.2, ncols=3)
     labels = ["char GPT", "char GPT\nrandom", name, f"{name}\nrandom"]
     values = [spread["best"].mean, spread["random best"].mean, smol.best, smol_random.best]
@@ -264,16 +354,26 @@ def _plot(ctx, chars: list[CharSeed], spread: dict, smol: Reading, smol_random: 
     bars.bar(range(4), values, yerr=errors, capsize=4, color=["C0", "C7", "C1", "C7"])
     bars.axhline(MIN_PREVIOUS_MASS, color="k", linestyle=":", label="threshold")
     bars.set_xticks(range(4), labels, fontsize=8)
-    bars.set(ylabel="chosen head's attention on t - 1", ylim=(0, 1),
-             title="held-out half (char GPT: mean ± spread over seeds)")  # fmt: skip
+    bars.set(
+        ylabel="chosen head's attention on t - 1",
+        ylim=(0, 1),
+        title="held-out half (char GPT: mean ± spread over seeds)",
+    )
     bars.legend(fontsize=7)
-    panels = ((mine, chars[0].trained.mass, f"char GPT, seed {ctx.seed}"),
-              (theirs, smol.mass, name))  # fmt: skip
+    panels = (
+        (mine, chars[0].trained.mass, f"char GPT, seed {ctx.seed}"),
+        (theirs, smol.mass, name),
+    )
     for ax, mass, title in panels:
         image = ax.imshow(mass.numpy(), cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
         n_layers, n_heads = mass.shape
-        ax.set(xlabel="head", ylabel="layer", title=title, xticks=range(n_heads),
-               yticks=range(0, n_layers, max(1, n_layers // 10)))  # fmt: skip
+        ax.set(
+            xlabel="head",
+            ylabel="layer",
+            title=title,
+            xticks=range(n_heads),
+            yticks=range(0, n_layers, max(1, n_layers // 10)),
+        )
         ax.tick_params(labelsize=7)
     fig.colorbar(image, ax=theirs, label="mean attention on t - 1")
     return fig

@@ -61,11 +61,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
         eager_s, weights_bytes = attention_seconds("eager", length, repeats, ctx.seed)
         sdpa_s, _ = attention_seconds("sdpa", length, repeats, ctx.seed)
         timings[length] = (eager_s, sdpa_s, weights_bytes)
-        rows.append({say("T", "T（token 数）"): length,
-                     say("eager ms", "eager 耗时 ms"): 1e3 * eager_s,
-                     say("sdpa ms", "sdpa 耗时 ms"): 1e3 * sdpa_s,
-                     say("eager weights MiB", "eager 权重 MiB"):
-                     weights_bytes / 2**20})  # fmt: skip
+        rows.append(
+            {
+                say("T", "T（token 数）"): length,
+                say("eager ms", "eager 耗时 ms"): 1e3 * eager_s,
+                say("sdpa ms", "sdpa 耗时 ms"): 1e3 * sdpa_s,
+                say("eager weights MiB", "eager 权重 MiB"): weights_bytes / 2**20,
+            }
+        )
     short, long = lengths[0], lengths[-1]
     growth = long / short
     eager_growth = timings[long][0] / timings[short][0]
@@ -73,44 +76,77 @@ def run(ctx: lab.RunContext) -> lab.Result:
     compute = say(COMPUTE, "注意力耗时按 n² 增长")
     checks = [
         # setup: the eager path materializes the [B, H, T, T] weights it is meant to
-        lab.precondition(lab.approx(
-            say(f"eager weights bytes, T={long} / T={short} - (x{growth:g})²",
-                f"eager 权重矩阵字节数，T={long} / T={short} 减 (x{growth:g})²"),
-            timings[long][2] / timings[short][2] - growth**2, 0, 1e-9)),
-        lab.at_least(say(f"eager time, T={long} / T={short} (x{growth:g} length)",
-                         f"eager 耗时，T={long} / T={short}（长度 x{growth:g}）"), eager_growth,
-                     MIN_TIME_GROWTH, group=compute),
-        lab.at_least(say(f"SDPA time, T={long} / T={short} (x{growth:g} length)",
-                         f"SDPA 耗时，T={long} / T={short}（长度 x{growth:g}）"), sdpa_growth,
-                     MIN_TIME_GROWTH, group=compute),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.approx(
+                say(
+                    f"eager weights bytes, T={long} / T={short} - (x{growth:g})²",
+                    f"eager 权重矩阵字节数，T={long} / T={short} 减 (x{growth:g})²",
+                ),
+                timings[long][2] / timings[short][2] - growth**2,
+                0,
+                1e-9,
+            )
+        ),
+        lab.at_least(
+            say(
+                f"eager time, T={long} / T={short} (x{growth:g} length)",
+                f"eager 耗时，T={long} / T={short}（长度 x{growth:g}）",
+            ),
+            eager_growth,
+            MIN_TIME_GROWTH,
+            group=compute,
+        ),
+        lab.at_least(
+            say(
+                f"SDPA time, T={long} / T={short} (x{growth:g} length)",
+                f"SDPA 耗时，T={long} / T={short}（长度 x{growth:g}）",
+            ),
+            sdpa_growth,
+            MIN_TIME_GROWTH,
+            group=compute,
+        ),
+    ]
     rows += [
-        {"T": say("calc: Llama-7B attention FLOPs, 1,000 → 10,000 tokens",
-                  "calc：Llama-7B 注意力 FLOPs，1,000 → 10,000 个 token"),
-         say("calc ratio", "calc 比值"): counted[10_000] / counted[1000]},
-        {"T": say("calc: Llama-7B attention FLOPs, 512 → 8192 tokens",
-                  "calc：Llama-7B 注意力 FLOPs，512 → 8192 个 token"),
-         "calc ratio": counted[8192] / counted[512]},
-    ]  # fmt: skip
+        {
+            "T": say(
+                "calc: Llama-7B attention FLOPs, 1,000 → 10,000 tokens",
+                "calc：Llama-7B 注意力 FLOPs，1,000 → 10,000 个 token",
+            ),
+            say("calc ratio", "calc 比值"): counted[10_000] / counted[1000],
+        },
+        {
+            "T": say(
+                "calc: Llama-7B attention FLOPs, 512 → 8192 tokens",
+                "calc：Llama-7B 注意力 FLOPs，512 → 8192 个 token",
+            ),
+            "calc ratio": counted[8192] / counted[512],
+        },
+    ]
     square, weights_mib = growth**2, timings[long][2] / 2**20
     notes = [
-        say(f"one causal attention call, {N_HEADS} heads x {HEAD_DIM}, best of {repeats}; over "
+        say(
+            f"one causal attention call, {N_HEADS} heads x {HEAD_DIM}, best of {repeats}; over "
             f"x{growth:g} length the eager path's time grows x{eager_growth:.1f} and SDPA's "
             f"x{sdpa_growth:.1f} (linear: x{growth:g}, quadratic: x{square:g})",
             f"一次因果注意力调用，{N_HEADS} 个头 x {HEAD_DIM} 维，取 {repeats} 次中最快的一次；长度"
             f"增至 x{growth:g} 时，eager 路径的耗时增至 x{eager_growth:.1f}，SDPA 的增至 "
-            f"x{sdpa_growth:.1f}（线性应为 x{growth:g}，平方应为 x{square:g}）"),
-        say("the calc rows (the seed's x100 and x256) are the closed form: attention FLOPs per "
+            f"x{sdpa_growth:.1f}（线性应为 x{growth:g}，平方应为 x{square:g}）",
+        ),
+        say(
+            "the calc rows (the seed's x100 and x256) are the closed form: attention FLOPs per "
             "token grow with the context, so a whole sequence costs n²",
             "calc 两行（原文的 x100 与 x256）是闭式公式：每个 token 的注意力 FLOPs 随上下文增长，"
-            "所以整条序列的代价是 n²"),
-        say(f"memory: the eager path keeps [H, T, T] weights ({weights_mib:.0f} MiB at "
+            "所以整条序列的代价是 n²",
+        ),
+        say(
+            f"memory: the eager path keeps [H, T, T] weights ({weights_mib:.0f} MiB at "
             f"T={long}); torch's fused SDPA is built not to keep them (the kind of fix seed 002 "
             "names: Flash Attention); memory is not measured here beyond that tensor's size",
             f"内存：eager 路径保留 [H, T, T] 权重矩阵（T={long} 时 {weights_mib:.0f} MiB）；torch "
             "的融合 SDPA 就是为了不保留它而设计的（即教程 002 提到的那类解法：Flash Attention）；"
-            "除这个张量的大小外，这里没有测量内存"),
-    ]  # fmt: skip
+            "除这个张量的大小外，这里没有测量内存",
+        ),
+    ]
     figure = _plot(lengths, timings)
     data = {"attention_flops_llama7b": counted, "heads": N_HEADS, "head_dim": HEAD_DIM}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
@@ -121,12 +157,23 @@ def _plot(lengths: list[int], timings: dict):
     left.plot(lengths, [1e3 * timings[t][0] for t in lengths], marker="o", label="eager")
     left.plot(lengths, [1e3 * timings[t][1] for t in lengths], marker="o", label="SDPA")
     base = 1e3 * timings[lengths[0]][0]
-    left.plot(lengths, [base * (t / lengths[0]) ** 2 for t in lengths], ":", color="gray",
-              label="∝ T²")  # fmt: skip
-    left.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms per attention call",
-             title=f"one causal attention layer, {N_HEADS} heads x {HEAD_DIM}")  # fmt: skip
+    left.plot(
+        lengths, [base * (t / lengths[0]) ** 2 for t in lengths], ":", color="gray", label="∝ T²"
+    )
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="T (tokens)",
+        ylabel="ms per attention call",
+        title=f"one causal attention layer, {N_HEADS} heads x {HEAD_DIM}",
+    )
     left.legend(fontsize=7)
     right.plot(lengths, [timings[t][2] / 2**20 for t in lengths], marker="o")
-    right.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="MiB",
-              title="the [H, T, T] weights eager attention builds")  # fmt: skip
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="T (tokens)",
+        ylabel="MiB",
+        title="the [H, T, T] weights eager attention builds",
+    )
     return fig

@@ -29,8 +29,11 @@ PASSES = ("forward", "forward+backward")
 # medians of interleaved repeats move by on this shared machine.
 MARGIN = 0.05
 REDUCTIONS = {"mean", "sum", "var", "var_mean", "std", "native_layer_norm"}
-WAYS_ZH = {"glassformer modules": "glassformer 模块", "torch ops": "torch 算子",
-           "written out": "逐个张量运算写出"}  # fmt: skip
+WAYS_ZH = {
+    "glassformer modules": "glassformer 模块",
+    "torch ops": "torch 算子",
+    "written out": "逐个张量运算写出",
+}
 PASSES_ZH = {"forward": "前向", "forward+backward": "前向+反向"}
 SHAPES_ZH = {
     "GPT-2 batch 8x512 tokens x 768": "GPT-2 批次 8x512 个 token x 768",
@@ -125,10 +128,15 @@ def op_rows(x: Tensor) -> list[dict]:
     for way, pair in implementations(x.shape[-1]).items():
         for norm_name, norm in pair.items():
             ops = count_ops(norm, x)
-            rows.append({"way": way, "norm": norm_name, "aten ops": sum(ops.values()),
-                         "reductions": sum(ops[r] for r in REDUCTIONS),
-                         "ops": ", ".join(f"{k} x{v}" if v > 1 else k
-                                          for k, v in ops.items())})  # fmt: skip
+            rows.append(
+                {
+                    "way": way,
+                    "norm": norm_name,
+                    "aten ops": sum(ops.values()),
+                    "reductions": sum(ops[r] for r in REDUCTIONS),
+                    "ops": ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.items()),
+                }
+            )
     return rows
 
 
@@ -160,24 +168,42 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 t = timed_rounds(pair, x, pass_name != "forward", rounds, repeats)
                 rms, ln = t["RMSNorm"], t["LayerNorm"]
                 results[(shape_name, way, pass_name)] = (rms.mean, ln.mean)
-                rows.append({say("shape", "形状"): shape_name, say("way", "实现方式"): way,
-                             say("pass", "计算"): pass_name,
-                             say("RMSNorm ms", "RMSNorm 耗时 ms"):
-                             f"{1000 * rms.mean:.2f} ± {1000 * rms.spread:.2f}",
-                             say("LayerNorm ms", "LayerNorm 耗时 ms"):
-                             f"{1000 * ln.mean:.2f} ± {1000 * ln.spread:.2f}",
-                             say("RMS / LN", "RMS / LN 耗时比"): rms.mean / ln.mean,
-                             say("forward aten ops RMS / LN", "前向 aten 算子数 RMS / LN"):
-                             f"{ops[(way, 'RMSNorm')]} / {ops[(way, 'LayerNorm')]}"})  # fmt: skip
-                checks.append(lab.exceeds_spread(
-                    say(f"{shape_name}, {way}, {pass_name}: LayerNorm - RMSNorm seconds",
-                        f"{SHAPES_ZH[shape_name]}，{WAYS_ZH[way]}，{PASSES_ZH[pass_name]}："
-                        "LayerNorm 减 RMSNorm 的秒数"), ln, rms,
-                    margin=MARGIN * ln.mean, group=way))  # fmt: skip
+                rows.append(
+                    {
+                        say("shape", "形状"): shape_name,
+                        say("way", "实现方式"): way,
+                        say("pass", "计算"): pass_name,
+                        say(
+                            "RMSNorm ms", "RMSNorm 耗时 ms"
+                        ): f"{1000 * rms.mean:.2f} ± {1000 * rms.spread:.2f}",
+                        say(
+                            "LayerNorm ms", "LayerNorm 耗时 ms"
+                        ): f"{1000 * ln.mean:.2f} ± {1000 * ln.spread:.2f}",
+                        say("RMS / LN", "RMS / LN 耗时比"): rms.mean / ln.mean,
+                        say(
+                            "forward aten ops RMS / LN", "前向 aten 算子数 RMS / LN"
+                        ): f"{ops[(way, 'RMSNorm')]} / {ops[(way, 'LayerNorm')]}",
+                    }
+                )
+                checks.append(
+                    lab.exceeds_spread(
+                        say(
+                            f"{shape_name}, {way}, {pass_name}: LayerNorm - RMSNorm seconds",
+                            f"{SHAPES_ZH[shape_name]}，{WAYS_ZH[way]}，{PASSES_ZH[pass_name]}："
+                            "LayerNorm 减 RMSNorm 的秒数",
+                        ),
+                        ln,
+                        rms,
+                        margin=MARGIN * ln.mean,
+                        group=way,
+                    )
+                )
     notes = _notes(ctx, results, ops_rows, rounds, repeats)
     figure = _plot(results, shapes)
-    data = {"seconds": {" | ".join(k): {"rms": v[0], "ln": v[1]} for k, v in results.items()},
-            "forward_ops": ops_rows}  # fmt: skip
+    data = {
+        "seconds": {" | ".join(k): {"rms": v[0], "ln": v[1]} for k, v in results.items()},
+        "forward_ops": ops_rows,
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
@@ -192,22 +218,31 @@ def _notes(ctx, results: dict, ops_rows: list[dict], rounds: int, repeats: int) 
     for way in ("glassformer modules", "torch ops", "written out"):
         ratios = [rms / ln for (_, w, _), (rms, ln) in results.items() if w == way]
         ops = {r["norm"]: r for r in ops_rows if r["way"] == way}
-        counts = "; ".join(f"{name} {r['aten ops']} ops ({r['ops']}), {r['reductions']} "
-                           "reduction(s)" for name, r in ops.items())  # fmt: skip
-        counts_zh = "；".join(f"{name} {r['aten ops']} 个算子（{r['ops']}），{r['reductions']} "
-                              "个归约" for name, r in ops.items())  # fmt: skip
+        counts = "; ".join(
+            f"{name} {r['aten ops']} ops ({r['ops']}), {r['reductions']} reduction(s)"
+            for name, r in ops.items()
+        )
+        counts_zh = "；".join(
+            f"{name} {r['aten ops']} 个算子（{r['ops']}），{r['reductions']} 个归约"
+            for name, r in ops.items()
+        )
         low, high = min(ratios), max(ratios)
-        notes.append(say(f"{way}: RMSNorm / LayerNorm time {low:.2f}-{high:.2f}; "
-                         f"forward: {counts}",
-                         f"{WAYS_ZH[way]}：RMSNorm / LayerNorm 耗时比 {low:.2f}-{high:.2f}；"
-                         f"前向：{counts_zh}"))  # fmt: skip
+        notes.append(
+            say(
+                f"{way}: RMSNorm / LayerNorm time {low:.2f}-{high:.2f}; forward: {counts}",
+                f"{WAYS_ZH[way]}：RMSNorm / LayerNorm 耗时比 {low:.2f}-{high:.2f}；"
+                f"前向：{counts_zh}",
+            )
+        )
     if any("native_layer_norm" in r["ops"] for r in ops_rows):
-        notes.append(say(
-            "native_layer_norm is one fused kernel that computes both statistics in one "
-            "pass; F.rms_norm dispatches its formula as separate ops on this CPU build",
-            "native_layer_norm 是一个融合内核，一遍就算出两个统计量；在这个 CPU 版本上，"
-            "F.rms_norm 把它的公式拆成多个独立算子分派",
-        ))  # fmt: skip
+        notes.append(
+            say(
+                "native_layer_norm is one fused kernel that computes both statistics in one "
+                "pass; F.rms_norm dispatches its formula as separate ops on this CPU build",
+                "native_layer_norm 是一个融合内核，一遍就算出两个统计量；在这个 CPU 版本上，"
+                "F.rms_norm 把它的公式拆成多个独立算子分派",
+            )
+        )
     return notes
 
 

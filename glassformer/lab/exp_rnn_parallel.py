@@ -31,8 +31,11 @@ MIN_SPEEDUP = 1.0
 LONGER_SLOWER = "recurrent training is slower the longer the sequence"
 ONE_PASS_FASTER = "the one-pass Transformer trains faster"
 RNN, LSTM, GPT = "RNN cell (tutorial, Python loop)", "LSTM (torch, fused)", "GPT (one pass)"
-MODELS_ZH = {RNN: "RNN 单元（教程写法，Python 循环）", LSTM: "LSTM（torch 融合实现）",
-             GPT: "GPT（一次读完）"}  # fmt: skip
+MODELS_ZH = {
+    RNN: "RNN 单元（教程写法，Python 循环）",
+    LSTM: "LSTM（torch 融合实现）",
+    GPT: "GPT（一次读完）",
+}
 
 
 def _models(ctx: lab.RunContext) -> dict[str, torch.nn.Module]:
@@ -92,30 +95,47 @@ def run(ctx: lab.RunContext) -> lab.Result:
     one_pass_faster = say(ONE_PASS_FASTER, "一次读完整条序列的 Transformer 训练更快")
     checks = []
     for name in (RNN, LSTM):
-        checks.append(lab.at_least(say(f"{name}: time at T={longest} / T={shortest}, {tokens} "
-                                       "tokens per step",
-                                       f"{MODELS_ZH[name]}：T={longest} 与 T={shortest} "
-                                       f"的耗时之比，每步 {tokens} 个 token"),
-                                   seconds[name, longest] / seconds[name, shortest],
-                                   MIN_RNN_GROWTH, group=longer_slower))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{name}: time at T={longest} / T={shortest}, {tokens} tokens per step",
+                    f"{MODELS_ZH[name]}：T={longest} 与 T={shortest} "
+                    f"的耗时之比，每步 {tokens} 个 token",
+                ),
+                seconds[name, longest] / seconds[name, shortest],
+                MIN_RNN_GROWTH,
+                group=longer_slower,
+            )
+        )
     for name in (RNN, LSTM):
-        checks.append(lab.at_least(say(f"{name} / GPT time at T={longest}",
-                                       f"T={longest} 时 {MODELS_ZH[name]} 与 GPT 的耗时之比"),
-                                   seconds[name, longest] / seconds[GPT, longest], MIN_SPEEDUP,
-                                   group=one_pass_faster))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{name} / GPT time at T={longest}",
+                    f"T={longest} 时 {MODELS_ZH[name]} 与 GPT 的耗时之比",
+                ),
+                seconds[name, longest] / seconds[GPT, longest],
+                MIN_SPEEDUP,
+                group=one_pass_faster,
+            )
+        )
     growth = {row["model"]: row["longest / shortest"] for row in rows}
     notes = [
-        say(f"at {tokens} tokens per step, from T={shortest} to T={longest}, the step time changes "
+        say(
+            f"at {tokens} tokens per step, from T={shortest} to T={longest}, the step time changes "
             + ", ".join(f"x{growth[name]:.2f} for {name}" for name in models)
             + " (the GPT's attention grows with T; the recurrent models' arithmetic does not)",
             f"每步 {tokens} 个 token，从 T={shortest} 到 T={longest}，每步耗时的变化："
             + "，".join(f"{MODELS_ZH[name]} x{growth[name]:.2f}" for name in models)
-            + "（GPT 的注意力计算量随 T 增长，循环模型的计算量不随 T 变）"),
-        say(f"median of {runs} timed steps after a warm-up, one CPU thread; the seed's 'GPU "
+            + "（GPT 的注意力计算量随 T 增长，循环模型的计算量不随 T 变）",
+        ),
+        say(
+            f"median of {runs} timed steps after a warm-up, one CPU thread; the seed's 'GPU "
             "大量算力闲置' is not measured here (no GPU)",
             f"预热一步后计时 {runs} 步取中位数，单个 CPU 线程；原文的“GPU 大量算力闲置”这里没有"
-            "测量（没有 GPU）"),
-    ]  # fmt: skip
+            "测量（没有 GPU）",
+        ),
+    ]
     figure = _plot(models, lengths, seconds)
     data = {"tokens_per_step": tokens, "seconds": {f"{n}|{t}": s for (n, t), s in seconds.items()}}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
@@ -125,7 +145,12 @@ def _plot(models, lengths, seconds):
     fig, ax = lab.new_figure(6.0, 3.4)
     for name in models:
         ax.plot(lengths, [1e3 * seconds[name, t] for t in lengths], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="T (tokens per sequence)",
-           ylabel="ms per training step", title="same tokens per step")  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="T (tokens per sequence)",
+        ylabel="ms per training step",
+        title="same tokens per step",
+    )
     ax.legend(fontsize=7)
     return fig

@@ -86,52 +86,102 @@ def run(ctx: lab.RunContext) -> lab.Result:
         ctx.pick(24, 12, 3),
         ctx.pick(20000, 6000, 1000),
     )
-    outs = {t: [engine.generate(prompt, n_tokens, temperature=t, seed=s).token_ids
-                for s in range(n_samples)] for t in TEMPERATURES}  # fmt: skip
+    outs = {
+        t: [
+            engine.generate(prompt, n_tokens, temperature=t, seed=s).token_ids
+            for s in range(n_samples)
+        ]
+        for t in TEMPERATURES
+    }
     distinct = {t: len({tuple(o) for o in outs[t]}) for t in TEMPERATURES}
     greedy = outs[0.0][0]
     matches = greedy_matches(model, prompt, greedy)
     cut = {}  # label -> (kept by the reference, draws outside it, TV distance)
     for label, top_k, top_p in ((f"top-k {TOP_K}", TOP_K, None), (f"top-p {TOP_P}", None, TOP_P)):
         reference = reference_truncated(logits[0].numpy(), top_k, top_p)
-        drawn = draw_frequencies(logits, SamplingParams(1.0, top_k=top_k, top_p=top_p), n_draws,
-                                 ctx.seed)  # fmt: skip
-        cut[label] = (int((reference > 0).sum()), float(drawn[reference == 0].sum()),
-                      0.5 * float(np.abs(drawn - reference).sum()))  # fmt: skip
+        drawn = draw_frequencies(
+            logits, SamplingParams(1.0, top_k=top_k, top_p=top_p), n_draws, ctx.seed
+        )
+        cut[label] = (
+            int((reference > 0).sum()),
+            float(drawn[reference == 0].sum()),
+            0.5 * float(np.abs(drawn - reference).sum()),
+        )
 
-    stable = say("temperature 0 is stable: every step picks the top score",
-                 "温度 0 输出稳定：每步都选分数最高的词")  # fmt: skip
-    step = say("top-p and top-k cut the distribution at the sampling step",
-               "top-p 与 top-k 在采样这一步截断分布")  # fmt: skip
+    stable = say(
+        "temperature 0 is stable: every step picks the top score",
+        "温度 0 输出稳定：每步都选分数最高的词",
+    )
+    step = say(
+        "top-p and top-k cut the distribution at the sampling step",
+        "top-p 与 top-k 在采样这一步截断分布",
+    )
     checks = [
-        lab.approx(say(f"distinct continuations at T=0 over {n_samples} seeds",
-                       f"温度 0 下 {n_samples} 个随机种子的不同续写数"),
-                   distinct[0.0], 1, 0, group=stable),
-        lab.approx(say(f"T=0 tokens that are the argmax of a cache-free forward (of {n_tokens})",
-                       f"温度 0 生成的 token 中等于无缓存完整前向 argmax 的个数"
-                       f"（共 {n_tokens} 个）"),
-                   matches, len(greedy), 0, group=stable),
-        lab.at_least(say(f"distinct continuations at T=1 over {n_samples} seeds",
-                         f"温度 1 下 {n_samples} 个随机种子的不同续写数"),
-                     distinct[1.0], 2, group=stable),
-    ]  # fmt: skip
+        lab.approx(
+            say(
+                f"distinct continuations at T=0 over {n_samples} seeds",
+                f"温度 0 下 {n_samples} 个随机种子的不同续写数",
+            ),
+            distinct[0.0],
+            1,
+            0,
+            group=stable,
+        ),
+        lab.approx(
+            say(
+                f"T=0 tokens that are the argmax of a cache-free forward (of {n_tokens})",
+                f"温度 0 生成的 token 中等于无缓存完整前向 argmax 的个数（共 {n_tokens} 个）",
+            ),
+            matches,
+            len(greedy),
+            0,
+            group=stable,
+        ),
+        lab.at_least(
+            say(
+                f"distinct continuations at T=1 over {n_samples} seeds",
+                f"温度 1 下 {n_samples} 个随机种子的不同续写数",
+            ),
+            distinct[1.0],
+            2,
+            group=stable,
+        ),
+    ]
     for label, (_, outside, tv) in cut.items():
         checks += [
-            lab.approx(say(f"{label}: share of {n_draws} draws outside the reference set",
-                           f"{label}：{n_draws} 次抽样中落在参照集合之外的比例"),
-                       outside, 0.0, 0.0, group=step),
-            lab.at_most(say(f"{label}: total variation, draws vs numpy reference",
-                            f"{label}：抽样频率与 numpy 参照分布的总变差"),
-                        tv, MAX_TV, group=step),
-        ]  # fmt: skip
+            lab.approx(
+                say(
+                    f"{label}: share of {n_draws} draws outside the reference set",
+                    f"{label}：{n_draws} 次抽样中落在参照集合之外的比例",
+                ),
+                outside,
+                0.0,
+                0.0,
+                group=step,
+            ),
+            lab.at_most(
+                say(
+                    f"{label}: total variation, draws vs numpy reference",
+                    f"{label}：抽样频率与 numpy 参照分布的总变差",
+                ),
+                tv,
+                MAX_TV,
+                group=step,
+            ),
+        ]
     rows = _rows(ctx, logits, distinct, outs, tokenizer, cut, n_samples, n_tokens)
     notes = _notes(ctx, name, n_samples, n_draws, matches, greedy, tokenizer)
-    entropies = [entropy_bits(sampling_distribution(logits, SamplingParams(t))[0])
-                 for t in TEMPERATURES]  # fmt: skip
+    entropies = [
+        entropy_bits(sampling_distribution(logits, SamplingParams(t))[0]) for t in TEMPERATURES
+    ]
     figure = _plot(logits, entropies, [distinct[t] for t in TEMPERATURES], tokenizer)
-    data = {"entropies_bits": entropies, "distinct": [distinct[t] for t in TEMPERATURES],
-            "greedy": greedy, "greedy_matches": matches,
-            "cut": {k: list(v) for k, v in cut.items()}}  # fmt: skip
+    data = {
+        "entropies_bits": entropies,
+        "distinct": [distinct[t] for t in TEMPERATURES],
+        "greedy": greedy,
+        "greedy_matches": matches,
+        "cut": {k: list(v) for k, v in cut.items()},
+    }
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
 
@@ -150,32 +200,53 @@ def _rows(ctx, logits, distinct, outs, tokenizer, cut, n_samples, n_tokens) -> l
     rows = []
     for t in TEMPERATURES:
         probs = sampling_distribution(logits, SamplingParams(temperature=t))[0]
-        rows.append({sampler: say(f"temperature {t:g}", f"温度 {t:g}"),
-                     entropy: entropy_bits(probs),
-                     top1: float(probs.max()), kept: int((probs > 0).sum()),
-                     n_distinct: distinct[t], example: _text(tokenizer, outs[t][0]),
-                     tv: "-"})  # fmt: skip
+        rows.append(
+            {
+                sampler: say(f"temperature {t:g}", f"温度 {t:g}"),
+                entropy: entropy_bits(probs),
+                top1: float(probs.max()),
+                kept: int((probs > 0).sum()),
+                n_distinct: distinct[t],
+                example: _text(tokenizer, outs[t][0]),
+                tv: "-",
+            }
+        )
     for label, (n_kept, _, distance) in cut.items():
-        rows.append({sampler: say(f"{label} (T=1)", f"{label}（温度 1）"), entropy: "-", top1: "-",
-                     kept: n_kept, n_distinct: "-", example: "-", tv: distance})  # fmt: skip
+        rows.append(
+            {
+                sampler: say(f"{label} (T=1)", f"{label}（温度 1）"),
+                entropy: "-",
+                top1: "-",
+                kept: n_kept,
+                n_distinct: "-",
+                example: "-",
+                tv: distance,
+            }
+        )
     return rows
 
 
 def _notes(ctx, name, n_samples, n_draws, matches, greedy, tokenizer) -> list[str]:
     return [
-        ctx.say(f"model: {name}; prompt: {PROMPT!r}; continuations with seeds 0..{n_samples - 1}; "
-                f"{n_draws} draws of the next token per truncation",
-                f"模型：{name}；提示：{PROMPT!r}；续写用随机种子 0..{n_samples - 1}；每种截断抽取 "
-                f"{n_draws} 次下一个 token"),
-        ctx.say(f"the T=0 continuation {_text(tokenizer, greedy)!r}: {matches} of {len(greedy)} "
-                "tokens are the top score of a forward pass over everything before them",
-                f"温度 0 的续写 {_text(tokenizer, greedy)!r}：{len(greedy)} 个 token 中有 "
-                f"{matches} 个是对其之前全部内容做一次前向后分数最高的词"),
-        ctx.say("the entropy rows rise with temperature because dividing the scores by a larger "
-                "T flattens any softmax: a property of the formula, shown, not counted as evidence",
-                "熵随温度升高，是因为把分数除以更大的 T 会让任何 softmax 变平：这是公式的性质，"
-                "只列出，不算作证据"),
-    ]  # fmt: skip
+        ctx.say(
+            f"model: {name}; prompt: {PROMPT!r}; continuations with seeds 0..{n_samples - 1}; "
+            f"{n_draws} draws of the next token per truncation",
+            f"模型：{name}；提示：{PROMPT!r}；续写用随机种子 0..{n_samples - 1}；每种截断抽取 "
+            f"{n_draws} 次下一个 token",
+        ),
+        ctx.say(
+            f"the T=0 continuation {_text(tokenizer, greedy)!r}: {matches} of {len(greedy)} "
+            "tokens are the top score of a forward pass over everything before them",
+            f"温度 0 的续写 {_text(tokenizer, greedy)!r}：{len(greedy)} 个 token 中有 "
+            f"{matches} 个是对其之前全部内容做一次前向后分数最高的词",
+        ),
+        ctx.say(
+            "the entropy rows rise with temperature because dividing the scores by a larger "
+            "T flattens any softmax: a property of the formula, shown, not counted as evidence",
+            "熵随温度升高，是因为把分数除以更大的 T 会让任何 softmax 变平：这是公式的性质，"
+            "只列出，不算作证据",
+        ),
+    ]
 
 
 def _model(ctx: lab.RunContext):
@@ -185,8 +256,9 @@ def _model(ctx: lab.RunContext):
 
         torch.manual_seed(ctx.seed)
         # init_std 1.0: a peaked softmax, not the near-uniform one of a 0.02 init
-        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=64,
-                          init_std=1.0)  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=64, init_std=1.0
+        )
         return build_model(cfg).eval(), None, "tiny random GPT"
     from glassformer.interop.pretrained import from_pretrained
 
@@ -206,12 +278,22 @@ def _plot(logits, entropies, distinct, tokenizer):
     twin.plot(TEMPERATURES, distinct, "s--", color="C1")
     twin.set_ylabel("distinct continuations", color="C1")
     top = torch.topk(logits[0].float(), 10).indices
-    samplers = {"T=0.5": SamplingParams(0.5), "T=1": SamplingParams(1.0),
-                f"T=1, top-p {TOP_P}": SamplingParams(1.0, top_p=TOP_P)}  # fmt: skip
+    samplers = {
+        "T=0.5": SamplingParams(0.5),
+        "T=1": SamplingParams(1.0),
+        f"T=1, top-p {TOP_P}": SamplingParams(1.0, top_p=TOP_P),
+    }
     tokens = [lab.token_label(tokenizer, int(t)) for t in top]
-    lab.grouped_bars(right, tokens, {name: sampling_distribution(logits, params)[0][top].tolist()
-                                     for name, params in samplers.items()},
-                     rotation=60, fontsize=7)  # fmt: skip
+    lab.grouped_bars(
+        right,
+        tokens,
+        {
+            name: sampling_distribution(logits, params)[0][top].tolist()
+            for name, params in samplers.items()
+        },
+        rotation=60,
+        fontsize=7,
+    )
     right.set(ylabel="probability", title="top 10 next tokens")
     right.legend(fontsize=7)
     return fig

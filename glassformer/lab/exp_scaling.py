@@ -100,52 +100,92 @@ def run(ctx: lab.RunContext) -> lab.Result:
                 say("|∂L/∂q| raw", "|∂L/∂q|（不缩放）"): u["q_grad"],
             }
         )
-        checks.append(lab.approx(say(f"d_k={d_k}: Var[q·k] / d_k",
-                                     f"d_k={d_k}：方差 Var[q·k] / d_k"), s["variance"] / d_k,
-                                 1.0, VARIANCE_TOLERANCE, group=variance))  # fmt: skip
-        checks.append(lab.at_least(say(f"d_k={d_k}: entropy with /√d_k (nats)",
-                                       f"d_k={d_k}：除以 √d_k 时的熵（nats）"), s["entropy"],
-                                   MIN_SCALED_ENTROPY, group=soft))  # fmt: skip
+        checks.append(
+            lab.approx(
+                say(f"d_k={d_k}: Var[q·k] / d_k", f"d_k={d_k}：方差 Var[q·k] / d_k"),
+                s["variance"] / d_k,
+                1.0,
+                VARIANCE_TOLERANCE,
+                group=variance,
+            )
+        )
+        checks.append(
+            lab.at_least(
+                say(
+                    f"d_k={d_k}: entropy with /√d_k (nats)", f"d_k={d_k}：除以 √d_k 时的熵（nats）"
+                ),
+                s["entropy"],
+                MIN_SCALED_ENTROPY,
+                group=soft,
+            )
+        )
     widest = dims[-1]
     scaled, raw = stats[widest, True], stats[widest, False]
     saturated = raw["max_weight"]
-    checks.append(lab.at_least(say(f"d_k={widest}: mean largest weight without /√d_k",
-                                   f"d_k={widest}：不除以 √d_k 时的平均最大权重"), saturated,
-                               MIN_SATURATED_WEIGHT, group=saturates))  # fmt: skip
+    checks.append(
+        lab.at_least(
+            say(
+                f"d_k={widest}: mean largest weight without /√d_k",
+                f"d_k={widest}：不除以 √d_k 时的平均最大权重",
+            ),
+            saturated,
+            MIN_SATURATED_WEIGHT,
+            group=saturates,
+        )
+    )
     score_ratio = raw["score_grad"] / scaled["score_grad"]
-    checks.append(lab.at_most(say(f"d_k={widest}: gradient through softmax, without / with /√d_k",
-                                  f"d_k={widest}：穿过 softmax 的梯度，不除以 / 除以 √d_k"),
-                              score_ratio, MAX_GRADIENT_RATIO, group=gradient))  # fmt: skip
+    checks.append(
+        lab.at_most(
+            say(
+                f"d_k={widest}: gradient through softmax, without / with /√d_k",
+                f"d_k={widest}：穿过 softmax 的梯度，不除以 / 除以 √d_k",
+            ),
+            score_ratio,
+            MAX_GRADIENT_RATIO,
+            group=gradient,
+        )
+    )
     # The seed's exercise (练习 1 第 3 步) is arithmetic on its own vectors: a row, not evidence.
     printed, blunt = worked_example_without_scaling()
-    rows.append({dk: say("猫/累/它 (seed 002)", "猫/累/它（教程 002）"),
-                 "max weight /√d_k": max(printed), "max weight raw": max(blunt)})  # fmt: skip
+    rows.append(
+        {
+            dk: say("猫/累/它 (seed 002)", "猫/累/它（教程 002）"),
+            "max weight /√d_k": max(printed),
+            "max weight raw": max(blunt),
+        }
+    )
     q_ratio = raw["q_grad"] / scaled["q_grad"]
     larger = q_ratio > 1
     ln_keys = math.log(N_KEYS)
     printed_text = ", ".join(f"{w:.3f}" for w in printed)
     blunt_text = ", ".join(f"{w:.4f}" for w in blunt)
     notes = [
-        say(f"random q, k, v ~ N(0, 1), {n_rows} rows of {N_KEYS} keys per d_k; at d_k={widest} "
+        say(
+            f"random q, k, v ~ N(0, 1), {n_rows} rows of {N_KEYS} keys per d_k; at d_k={widest} "
             f"unscaled rows have mean largest weight {raw['max_weight']:.3f} and entropy "
             f"{raw['entropy']:.2f} nats (scaled: {scaled['max_weight']:.3f}, "
             f"{scaled['entropy']:.2f}; uniform ln {N_KEYS} = {ln_keys:.2f})",
             f"随机的 q、k、v ~ N(0, 1)，每个 d_k 取 {n_rows} 行、每行 {N_KEYS} 个键；d_k={widest} "
             f"时，不缩放的行平均最大权重为 {raw['max_weight']:.3f}，熵为 {raw['entropy']:.2f} "
             f"nats（缩放后：{scaled['max_weight']:.3f}、{scaled['entropy']:.2f}；均匀分布为 "
-            f"ln {N_KEYS} = {ln_keys:.2f}）"),
-        say(f"at d_k={widest} the gradient softmax passes back to the scores is {score_ratio:.3g}x "
+            f"ln {N_KEYS} = {ln_keys:.2f}）",
+        ),
+        say(
+            f"at d_k={widest} the gradient softmax passes back to the scores is {score_ratio:.3g}x "
             f"the scaled one's; the gradient that reaches q is {q_ratio:.3g}x the scaled one's "
             f"({'larger' if larger else 'smaller'}: ∂L/∂q = ∂L/∂scores · K, and without the "
             "division K enters at full size rather than / √d_k)",
             f"d_k={widest} 时，softmax 传回分数的梯度是缩放时的 {score_ratio:.3g} 倍；到达 q 的"
             f"梯度是缩放时的 {q_ratio:.3g} 倍（{'更大' if larger else '更小'}：∂L/∂q = "
-            "∂L/∂scores · K，不做除法时 K 以原始大小进入，而不是除以 √d_k）"),
-        say(f"seed 002's exercise: the 猫/累/它 weights {printed_text} "
+            "∂L/∂scores · K，不做除法时 K 以原始大小进入，而不是除以 √d_k）",
+        ),
+        say(
+            f"seed 002's exercise: the 猫/累/它 weights {printed_text} "
             f"become {blunt_text} without / √d and with K x10",
             f"教程 002 的练习：猫/累/它 的权重 {printed_text} 在不除以 √d、且 K 乘以 10 时变为 "
-            f"{blunt_text}"),
-    ]  # fmt: skip
+            f"{blunt_text}",
+        ),
+    ]
     figure = _plot(dims, stats)
     data = {"n_rows": n_rows, "n_keys": N_KEYS, "worked_example": printed, "blunt": blunt}
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
@@ -157,10 +197,19 @@ def _plot(dims: list[int], stats: dict):
         left.plot(dims, [stats[d, scaled]["entropy"] for d in dims], marker="o", label=label)
         right.plot(dims, [stats[d, scaled]["score_grad"] for d in dims], marker="o", label=label)
     left.axhline(math.log(N_KEYS), color="gray", linestyle=":", label=f"uniform, ln {N_KEYS}")
-    left.set(xscale="log", xlabel="d_k", ylabel="entropy of a row (nats)",
-             title="softmax stays soft only with / √d_k")  # fmt: skip
-    right.set(xscale="log", yscale="log", xlabel="d_k", ylabel="mean |∂L/∂scores| / √d_k",
-              title="gradient back through softmax")  # fmt: skip
+    left.set(
+        xscale="log",
+        xlabel="d_k",
+        ylabel="entropy of a row (nats)",
+        title="softmax stays soft only with / √d_k",
+    )
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="d_k",
+        ylabel="mean |∂L/∂scores| / √d_k",
+        title="gradient back through softmax",
+    )
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     return fig

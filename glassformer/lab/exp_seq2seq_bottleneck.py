@@ -123,8 +123,12 @@ def run(ctx: lab.RunContext) -> lab.Result:
     steps, n_eval = ctx.pick(1000, 250, 5), ctx.pick(512, 256, 16)
     # A high rate for a short run: at 3e-3 the attention model has not learned to align the
     # longer strings by step 250; both models get the same schedule.
-    schedule = Schedule(max_steps=steps, learning_rate=ctx.pick(1e-2, 2e-2, 2e-2),
-                        warmup_steps=min(20, steps // 4), weight_decay=0.0)  # fmt: skip
+    schedule = Schedule(
+        max_steps=steps,
+        learning_rate=ctx.pick(1e-2, 2e-2, 2e-2),
+        warmup_steps=min(20, steps // 4),
+        weight_decay=0.0,
+    )
     seeds = ctx.seeds()
     models = {"fixed vector": False, "attention": True}
     accuracy = {name: [[] for _ in lengths] for name in models}  # [length][seed]
@@ -142,11 +146,15 @@ def run(ctx: lab.RunContext) -> lab.Result:
     spread = {name: [lab.over_seeds(a) for a in accuracy[name]] for name in models}
     say = ctx.say
     rows = [
-        {say("source length", "源序列长度"): length,
-         **{say(f"{name} accuracy", f"{MODELS_ZH[name]}准确率"): str(spread[name][i])
-            for name in models}}
+        {
+            say("source length", "源序列长度"): length,
+            **{
+                say(f"{name} accuracy", f"{MODELS_ZH[name]}准确率"): str(spread[name][i])
+                for name in models
+            },
+        }
         for i, length in enumerate(lengths)
-    ]  # fmt: skip
+    ]
 
     fixed, attn = spread["fixed vector"], spread["attention"]
     first, last = lengths[0], lengths[-1]
@@ -160,49 +168,87 @@ def run(ctx: lab.RunContext) -> lab.Result:
     checks = [
         # Precondition: at the shortest length both models learned to copy (well above chance),
         # so a fall with length is the length's doing, not a model that learned nothing.
-        lab.precondition(lab.at_least(say(f"fixed vector accuracy at length {first}",
-                                          f"长度 {first} 时固定向量的准确率"),
-                                      fixed[0].mean, 3 * chance)),
-        lab.precondition(lab.at_least(say(f"attention accuracy at length {first}",
-                                          f"长度 {first} 时注意力的准确率"),
-                                      attn[0].mean, 3 * chance)),
-        lab.exceeds_spread(say(f"fixed vector: accuracy at {first} - at {last}",
-                               f"固定向量：长度 {first} 时的准确率减长度 {last} 时的"),
-                           fixed[0], fixed[-1], MIN_FIXED_DROP,
-                           group=say("the last h cannot hold a long source",
-                                     "最后一个 h 装不下长的源序列")),
-        lab.exceeds_spread(say(f"accuracy at length {last}: attention - fixed vector",
-                               f"长度 {last} 时的准确率：注意力减固定向量"), attn[-1],
-                           fixed[-1], MIN_ATTENTION_GAIN, group=removes),
-        lab.exceeds_spread(say(f"accuracy lost {first} -> {last}: fixed vector - attention",
-                               f"从长度 {first} 到 {last} 损失的准确率：固定向量减注意力"),
-                           fixed_drop, attn_drop, MIN_DROP_DIFFERENCE, group=removes),
-    ]  # fmt: skip
+        lab.precondition(
+            lab.at_least(
+                say(f"fixed vector accuracy at length {first}", f"长度 {first} 时固定向量的准确率"),
+                fixed[0].mean,
+                3 * chance,
+            )
+        ),
+        lab.precondition(
+            lab.at_least(
+                say(f"attention accuracy at length {first}", f"长度 {first} 时注意力的准确率"),
+                attn[0].mean,
+                3 * chance,
+            )
+        ),
+        lab.exceeds_spread(
+            say(
+                f"fixed vector: accuracy at {first} - at {last}",
+                f"固定向量：长度 {first} 时的准确率减长度 {last} 时的",
+            ),
+            fixed[0],
+            fixed[-1],
+            MIN_FIXED_DROP,
+            group=say("the last h cannot hold a long source", "最后一个 h 装不下长的源序列"),
+        ),
+        lab.exceeds_spread(
+            say(
+                f"accuracy at length {last}: attention - fixed vector",
+                f"长度 {last} 时的准确率：注意力减固定向量",
+            ),
+            attn[-1],
+            fixed[-1],
+            MIN_ATTENTION_GAIN,
+            group=removes,
+        ),
+        lab.exceeds_spread(
+            say(
+                f"accuracy lost {first} -> {last}: fixed vector - attention",
+                f"从长度 {first} 到 {last} 损失的准确率：固定向量减注意力",
+            ),
+            fixed_drop,
+            attn_drop,
+            MIN_DROP_DIFFERENCE,
+            group=removes,
+        ),
+    ]
     n_seeds = len(seeds)
     notes = [
-        say(f"both models: {n_params:,} parameters (GRU encoder and decoder, hidden {hidden}); "
+        say(
+            f"both models: {n_params:,} parameters (GRU encoder and decoder, hidden {hidden}); "
             f"{steps} steps of {batch_size} strings, lengths {MIN_LEN}..{last} mixed, the same "
             f"batches for both; {n_seeds} seed(s); evaluated on {n_eval} fresh strings per "
             f"length; chance 1/{N_SYMBOLS}",
             f"两个模型都有 {n_params:,} 个参数（GRU 编码器和解码器，隐藏维度 {hidden}）；训练 "
             f"{steps} 步，每步 {batch_size} 条字符串，长度 {MIN_LEN}..{last} 混合，两者用相同的"
             f"批次；{n_seeds} 个随机种子；每个长度在 {n_eval} 条新字符串上评估；随机猜测为 "
-            f"1/{N_SYMBOLS}"),
-        say(f"fixed vector loses {fixed_drop} of its accuracy from length {first} to {last}; "
+            f"1/{N_SYMBOLS}",
+        ),
+        say(
+            f"fixed vector loses {fixed_drop} of its accuracy from length {first} to {last}; "
             f"attention loses {attn_drop}",
-            f"从长度 {first} 到 {last}，固定向量的准确率损失 {fixed_drop}；注意力损失 "
-            f"{attn_drop}"),
-    ]  # fmt: skip
+            f"从长度 {first} 到 {last}，固定向量的准确率损失 {fixed_drop}；注意力损失 {attn_drop}",
+        ),
+    ]
     if attn_drop.mean > 0.1:
-        notes.append(say(
-            f"attention also loses accuracy with length here ({attn[0].mean:.2f} -> "
-            f"{attn[-1].mean:.2f}); the seed's bottleneck is the fixed vector's, so the checks "
-            "weigh how much more the fixed vector loses than attention does",
-            f"这里注意力的准确率也随长度下降（{attn[0].mean:.2f} -> {attn[-1].mean:.2f}）；"
-            "原文说的瓶颈是固定向量的瓶颈，所以检验衡量的是固定向量比注意力多损失了多少",
-        ))  # fmt: skip
-    data = {"lengths": lengths, "accuracy": accuracy, "final_train_loss": final_loss,
-            "params": n_params, "steps": steps, "seeds": seeds}  # fmt: skip
+        notes.append(
+            say(
+                f"attention also loses accuracy with length here ({attn[0].mean:.2f} -> "
+                f"{attn[-1].mean:.2f}); the seed's bottleneck is the fixed vector's, so the checks "
+                "weigh how much more the fixed vector loses than attention does",
+                f"这里注意力的准确率也随长度下降（{attn[0].mean:.2f} -> {attn[-1].mean:.2f}）；"
+                "原文说的瓶颈是固定向量的瓶颈，所以检验衡量的是固定向量比注意力多损失了多少",
+            )
+        )
+    data = {
+        "lengths": lengths,
+        "accuracy": accuracy,
+        "final_train_loss": final_loss,
+        "params": n_params,
+        "steps": steps,
+        "seeds": seeds,
+    }
     figure = _plot(lengths, spread, chance)
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -216,11 +262,16 @@ def _plot(lengths: list[int], spread: dict[str, list[lab.Spread]], chance: float
     fig, ax = lab.new_figure(6.0, 3.4)
     for name, values in spread.items():
         means = [s.mean for s in values]
-        ax.errorbar(lengths, means, yerr=[s.spread for s in values], marker="o", capsize=3,
-                    label=name)  # fmt: skip
+        ax.errorbar(
+            lengths, means, yerr=[s.spread for s in values], marker="o", capsize=3, label=name
+        )
     ax.axhline(chance, color="grey", linestyle=":", label=f"chance (1/{N_SYMBOLS})")
-    ax.set(xlabel="source length (symbols)", ylabel="copy accuracy (share of symbols)",
-           ylim=(0, 1.05), title="GRU seq2seq: one fixed vector vs attention")  # fmt: skip
+    ax.set(
+        xlabel="source length (symbols)",
+        ylabel="copy accuracy (share of symbols)",
+        ylim=(0, 1.05),
+        title="GRU seq2seq: one fixed vector vs attention",
+    )
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.legend(fontsize=8)
     return fig

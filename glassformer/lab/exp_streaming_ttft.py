@@ -43,9 +43,14 @@ def stream_times(served: Served, prompt: list[int], max_tokens: int) -> dict:
     client = served.client()
     start = time.perf_counter()
     stream = client.completions.create(
-        model=served.name, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=served.name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     arrivals, usage = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -92,31 +97,66 @@ def run(ctx: lab.RunContext) -> lab.Result:
         streams = measure(served, lengths, max_tokens, repeats)
         description = served.description
     say, stats = ctx.say, {n: summary(streams[n]) for n in lengths}
-    checks = [lab.precondition(lab.at_least(
-        say("streams whose billed prompt is the prompt sent", "计费提示等于所发提示的流"),
-        sum(s["usage"]["prompt_tokens"] == n for n in lengths for s in streams[n]),
-        len(lengths) * repeats))]  # fmt: skip
+    checks = [
+        lab.precondition(
+            lab.at_least(
+                say("streams whose billed prompt is the prompt sent", "计费提示等于所发提示的流"),
+                sum(s["usage"]["prompt_tokens"] == n for n in lengths for s in streams[n]),
+                len(lengths) * repeats,
+            )
+        )
+    ]
     group = say("the first token waits longest", "第一个 token 等得最久")
     for n in lengths:
-        checks.append(lab.at_least(
-            say(f"{n}-token prompt: TTFT / median gap between later tokens",
-                f"{n} token 的提示：TTFT / 后续 token 间隔的中位数"),
-            stats[n]["ttft_s"] / stats[n]["gap_s"], TTFT_OVER_GAP, group=group))  # fmt: skip
-        checks.append(lab.at_least(
-            say(f"{n}-token prompt: share of streams whose TTFT exceeds every later gap",
-                f"{n} token 的提示：TTFT 超过其后每个间隔的流所占比例"),
-            stats[n]["first_longest"], LONGEST_SHARE, group=group))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{n}-token prompt: TTFT / median gap between later tokens",
+                    f"{n} token 的提示：TTFT / 后续 token 间隔的中位数",
+                ),
+                stats[n]["ttft_s"] / stats[n]["gap_s"],
+                TTFT_OVER_GAP,
+                group=group,
+            )
+        )
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{n}-token prompt: share of streams whose TTFT exceeds every later gap",
+                    f"{n} token 的提示：TTFT 超过其后每个间隔的流所占比例",
+                ),
+                stats[n]["first_longest"],
+                LONGEST_SHARE,
+                group=group,
+            )
+        )
     short, long = stats[lengths[0]], stats[lengths[-1]]
-    group = say("TTFT grows with the prompt, the pace after it does not",
-                "TTFT 随提示变长而增长，之后的吐字速度不变")  # fmt: skip
-    checks.append(lab.at_least(
-        say(f"TTFT, {lengths[-1]} / {lengths[0]} tokens",
-            f"TTFT，{lengths[-1]} / {lengths[0]} token"),
-        long["ttft_s"] / short["ttft_s"], TTFT_GROWTH, group=group))  # fmt: skip
-    checks.append(lab.at_most(
-        say(f"median gap, {lengths[-1]} / {lengths[0]} tokens",
-            f"间隔中位数，{lengths[-1]} / {lengths[0]} token"),
-        long["gap_s"] / short["gap_s"], GAP_GROWTH, group=group))  # fmt: skip
+    group = say(
+        "TTFT grows with the prompt, the pace after it does not",
+        "TTFT 随提示变长而增长，之后的吐字速度不变",
+    )
+    checks.append(
+        lab.at_least(
+            say(
+                f"TTFT, {lengths[-1]} / {lengths[0]} tokens",
+                f"TTFT，{lengths[-1]} / {lengths[0]} token",
+            ),
+            long["ttft_s"] / short["ttft_s"],
+            TTFT_GROWTH,
+            group=group,
+        )
+    )
+    checks.append(
+        lab.at_most(
+            say(
+                f"median gap, {lengths[-1]} / {lengths[0]} tokens",
+                f"间隔中位数，{lengths[-1]} / {lengths[0]} token",
+            ),
+            long["gap_s"] / short["gap_s"],
+            GAP_GROWTH,
+            group=group,
+        )
+    )
     rows = [_row(say, n, stats[n]) for n in lengths]
     notes = _notes(say, description, lengths, stats, max_tokens, repeats)
     data = {str(n): {"summary": stats[n], "streams": streams[n]} for n in lengths}
@@ -142,19 +182,23 @@ def _notes(say, description, lengths, stats, max_tokens, repeats) -> list[str]:
     short, long = stats[lengths[0]], stats[lengths[-1]]
     per_token = (long["ttft_s"] - short["ttft_s"]) / (lengths[-1] - lengths[0])
     return [
-        say(f"model: {description}, one torch thread, prefix reuse off; {repeats} streams of "
+        say(
+            f"model: {description}, one torch thread, prefix reuse off; {repeats} streams of "
             f"{max_tokens} tokens per prompt length (end of turn ignored), timed at the client",
             f"模型：{description}，单个 torch 线程，关闭前缀复用；每种提示长度流式生成 "
-            f"{repeats} 次、每次 {max_tokens} 个 token（忽略结束符），在客户端计时"),
-        say(f"the first token: {1000 * short['ttft_s']:.0f} ms after {lengths[0]} prompt tokens, "
+            f"{repeats} 次、每次 {max_tokens} 个 token（忽略结束符），在客户端计时",
+        ),
+        say(
+            f"the first token: {1000 * short['ttft_s']:.0f} ms after {lengths[0]} prompt tokens, "
             f"{1000 * long['ttft_s']:.0f} ms after {lengths[-1]} ({1000 * per_token:.2f} ms per "
             f"extra prompt token); the tokens after it: every {1000 * short['gap_s']:.0f} to "
             f"{1000 * long['gap_s']:.0f} ms",
             f"第一个 token：{lengths[0]} 个提示 token 后 {1000 * short['ttft_s']:.0f} 毫秒，"
             f"{lengths[-1]} 个后 {1000 * long['ttft_s']:.0f} 毫秒（每多一个提示 token 多 "
             f"{1000 * per_token:.2f} 毫秒）；之后的 token：每 {1000 * short['gap_s']:.0f} 到 "
-            f"{1000 * long['gap_s']:.0f} 毫秒一个"),
-    ]  # fmt: skip
+            f"{1000 * long['gap_s']:.0f} 毫秒一个",
+        ),
+    ]
 
 
 def _plot(lengths, streams, stats):

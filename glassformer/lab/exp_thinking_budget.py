@@ -28,8 +28,16 @@ from glassformer.lab import base as lab
 
 # configs/arith-think.toml's model and data (tests/test_arith.py keeps the two the same); the
 # steps and seeds are the lab's, by mode.
-MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64, "position": "rope",
-         "norm": "rms", "ffn": "swiglu", "dropout": 0.0}  # fmt: skip
+MODEL = {
+    "d_model": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "max_seq_len": 64,
+    "position": "rope",
+    "norm": "rms",
+    "ffn": "swiglu",
+    "dropout": 0.0,
+}
 DATA = {"task": "arith", "arith_max_digits": 4, "think_fraction": 0.67}
 TRAIN = {"batch_size": 64, "learning_rate": 3e-3, "min_lr": 3e-4, "warmup_steps": 50}
 FULL_STEPS = 1800  # the config's; quick mode trains half as long
@@ -56,9 +64,17 @@ def _train(ctx: lab.RunContext, seed: int, steps: int, out: Path):
     from glassformer.train.trainer import Trainer
 
     model = ctx.pick(MODEL, MODEL, TINY_MODEL)
-    train = {**TRAIN, "out_dir": str(out), "max_steps": steps, "seed": seed,
-             "warmup_steps": min(TRAIN["warmup_steps"], steps), "eval_interval": steps,
-             "eval_batches": 4, "checkpoint_interval": steps, "threads": ctx.threads}  # fmt: skip
+    train = {
+        **TRAIN,
+        "out_dir": str(out),
+        "max_steps": steps,
+        "seed": seed,
+        "warmup_steps": min(TRAIN["warmup_steps"], steps),
+        "eval_interval": steps,
+        "eval_batches": 4,
+        "checkpoint_interval": steps,
+        "threads": ctx.threads,
+    }
     run = RunConfig.from_dict({"model": model, "data": DATA, "train": train})
     trainer = Trainer(run, progress=False, overwrite=True)
     result = trainer.fit()
@@ -124,35 +140,57 @@ def run(ctx: lab.RunContext) -> lab.Result:
     digits = sorted(problems)
     say = ctx.say
     checks = [
-        lab.precondition(lab.at_most(say("val loss / unigram entropy, worst seed",
-                                         "验证损失 / 一元熵，取最差的随机种子"),
-                                     max(v / b for v, b in losses), 0.5)),
+        lab.precondition(
+            lab.at_most(
+                say(
+                    "val loss / unigram entropy, worst seed", "验证损失 / 一元熵，取最差的随机种子"
+                ),
+                max(v / b for v, b in losses),
+                0.5,
+            )
+        ),
         *_checks(ctx, cells, digits),
-    ]  # fmt: skip
-    partial = [(d, b) for d in digits for b in BUDGETS[1:-1]
-               if cells.mean("accuracy", d, b) < cells.mean("accuracy", d, 0)]  # fmt: skip
+    ]
+    partial = [
+        (d, b)
+        for d in digits
+        for b in BUDGETS[1:-1]
+        if cells.mean("accuracy", d, b) < cells.mean("accuracy", d, 0)
+    ]
     model_cfg = ctx.pick(MODEL, MODEL, TINY_MODEL)
     batch_size, n_seeds, n_problems = TRAIN["batch_size"], len(seeds), len(problems[1])
     notes = [
-        say(f"model: {model_cfg}, {steps} steps of {batch_size}"
+        say(
+            f"model: {model_cfg}, {steps} steps of {batch_size}"
             f" packed rows, {n_seeds} seed(s); {n_problems} held-out problems per"
             " difficulty, greedy, one at a time",
             f"模型：{model_cfg}，训练 {steps} 步，每步 {batch_size} 条打包的行，{n_seeds} 个"
-            f"随机种子；每个难度 {n_problems} 道留出题，贪心解码，一次一道"),
-        say("its thinking is imitated from worked steps (supervised), not found by reinforcement"
+            f"随机种子；每个难度 {n_problems} 道留出题，贪心解码，一次一道",
+        ),
+        say(
+            "its thinking is imitated from worked steps (supervised), not found by reinforcement"
             " learning: the steps it was shown grow with the digits, so thinking longer on harder"
             " problems is learned behaviour, not discovered",
             "它的思考是模仿示范的解题步骤学来的（监督学习），不是通过强化学习自己找到的：给它看的"
-            "步骤随位数增长，所以难题想得更久是学来的行为，而不是自己发现的"),
-        say("budgets that did worse than answering directly (thinking cut off mid-step): "
+            "步骤随位数增长，所以难题想得更久是学来的行为，而不是自己发现的",
+        ),
+        say(
+            "budgets that did worse than answering directly (thinking cut off mid-step): "
             + (", ".join(f"{d} digit(s) at budget {b}" for d, b in partial) or "none"),
             "比直接回答更差的预算（思考在某一步中途被截断）："
-            + ("，".join(f"{d} 位数、预算 {b}" for d, b in partial) or "没有")),
-    ]  # fmt: skip
-    data = {"runs": [{f"{d}:{_label(b)}": v for (d, b), v in r.items()} for r in runs],
-            "losses": losses, "steps": steps, "seeds": seeds, "budgets": list(BUDGETS)}  # fmt: skip
-    return lab.Result.from_checks(_rows(ctx, cells, digits), checks, figure=_plot(cells, digits),
-                                  data=data, notes=notes)  # fmt: skip
+            + ("，".join(f"{d} 位数、预算 {b}" for d, b in partial) or "没有"),
+        ),
+    ]
+    data = {
+        "runs": [{f"{d}:{_label(b)}": v for (d, b), v in r.items()} for r in runs],
+        "losses": losses,
+        "steps": steps,
+        "seeds": seeds,
+        "budgets": list(BUDGETS),
+    }
+    return lab.Result.from_checks(
+        _rows(ctx, cells, digits), checks, figure=_plot(cells, digits), data=data, notes=notes
+    )
 
 
 class Cells:
@@ -171,19 +209,31 @@ class Cells:
 def _rows(ctx: lab.RunContext, cells: Cells, digits: list[int]) -> list[dict]:
     say = ctx.say
     say("no limit", "不限")
-    keys = {k: say(k, zh) for k, zh in (
-        ("digits", "位数"), ("budget", "预算"), ("accuracy", "准确率"),
-        ("thinking tokens", "思考 token 数"), ("output tokens", "输出 token 数"),
-        ("ms per answer (median)", "每个回答的 ms（中位数）"),
-        ("ms to answer start (median)", "到开始作答的 ms（中位数）"))}  # fmt: skip
-    return [{keys["digits"]: d, keys["budget"]: _label(b),
-             keys["accuracy"]: str(cells.over_seeds("accuracy", d, b)),
-             keys["thinking tokens"]: f"{cells.mean('thinking', d, b):.1f}",
-             keys["output tokens"]: f"{cells.mean('output', d, b):.1f}",
-             keys["ms per answer (median)"]: f"{1000 * cells.mean('seconds', d, b):.1f}",
-             keys["ms to answer start (median)"]:
-             f"{1000 * cells.mean('first_answer', d, b):.1f}"}
-            for d in digits for b in BUDGETS]  # fmt: skip
+    keys = {
+        k: say(k, zh)
+        for k, zh in (
+            ("digits", "位数"),
+            ("budget", "预算"),
+            ("accuracy", "准确率"),
+            ("thinking tokens", "思考 token 数"),
+            ("output tokens", "输出 token 数"),
+            ("ms per answer (median)", "每个回答的 ms（中位数）"),
+            ("ms to answer start (median)", "到开始作答的 ms（中位数）"),
+        )
+    }
+    return [
+        {
+            keys["digits"]: d,
+            keys["budget"]: _label(b),
+            keys["accuracy"]: str(cells.over_seeds("accuracy", d, b)),
+            keys["thinking tokens"]: f"{cells.mean('thinking', d, b):.1f}",
+            keys["output tokens"]: f"{cells.mean('output', d, b):.1f}",
+            keys["ms per answer (median)"]: f"{1000 * cells.mean('seconds', d, b):.1f}",
+            keys["ms to answer start (median)"]: f"{1000 * cells.mean('first_answer', d, b):.1f}",
+        }
+        for d in digits
+        for b in BUDGETS
+    ]
 
 
 def _checks(ctx: lab.RunContext, cells: Cells, digits: list[int]) -> list[lab.Check]:
@@ -202,11 +252,19 @@ def _checks(ctx: lab.RunContext, cells: Cells, digits: list[int]) -> list[lab.Ch
         ("output", "output tokens per answer", "每个回答的输出 token 数"),
         ("seconds", "time per answer", "每个回答的时间"),
         ("first_answer", "time until the answer starts", "到开始作答的时间"),
-    ):  # fmt: skip
+    ):
         ratio = min(cells.mean(what, d, None) / cells.mean(what, d, 0) for d in digits)
-        checks.append(lab.at_least(say(f"{label}, no limit / direct, the least over digits",
-                                       f"{label_zh}，不限预算 / 直接回答，各位数中的最小值"),
-                                   ratio, MIN_COST_RATIO, group=group))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"{label}, no limit / direct, the least over digits",
+                    f"{label_zh}，不限预算 / 直接回答，各位数中的最小值",
+                ),
+                ratio,
+                MIN_COST_RATIO,
+                group=group,
+            )
+        )
     group = say("harder problems, longer thinking (no budget)", "问题越难，思考越长（不限预算）")
     for d in digits[1:]:
         longer, shorter = (cells.over_seeds("thinking", n, None) for n in (d, d - 1))
@@ -219,18 +277,41 @@ def _checks(ctx: lab.RunContext, cells: Cells, digits: list[int]) -> list[lab.Ch
         "预算在质量和成本之间取舍：简单问题需要的更少",
     )
     needed = {d: lab.over_seeds([_sufficient_budget(r, d) for r in cells.runs]) for d in digits}
-    checks.append(lab.exceeds_spread(
-        say(f"budget reaching {SUFFICIENT:.0%} of the unlimited accuracy: {digits[-1]} digits - 1",
-            f"达到不限预算准确率 {SUFFICIENT:.0%} 所需的预算：{digits[-1]} 位数减 1 位数"),
-        needed[digits[-1]], needed[digits[0]], margin=1, group=group))  # fmt: skip
-    overall = {b: lab.over_seeds([statistics.fmean(r[(d, b)]["accuracy"] for d in digits)
-                                  for r in cells.runs]) for b in BUDGETS}  # fmt: skip
-    falls = [overall[a].mean - overall[b].mean - math.hypot(overall[a].spread, overall[b].spread)
-             for a, b in itertools.pairwise(BUDGETS)]  # fmt: skip
-    checks.append(lab.at_most(say("accuracy over all digits: the largest fall (beyond the spread) "
-                                  "as the budget grows",
-                                  "全部位数上的准确率：预算增加时最大的下降（超出波动的部分）"),
-                              max(falls), 0.0, group=group))  # fmt: skip
+    checks.append(
+        lab.exceeds_spread(
+            say(
+                f"budget reaching {SUFFICIENT:.0%} of the unlimited accuracy: {digits[-1]} digits "
+                "- 1",
+                f"达到不限预算准确率 {SUFFICIENT:.0%} 所需的预算：{digits[-1]} 位数减 1 位数",
+            ),
+            needed[digits[-1]],
+            needed[digits[0]],
+            margin=1,
+            group=group,
+        )
+    )
+    overall = {
+        b: lab.over_seeds(
+            [statistics.fmean(r[(d, b)]["accuracy"] for d in digits) for r in cells.runs]
+        )
+        for b in BUDGETS
+    }
+    falls = [
+        overall[a].mean - overall[b].mean - math.hypot(overall[a].spread, overall[b].spread)
+        for a, b in itertools.pairwise(BUDGETS)
+    ]
+    checks.append(
+        lab.at_most(
+            say(
+                "accuracy over all digits: the largest fall (beyond the spread) "
+                "as the budget grows",
+                "全部位数上的准确率：预算增加时最大的下降（超出波动的部分）",
+            ),
+            max(falls),
+            0.0,
+            group=group,
+        )
+    )
     return checks
 
 
@@ -241,8 +322,12 @@ def _plot(cells: Cells, digits: list[int]):
         accuracy = [cells.mean("accuracy", d, b) for b in BUDGETS]
         left.plot(x, accuracy, marker="o", label=f"{d} digit{'s' if d > 1 else ''}")
     left.set_xticks(x, [_label(b) for b in BUDGETS])
-    left.set(xlabel="thinking budget (tokens)", ylabel="accuracy",
-             title="accuracy vs thinking budget (思考预算)", ylim=(-0.05, 1.05))  # fmt: skip
+    left.set(
+        xlabel="thinking budget (tokens)",
+        ylabel="accuracy",
+        title="accuracy vs thinking budget (思考预算)",
+        ylim=(-0.05, 1.05),
+    )
     left.legend(fontsize=8)
     for budget, style in ((0, "s--"), (None, "o-")):
         output = [cells.mean("output", d, budget) for d in digits]
@@ -250,7 +335,10 @@ def _plot(cells: Cells, digits: list[int]):
     thinking = [cells.mean("thinking", d, None) for d in digits]
     right.plot(digits, thinking, "^:", label="of which thinking (no limit)")
     right.set_xticks(digits)
-    right.set(xlabel="digits per number (difficulty)", ylabel="tokens per answer",
-              title="cost: output tokens per answer")  # fmt: skip
+    right.set(
+        xlabel="digits per number (difficulty)",
+        ylabel="tokens per answer",
+        title="cost: output tokens per answer",
+    )
     right.legend(fontsize=8)
     return fig

@@ -29,9 +29,13 @@ MIN_PER_CHAR, MAX_PER_CHAR = 1.0, 2.0
 PER_CHAR = "一个中文字常占 1–2 个 token"
 CHINESE_COSTS_MORE = "中文更费 token"
 CHATGPT = "'ChatGPT' is more than one token"
-TOKENIZERS_ZH = {"characters": "按字切分", "SmolLM2 BPE": "SmolLM2 BPE",
-                 "MiniLM WordPiece": "MiniLM WordPiece", "Qwen": "Qwen",
-                 "cl100k (tiktoken)": "cl100k（tiktoken）"}  # fmt: skip
+TOKENIZERS_ZH = {
+    "characters": "按字切分",
+    "SmolLM2 BPE": "SmolLM2 BPE",
+    "MiniLM WordPiece": "MiniLM WordPiece",
+    "Qwen": "Qwen",
+    "cl100k (tiktoken)": "cl100k（tiktoken）",
+}
 
 
 def _tokenizers(ctx: lab.RunContext) -> tuple[dict, list[str]]:
@@ -110,13 +114,22 @@ def run(ctx: lab.RunContext) -> lab.Result:
             what = say(f"{name} tokens per character of {zh}", f"{zh_name}：{zh}每个字的 token 数")
             checks.append(lab.at_least(what, per_char, MIN_PER_CHAR, group=per_char_group))
             checks.append(lab.at_most(what, per_char, MAX_PER_CHAR, group=per_char_group))
-            checks.append(lab.at_least(say(f"{name}: tokens {zh} / {en}",
-                                           f"{zh_name}：token 数，{zh} / {en}"),
-                                       counts[name, zh] / counts[name, en], 1.0,
-                                       group=chinese_costs_more))  # fmt: skip
-        checks.append(lab.at_least(say(f"{name} tokens of ChatGPT",
-                                       f"{zh_name}：ChatGPT 的 token 数"),
-                                   counts[name, "ChatGPT"], 2, group=chatgpt))  # fmt: skip
+            checks.append(
+                lab.at_least(
+                    say(f"{name}: tokens {zh} / {en}", f"{zh_name}：token 数，{zh} / {en}"),
+                    counts[name, zh] / counts[name, en],
+                    1.0,
+                    group=chinese_costs_more,
+                )
+            )
+        checks.append(
+            lab.at_least(
+                say(f"{name} tokens of ChatGPT", f"{zh_name}：ChatGPT 的 token 数"),
+                counts[name, "ChatGPT"],
+                2,
+                group=chatgpt,
+            )
+        )
     figure = _plot(rows, list(tokenizers))
     data = {"counts": {f"{k[0]}|{k[1]}": v for k, v in counts.items()}}
     readings = []
@@ -126,13 +139,16 @@ def run(ctx: lab.RunContext) -> lab.Result:
         chars = sum(len(zh) for zh, _ in PAIRS)
         per_char, ratio = zh_total / chars, zh_total / en_total
         chatgpt_count = counts[name, "ChatGPT"]
-        readings.append(say(
-            f"{name}: {zh_total} tokens for the Chinese texts ({per_char:.2f} per "
-            f"character), {en_total} for the English ones (ratio {ratio:.2f}); "
-            f"'ChatGPT' = {chatgpt_count}",
-            f"{TOKENIZERS_ZH[name]}：中文文本共 {zh_total} 个 token（每个字 {per_char:.2f} 个），"
-            f"英文文本 {en_total} 个（比值 {ratio:.2f}）；“ChatGPT” = {chatgpt_count}",
-        ))  # fmt: skip
+        readings.append(
+            say(
+                f"{name}: {zh_total} tokens for the Chinese texts ({per_char:.2f} per "
+                f"character), {en_total} for the English ones (ratio {ratio:.2f}); "
+                f"'ChatGPT' = {chatgpt_count}",
+                f"{TOKENIZERS_ZH[name]}：中文文本共 {zh_total} 个 token（每个字 {per_char:.2f} "
+                "个），"
+                f"英文文本 {en_total} 个（比值 {ratio:.2f}）；“ChatGPT” = {chatgpt_count}",
+            )
+        )
     notes = [*readings, *notes]
     return lab.Result.from_checks(rows, checks, figure=figure, data=data, notes=notes)
 
@@ -140,8 +156,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
 def _plot(rows: list[dict], names: list[str]):
     fig, ax = lab.new_figure(8.4, 3.8)
     labels = [r["text"] if len(r["text"]) <= 12 else r["text"][:11] + "…" for r in rows]
-    lab.grouped_bars(ax, labels, {name: [r[name] for r in rows] for name in names},
-                     rotation=25, ha="right", fontsize=8)  # fmt: skip
+    lab.grouped_bars(
+        ax,
+        labels,
+        {name: [r[name] for r in rows] for name in names},
+        rotation=25,
+        ha="right",
+        fontsize=8,
+    )
     ax.set_ylabel("tokens")
     ax.set_title("同一句话的 token 数：中文 vs 英文")
     ax.legend(fontsize=7)

@@ -17,13 +17,19 @@ from glassformer.lab import base as lab
 from glassformer.lab.serving import Served, serve
 
 PAIRS = (  # (English, Chinese), each pair about the same number of characters
-    ("Write a one-line ad for these headphones, please.",
-     "给这款降噪耳机写一句广告语，突出音质好、续航长、戴着舒服这三个卖点。"),
-    ("The cat did not jump onto the table: it was tired.",
-     "那只猫没有跳上桌子，因为它太累了。它趴在地毯上，眯着眼睛晒太阳。"),
-    ("Explain in one sentence why the sky looks blue.",
-     "用一句话解释为什么天空看起来是蓝色的，再说说晚霞为什么是红色的。"),
-)  # fmt: skip
+    (
+        "Write a one-line ad for these headphones, please.",
+        "给这款降噪耳机写一句广告语，突出音质好、续航长、戴着舒服这三个卖点。",
+    ),
+    (
+        "The cat did not jump onto the table: it was tired.",
+        "那只猫没有跳上桌子，因为它太累了。它趴在地毯上，眯着眼睛晒太阳。",
+    ),
+    (
+        "Explain in one sentence why the sky looks blue.",
+        "用一句话解释为什么天空看起来是蓝色的，再说说晚霞为什么是红色的。",
+    ),
+)
 KINDS = ("completion", "chat", "streamed chat")
 # Threshold: billed by the character, a Chinese prompt would cost per character what an English
 # one does (ratio 1); the bill follows tokens when a Chinese character costs at least 1.5 times
@@ -48,9 +54,13 @@ def call(served: Served, kind: str, text: str, max_tokens: int) -> tuple[str, st
         choice = response.choices[0]
         return choice.message.content or "", choice.finish_reason, response.usage.model_dump()
     stream = client.chat.completions.create(
-        model=served.name, messages=messages, max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model=served.name,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, finish, usage = [], "", None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -78,9 +88,12 @@ def generated_ids(served: Served, ids: list[int], max_tokens: int) -> list[int]:
     stops = end_of_turn_ids(tokenizer) | {tokenizer.eos_token_id}
     stops = tuple(sorted(i for i in stops if i is not None))
     result = Engine(served.model).generate(
-        ids, max_tokens, temperature=0.0, stop_token_ids=stops,
+        ids,
+        max_tokens,
+        temperature=0.0,
+        stop_token_ids=stops,
         eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     return result.token_ids
 
 
@@ -97,13 +110,21 @@ def measure(served: Served, max_tokens: int) -> list[dict]:
                 # The server never sends half a character (a reply cut at max_tokens inside a
                 # multi-byte one ends before it), so neither does the reference.
                 reference = tokenizer.decode([t for t in new if t not in stops]).rstrip("\ufffd")
-                records.append({
-                    "language": language, "kind": kind, "text": text, "characters": len(text),
-                    "usage": usage, "prompt_reference": len(ids), "completion_reference": len(new),
-                    "reply": reply, "finish_reason": finish,
-                    "reply_reference": reference,
-                    "reply_reencoded": len(tokenizer.encode(reply)) if reply else 0,
-                })  # fmt: skip
+                records.append(
+                    {
+                        "language": language,
+                        "kind": kind,
+                        "text": text,
+                        "characters": len(text),
+                        "usage": usage,
+                        "prompt_reference": len(ids),
+                        "completion_reference": len(new),
+                        "reply": reply,
+                        "finish_reason": finish,
+                        "reply_reference": reference,
+                        "reply_reencoded": len(tokenizer.encode(reply)) if reply else 0,
+                    }
+                )
     return records
 
 
@@ -126,20 +147,35 @@ def run(ctx: lab.RunContext) -> lab.Result:
         description = served.description
     say = ctx.say
     rows = [_row(say, r) for r in records]
-    checks = [lab.precondition(lab.at_least(
-        say("replies equal to the same model's greedy generation in this process",
-            "与本进程内同一模型贪心生成相同的回复"),
-        sum(r["reply"] == r["reply_reference"] for r in records), len(records)))]  # fmt: skip
+    checks = [
+        lab.precondition(
+            lab.at_least(
+                say(
+                    "replies equal to the same model's greedy generation in this process",
+                    "与本进程内同一模型贪心生成相同的回复",
+                ),
+                sum(r["reply"] == r["reply_reference"] for r in records),
+                len(records),
+            )
+        )
+    ]
     for kind in KINDS:
         mine = [r for r in records if r["kind"] == kind]
         checks.append(_matches(say, kind, mine, "prompt", lambda r: r["prompt_reference"]))
         checks.append(_matches(say, kind, mine, "completion", lambda r: r["completion_reference"]))
     group = say("billed by tokens, not characters", "按 token 而不是按字计费")
     for (english, _), ratio in zip(PAIRS, per_char_ratios(records), strict=True):
-        checks.append(lab.at_least(
-            say(f"billed tokens per character, Chinese / English («{english[:24]}…»)",
-                f"每字计费 token 数，中文 / 英文（「{english[:24]}…」）"),
-            ratio, PER_CHAR_RATIO, group=group))  # fmt: skip
+        checks.append(
+            lab.at_least(
+                say(
+                    f"billed tokens per character, Chinese / English («{english[:24]}…»)",
+                    f"每字计费 token 数，中文 / 英文（「{english[:24]}…」）",
+                ),
+                ratio,
+                PER_CHAR_RATIO,
+                group=group,
+            )
+        )
     notes = _notes(say, description, records, max_tokens)
     figure = _plot(records)
     data = {"records": records, "per_char_ratios": per_char_ratios(records)}
@@ -151,11 +187,14 @@ def _matches(say, kind: str, records: list[dict], part: str, reference: Callable
     zh_kind = {"completion": "补全", "chat": "对话", "streamed chat": "流式对话"}[kind]
     zh_part = {"prompt": "提示", "completion": "生成"}[part]
     group = {
-        "prompt": say("usage.prompt_tokens is the tokenizer's count",
-                      "usage.prompt_tokens 就是分词器的计数"),
-        "completion": say("usage.completion_tokens is the tokens generated",
-                          "usage.completion_tokens 就是生成的 token 数"),
-    }[part]  # fmt: skip
+        "prompt": say(
+            "usage.prompt_tokens is the tokenizer's count", "usage.prompt_tokens 就是分词器的计数"
+        ),
+        "completion": say(
+            "usage.completion_tokens is the tokens generated",
+            "usage.completion_tokens 就是生成的 token 数",
+        ),
+    }[part]
     equal = sum(r["usage"][f"{part}_tokens"] == reference(r) for r in records)
     what = say(
         f"{kind} calls whose {part}_tokens equal the reference count",
@@ -190,30 +229,40 @@ def _notes(say, description: str, records: list[dict], max_tokens: int) -> list[
     ratios = per_char_ratios(records)
     stopped = sum(r["finish_reason"] == "stop" for r in records)
     return [
-        say(f"model: {description}, served by glassformer serve on a loopback port, called "
+        say(
+            f"model: {description}, served by glassformer serve on a loopback port, called "
             f"{len(records)} times with the official openai client (greedy, max_tokens "
             f"{max_tokens})",
             f"模型：{description}，由 glassformer serve 在本机回环端口提供服务，用官方 openai "
-            f"客户端调用 {len(records)} 次（贪心，max_tokens {max_tokens}）"),
-        say(f"a chat call bills {', '.join(map(str, overheads))} prompt tokens more than the "
+            f"客户端调用 {len(records)} 次（贪心，max_tokens {max_tokens}）",
+        ),
+        say(
+            f"a chat call bills {', '.join(map(str, overheads))} prompt tokens more than the "
             "same text as a completion: the chat template (system prompt and turn markers) is "
             "billed as tokens too",
             f"同一段文字作为对话调用比作为补全多计 {', '.join(map(str, overheads))} 个提示 token："
-            "聊天模板（系统提示和轮次标记）也按 token 计费"),
-        say(f"a Chinese character costs {min(ratios):.1f} to {max(ratios):.1f} times the prompt "
+            "聊天模板（系统提示和轮次标记）也按 token 计费",
+        ),
+        say(
+            f"a Chinese character costs {min(ratios):.1f} to {max(ratios):.1f} times the prompt "
             "tokens of an English one at about the same length",
             f"长度相近时，一个中文字符的提示 token 是英文字符的 {min(ratios):.1f} 到 "
-            f"{max(ratios):.1f} 倍"),
-        say(f"re-encoding the reply text gives completion_tokens on {reencoded} of "
+            f"{max(ratios):.1f} 倍",
+        ),
+        say(
+            f"re-encoding the reply text gives completion_tokens on {reencoded} of "
             f"{len(records)} calls: the bill counts the tokens the model generated (the one that "
             "ended the turn included), not a re-tokenisation of the text it returns",
             f"把回复文本重新分词，{len(records)} 次调用中有 {reencoded} 次等于 completion_tokens："
-            "计费数的是模型生成的 token（包括结束这一轮的那个），而不是对返回文本重新分词"),
-        say(f"{stopped} of {len(records)} replies ended with the model's own stop token, the "
+            "计费数的是模型生成的 token（包括结束这一轮的那个），而不是对返回文本重新分词",
+        ),
+        say(
+            f"{stopped} of {len(records)} replies ended with the model's own stop token, the "
             f"rest at max_tokens ({max_tokens})",
             f"{len(records)} 个回复中有 {stopped} 个以模型自己的结束 token 收尾，其余停在 "
-            f"max_tokens（{max_tokens}）"),
-    ]  # fmt: skip
+            f"max_tokens（{max_tokens}）",
+        ),
+    ]
 
 
 def _plot(records: list[dict]):
@@ -222,10 +271,16 @@ def _plot(records: list[dict]):
         mine = [r for r in records if r["kind"] == kind]
         prompts = [r["usage"]["prompt_tokens"] for r in mine]
         replies = [r["usage"]["completion_tokens"] for r in mine]
-        left.plot([r["prompt_reference"] for r in mine], prompts, marker,
-                  label=f"{kind}: prompt", fillstyle="none")  # fmt: skip
-        left.plot([r["completion_reference"] for r in mine], replies, marker,
-                  label=f"{kind}: reply")  # fmt: skip
+        left.plot(
+            [r["prompt_reference"] for r in mine],
+            prompts,
+            marker,
+            label=f"{kind}: prompt",
+            fillstyle="none",
+        )
+        left.plot(
+            [r["completion_reference"] for r in mine], replies, marker, label=f"{kind}: reply"
+        )
     top = max(max(r["usage"]["prompt_tokens"], r["prompt_reference"]) for r in records) * 1.1
     left.plot([0, top], [0, top], "k:", linewidth=1, label="usage = reference")
     left.set_xlabel("tokenizer's count / tokens generated here")
@@ -234,8 +289,13 @@ def _plot(records: list[dict]):
     left.legend(fontsize=6)
     for language, marker in (("English", "o"), ("Chinese", "s")):
         mine = [r for r in records if r["kind"] == "completion" and r["language"] == language]
-        right.plot([r["characters"] for r in mine], [r["usage"]["prompt_tokens"] for r in mine],
-                   marker, markersize=8, label=language)  # fmt: skip
+        right.plot(
+            [r["characters"] for r in mine],
+            [r["usage"]["prompt_tokens"] for r in mine],
+            marker,
+            markersize=8,
+            label=language,
+        )
     right.set_xlabel("prompt length (characters)")
     right.set_ylabel("billed prompt tokens")
     right.set_title("同样字数，中文计费 token 更多", fontsize=9)

@@ -260,8 +260,15 @@ class Glossary:
 
 
 def check_from_record(c: dict) -> Check:
-    return Check(c["what"], c["measured"], c["op"], c["target"], c["tolerance"],
-                 c.get("role", "evidence"), c.get("group", ""))  # fmt: skip
+    return Check(
+        c["what"],
+        c["measured"],
+        c["op"],
+        c["target"],
+        c["tolerance"],
+        c.get("role", "evidence"),
+        c.get("group", ""),
+    )
 
 
 def verified_checks(rec: dict) -> list[Check]:
@@ -366,9 +373,16 @@ def write_report_zh(
     rows = []
     for r in records:
         label = verdict_label_zh(r, verified_checks(r))
-        rows.append({"#": r["number"], "论断": f"[{_about(r)['title_zh']}](#{_anchor(r)})",
-                     "出处": r["source"], "结论": label, "模式": MODES_ZH[r["mode"]],
-                     "秒": r["seconds"]})  # fmt: skip
+        rows.append(
+            {
+                "#": r["number"],
+                "论断": f"[{_about(r)['title_zh']}](#{_anchor(r)})",
+                "出处": r["source"],
+                "结论": label,
+                "模式": MODES_ZH[r["mode"]],
+                "秒": r["seconds"],
+            }
+        )
     head = HEADER_ZH.format(out_dir=Path(os.path.relpath(out_dir)).as_posix())
     sections = [section_zh(r, out_dir, path.parent) for r in records]
     return _write(path, [head, line, "", markdown_table(rows)], sections)

@@ -60,10 +60,17 @@ def tiny_chat_folder(folder: Path, seed: int) -> Path:
 
     tokenizer = tokenizer_from_gguf(read_gguf(resolve("smollm2")))
     cfg = ModelConfig(
-        vocab_size=tokenizer.hf.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-        max_seq_len=512, position="rope", norm="rms", ffn="swiglu",
+        vocab_size=tokenizer.hf.get_vocab_size(),
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=512,
+        position="rope",
+        norm="rms",
+        ffn="swiglu",
         eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = build_model(cfg)
     with torch.no_grad():
@@ -96,21 +103,42 @@ def serve(ctx: RunContext, max_seq_len: int, extra_args: tuple[str, ...] = ()) -
 
 def start(model_arg: str, max_seq_len: int, extra_args: tuple[str, ...]):
     """(process, url) of `glassformer serve` for the lab: prefix reuse off, one row at a time."""
-    args = ["--model", model_arg, "--max-batch", "1", "--prefix-cache-mb", "0",
-            "--max-seq-len", str(max_seq_len), *extra_args]  # fmt: skip
+    args = [
+        "--model",
+        model_arg,
+        "--max-batch",
+        "1",
+        "--prefix-cache-mb",
+        "0",
+        "--max-seq-len",
+        str(max_seq_len),
+        *extra_args,
+    ]
     return start_server(args, timeout=HEALTH_TIMEOUT_S)
 
 
-def start_server(args: list[str], env: dict[str, str] | None = None,
-                 timeout: float = 90.0) -> tuple[subprocess.Popen, str]:  # fmt: skip
+def start_server(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 90.0
+) -> tuple[subprocess.Popen, str]:
     """(process, url) of `glassformer serve ARGS` on a free loopback port with one torch thread,
     once /health answers (the lab's serving claims and the tests that drive a server use it)."""
     import httpx
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    command = [sys.executable, "-m", "glassformer", "serve", *args, "--port", str(port),
-               "--threads", "1", "--log-level", "warning"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "glassformer",
+        "serve",
+        *args,
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+    ]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -146,9 +146,14 @@ class KVCache(_SlotCache):
         """A cache shaped for a ModelConfig's decoder layers (max_seq_len None: the config's)."""
         max_seq_len = max_seq_len or cfg.max_seq_len
         return cls(
-            cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len, cfg.head_dim,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.n_layers,
+            batch_size,
+            cfg.n_kv_heads,
+            max_seq_len,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     def begin(self, positions: Tensor) -> Tensor:
         """Before a forward writes tokens at `positions` ((T,) or (B, T)): check they fit and
@@ -239,9 +244,15 @@ class SlidingWindowCache(_SlotCache):
             )
         max_seq_len = max_seq_len or cfg.max_seq_len
         return cls(
-            cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.sliding_window, cfg.head_dim,
-            max_seq_len, dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.n_layers,
+            batch_size,
+            cfg.n_kv_heads,
+            cfg.sliding_window,
+            cfg.head_dim,
+            max_seq_len,
+            dtype=dtype,
+            device=device,
+        )
 
     def key_positions(self, start: int, n_new: int, device=None) -> Tensor:
         """Sequence positions (Tk,) of the keys `update` returns when positions start..start +

@@ -217,8 +217,9 @@ class Int4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Int4Linear:
         """Quantize an nn.Linear (its weight is copied, never shared)."""
         weight = linear.weight
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                     device=weight.device)  # fmt: skip
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, device=weight.device
+        )
         packed, scales, mins = quantize_q4(weight)
         module.weight.copy_(packed)
         module.scales.copy_(scales)

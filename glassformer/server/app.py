@@ -102,13 +102,20 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     metrics = Metrics()
     slot_len = min(options.max_seq_len or 2048, served.model.cfg.max_seq_len)
     engine = Engine(
-        served.model, max_rows=2 * options.max_batch, max_seq_len=slot_len,
+        served.model,
+        max_rows=2 * options.max_batch,
+        max_seq_len=slot_len,
         tokenizer=served.tokenizer,
-    )  # fmt: skip
+    )
     scheduler = Scheduler(
-        engine, options.max_batch, options.max_queue, options.prefix_cache_bytes, metrics,
-        options.request_timeout_s, options.prefill_chunk,
-    )  # fmt: skip
+        engine,
+        options.max_batch,
+        options.max_queue,
+        options.prefix_cache_bytes,
+        metrics,
+        options.request_timeout_s,
+        options.prefill_chunk,
+    )
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,8 +186,11 @@ class API:
         thinking_budget: int | None = None,
     ):
         self.served, self.scheduler, self.metrics, self.slot_len = (
-            served, scheduler, metrics, slot_len,
-        )  # fmt: skip
+            served,
+            scheduler,
+            metrics,
+            slot_len,
+        )
         self.created = int(time.time())
         cfg = served.model.cfg
         dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
@@ -304,9 +314,15 @@ class API:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         work = self._work(
-            request, body, prompt, body.token_limit, body.token_limit is None, param, n_top,
+            request,
+            body,
+            prompt,
+            body.token_limit,
+            body.token_limit is None,
+            param,
+            n_top,
             thinking_budget=budget,
-        )  # fmt: skip
+        )
         reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top, work.arrived)
         return await self._respond(request, body, work, reply)
 
@@ -383,9 +399,11 @@ class API:
                 cap = f"{limit_param}={limit}" + (" (the default)" if default_limit else "")
                 fix = f"lower min_tokens or raise {limit_param}"
             raise APIError(
-                400, f"min_tokens={body.min_tokens} exceeds {cap}: {fix}", "min_tokens",
+                400,
+                f"min_tokens={body.min_tokens} exceeds {cap}: {fix}",
+                "min_tokens",
                 code="invalid_value",
-            )  # fmt: skip
+            )
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i

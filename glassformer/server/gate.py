@@ -40,9 +40,15 @@ IGNORED_FIELDS_HEADER = "x-glassformer-ignored-fields"
 # the page itself (/, /lab/static) stays open
 PROTECTED = ("/v1/", "/metrics", "/lab/api/", "/tokenize", "/detokenize")
 ENDPOINTS = (
-    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health",
-    "/metrics", "/tokenize", "/detokenize",
-)  # fmt: skip
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 MODEL_ENDPOINT = "/v1/models/{id}"  # one series for every id, not one per name asked for
 
 

@@ -278,8 +278,10 @@ async def worked_example(request: Request) -> dict:
     for name, rows in (("K", body.K), ("V", body.V)):
         for n, row in enumerate(rows):
             if len(row) != d:
-                raise bad(f"{name}[{n}] has {len(row)} numbers: every row needs d={d}, as q",
-                          f"{name}.{n}")  # fmt: skip
+                raise bad(
+                    f"{name}[{n}] has {len(row)} numbers: every row needs d={d}, as q",
+                    f"{name}.{n}",
+                )
     if len(body.K) != len(body.V):
         raise bad(f"K has {len(body.K)} rows and V {len(body.V)}: one Key and Value per token", "V")
     scale = 1 / math.sqrt(d) if body.divide_by_sqrt_d else 1.0
@@ -325,9 +327,13 @@ def _count(text: str, served: Any) -> dict:
             results.append({"vocabulary": vocabulary.name, "error": str(err)})
             continue
         results.append(
-            {"vocabulary": result.vocabulary, "count": result.count, "ids": result.ids,
-             "pieces": result.pieces}
-        )  # fmt: skip
+            {
+                "vocabulary": result.vocabulary,
+                "count": result.count,
+                "ids": result.ids,
+                "pieces": result.pieces,
+            }
+        )
     return {"characters": len(text), "results": results}
 
 

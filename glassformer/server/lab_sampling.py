@@ -51,9 +51,12 @@ class NextTokens(LabBody):
 def params_of(body: NextTokens) -> SamplingParams:
     try:  # SamplingParams checks every value and says what is allowed
         return SamplingParams(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
             seed=body.seed,
-        )  # fmt: skip
+        )
     except ValueError as err:
         param = str(err).partition("=")[0]
         raise bad(str(err), param if param in NextTokens.model_fields else None) from None

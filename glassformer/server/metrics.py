@@ -45,9 +45,11 @@ class Metrics:
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=registry)  # process_*, python_*: what any Python exporter has
         self.requests = Counter(
-            "glassformer_requests", "HTTP requests by endpoint and status code.",
-            ("endpoint", "code"), registry=registry,
-        )  # fmt: skip
+            "glassformer_requests",
+            "HTTP requests by endpoint and status code.",
+            ("endpoint", "code"),
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "glassformer_prompt_tokens", "Prompt tokens received.", registry=registry
         )
@@ -60,25 +62,35 @@ class Metrics:
             "glassformer_generation_tokens", "Tokens generated.", registry=registry
         )
         self.ttft = _histogram(
-            "time_to_first_token_seconds", "Seconds from arrival to a row's first token.",
-            TTFT_BUCKETS, registry,
-        )  # fmt: skip
+            "time_to_first_token_seconds",
+            "Seconds from arrival to a row's first token.",
+            TTFT_BUCKETS,
+            registry,
+        )
         self.per_token = _histogram(
-            "time_per_output_token_seconds", "Seconds between a row's tokens (inter-token).",
-            TOKEN_BUCKETS, registry,
-        )  # fmt: skip
+            "time_per_output_token_seconds",
+            "Seconds between a row's tokens (inter-token).",
+            TOKEN_BUCKETS,
+            registry,
+        )
         self.latency = _histogram(
-            "e2e_request_latency_seconds", "Seconds from arrival to the last token, per request.",
-            LATENCY_BUCKETS, registry,
-        )  # fmt: skip
+            "e2e_request_latency_seconds",
+            "Seconds from arrival to the last token, per request.",
+            LATENCY_BUCKETS,
+            registry,
+        )
         self.request_prompt_tokens = _histogram(
-            "request_prompt_tokens", "Prompt tokens of each finished request.",
-            COUNT_BUCKETS, registry,
-        )  # fmt: skip
+            "request_prompt_tokens",
+            "Prompt tokens of each finished request.",
+            COUNT_BUCKETS,
+            registry,
+        )
         self.request_generation_tokens = _histogram(
-            "request_generation_tokens", "Tokens generated for each finished request.",
-            COUNT_BUCKETS, registry,
-        )  # fmt: skip
+            "request_generation_tokens",
+            "Tokens generated for each finished request.",
+            COUNT_BUCKETS,
+            registry,
+        )
         self.gauges = {
             name: Gauge(f"glassformer_{name}", about, registry=registry)
             for name, about in GAUGES.items()

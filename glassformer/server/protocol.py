@@ -36,8 +36,12 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (
-            status, message, param, kind, code,
-        )  # fmt: skip
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:

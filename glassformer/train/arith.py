@@ -143,9 +143,13 @@ def ask(
     (0: answer at once; None: no limit), one problem at a time, so `seconds` is the wall time
     of one answer."""
     markers = require_markers(tokenizer, "this model", "ask(budget=...)")
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
-                            think_ids=markers.ids, thinking_budget=budget,
-                            eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0,
+        max_new_tokens=max_new_tokens,
+        think_ids=markers.ids,
+        thinking_budget=budget,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     engine = Engine(model, tokenizer=tokenizer)
     answers = []
     for problem in problems:
@@ -156,7 +160,15 @@ def ask(
         seconds = time.perf_counter() - start
         text = row.text.replace("<|endoftext|>", "").strip()
         stats, correct = row.stats, text == problem.answer
-        answer = Answer(problem, budget, correct, stats.thinking_tokens, stats.answer_tokens,
-                        seconds, stats.thinking_time_s, text)  # fmt: skip
+        answer = Answer(
+            problem,
+            budget,
+            correct,
+            stats.thinking_tokens,
+            stats.answer_tokens,
+            seconds,
+            stats.thinking_time_s,
+            text,
+        )
         answers.append(answer)
     return answers

@@ -84,8 +84,11 @@ def export_config(cfg: ModelConfig) -> ModelConfig:
             f"positions with offset {POSITION_OFFSET})"
         )
     if (cfg.norm, cfg.norm_position, cfg.norm_bias, cfg.embedding_norm) != (
-        "layer", "post", True, True
-    ):  # fmt: skip
+        "layer",
+        "post",
+        True,
+        True,
+    ):
         problems.append("norms (need post-LayerNorm with bias and an embedding LayerNorm)")
     if cfg.ffn not in ACT_TO_HF:
         problems.append(f"ffn={cfg.ffn!r} (need one of {', '.join(ACT_TO_HF)})")

@@ -221,8 +221,9 @@ def _mlm_bias(names: set[str]) -> WeightRule:
     write both, so any transformers version finds the one it reads."""
     decoder_bias, head_bias = f"{MLM}.decoder.bias", f"{MLM}.bias"
     if not names:
-        return WeightRule("mlm_head.decoder.bias", [head_bias, decoder_bias],
-                          lambda ts: ts[0], lambda t: [t, t])  # fmt: skip
+        return WeightRule(
+            "mlm_head.decoder.bias", [head_bias, decoder_bias], lambda ts: ts[0], lambda t: [t, t]
+        )
     return rename("mlm_head.decoder.bias", decoder_bias if decoder_bias in names else head_bias)
 
 

@@ -63,9 +63,15 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     elif kind in ("yarn", "llama3"):
         out["original_max_seq_len"] = original
     for key in (
-        "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
-        "mscale_all_dim", "attention_factor", "truncate",
-    ):  # fmt: skip
+        "low_freq_factor",
+        "high_freq_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ):
         if merged.get(key) is not None:
             out[key] = merged[key]
     return theta, out
@@ -319,8 +325,9 @@ def rules(cfg: ModelConfig, names: set[str]) -> list[WeightRule]:
             table.append(rename(f"{gf}.ffn.router.weight", f"{moe}.gate.weight"))
             for e in range(cfg.n_experts):
                 expert = f"{moe}.experts.{e}"
-                table += _gated(f"{gf}.ffn.experts.{e}", f"{expert}.w1", f"{expert}.w3",
-                                f"{expert}.w2", cfg)  # fmt: skip
+                table += _gated(
+                    f"{gf}.ffn.experts.{e}", f"{expert}.w1", f"{expert}.w3", f"{expert}.w2", cfg
+                )
         else:
             mlp = f"{hf}.mlp"
             table += _gated(
