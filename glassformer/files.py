@@ -1,5 +1,5 @@
 """Files that survive a crash, and the one way a model, adapter or run folder is written
-(DESIGN.md, "Writing files: one way").
+(docs/reliability.md, "Every folder is written one way").
 
 A file is replaced whole or not at all (temporary file, fsync, rename, fsync of the folder). A
 folder is built beside its destination under a hidden name, fsynced, and swapped in with one

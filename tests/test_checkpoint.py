@@ -150,9 +150,9 @@ def test_load_rebuilds_the_model_and_tokenizer(tmp_path: Path) -> None:
 
 
 def test_loading_a_checkpoint_never_imports_the_trainer(tmp_path: Path) -> None:
-    """The format lives in interop/checkpoint.py, below train/ (DESIGN.md: imports only point
-    down): a fresh process that imports the package and interop and loads a saved run the way
-    generate and convert do (from_pretrained) holds no glassformer.train module afterwards."""
+    """The format lives in interop/checkpoint.py, below train/ (the layering: imports only
+    point down): a fresh process that imports the package and interop and loads a saved run the
+    way generate and convert do (from_pretrained) holds no glassformer.train module afterwards."""
     torch.manual_seed(0)
     save_checkpoint(tmp_path, 7, build_model(CONFIG), CONFIG, tokenizer=CharTokenizer(list("ab")))
     script = (

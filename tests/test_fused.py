@@ -1,7 +1,8 @@
 """The fused decode step (infer/fused.py, kernels/decode.c) against the torch modules: the same
-logits for every architecture it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
-LayerNorm and learned positions, plain MLPs), in fp32, bf16 and int8 weights; the Engine's
-greedy tokens with and without it; and the models it refuses, with the reason."""
+fp32 logits on seven architectures it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
+LayerNorm and learned positions, a plain ReLU MLP, GeGLU, a head dim of 24); bf16, int8 and int4
+weights on two of them (Llama/GQA, GPT-2); runs of tokens in fp32, int8 and int4 on three; the
+Engine's greedy and sampled tokens with and without it; and the models it refuses, with why."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ ON_FULL_CONTEXT = ("stop", "shift")
 
 class Engine(Loops):
     """Generates from any model that offers `new_cache(batch_size, max_seq_len)` (a cache with
-    rows/move_row/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
+    rows/swap_rows/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
     max_rows: the row slots; None lets generate/generate_batch size the cache to each call.
     max_seq_len: positions per slot (default: the model's context window).

@@ -3,7 +3,7 @@ ModelConfig) and tokenizer.json; a run folder holds step-NNNNNN folders and a `l
 the newest. Here: the file names, writing and strictly reading the weights and config, finding
 the step a path means, and loading a model from it. The trainer's state saved beside them and
 the atomic save of a training step live in train/checkpoint.py. Nothing here unpickles: tensors
-go through safetensors, everything else through JSON. (DESIGN.md, "Data flow".)
+go through safetensors, everything else through JSON.
 """
 
 from __future__ import annotations

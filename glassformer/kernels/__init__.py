@@ -132,7 +132,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL:
-    """The compiled library (matvec_* and decode_token); an error when it cannot be had."""
+    """The compiled library (matvec_* and decode_tokens); an error when it cannot be had."""
     found = _library()
     if found is None:
         raise RuntimeError("the C kernels are not available here: check kernels.available()")

@@ -12,7 +12,7 @@ computes:
 
 The models come from `request.app.state.served` (model, tokenizer, name, embed_model,
 embed_tokenizer, embed_name); the app factory includes `router` and calls `mount_static(app)`.
-Bodies, limits and errors are /v1's (server/lab_checks.py): a 400 with OpenAI's error object.
+Bodies, limits and errors are /v1's (server/lab_edge.py): a 400 with OpenAI's error object.
 
 Every forward of the served model runs on the engine thread, between two decode steps
 (Scheduler.call): a capture sets weights sinks and hooks on the very modules the engine decodes

@@ -1,8 +1,8 @@
 """Training checkpoints: one step folder per save, written atomically, holding the model files of
 interop/checkpoint.py (safetensors weights, config JSON, tokenizer) plus the trainer's state
 (train_state.json, train_state.safetensors), and a `latest` file naming the newest. Nothing here
-unpickles: tensors go through safetensors, everything else through JSON. (DESIGN.md, "Data
-flow".) The format's names are re-exported here for the callers that know them from here.
+unpickles: tensors go through safetensors, everything else through JSON. The format's names
+are re-exported here for the callers that know them from here.
 """
 
 from __future__ import annotations
