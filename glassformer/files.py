@@ -4,9 +4,10 @@
 A file is replaced whole or not at all (temporary file, fsync, rename, fsync of the folder). A
 folder is built beside its destination under a hidden name, fsynced, and swapped in with one
 exchange of names (renameat2's RENAME_EXCHANGE on Linux; two renames elsewhere), so a reader
-sees the complete old folder or the complete new one, never a mix. Before anything is written
-the destination is resolved with symlinks followed and refused when it is, holds or sits inside
-a source, or is `/`, the home folder, the current folder or an empty path. Every folder
+sees the complete old folder or the complete new one, never a mix (a write killed between the
+two renames leaves the old folder aside, and the next reader puts it back). Before anything is
+written the destination is resolved with symlinks followed and refused when it is, holds or sits
+inside a source, or is `/`, the home folder, the current folder or an empty path. Every folder
 records what it is (model, adapter or run) in glassformer.json.
 """
 
@@ -109,6 +110,11 @@ def write_kind(folder: Path, kind: str, **details: Any) -> None:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
     record = {"kind": kind, **details}
     atomic_write_text(folder / KIND_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def with_article(kind: str) -> str:
+    """ "a model", "an adapter", "a run": a kind as the messages name it."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
 
 
 def folder_kind(folder: Path) -> str | None:
@@ -230,18 +236,36 @@ def _leftover_stage(target: Path, name: str) -> str | None:
     return stage
 
 
+def restore_aside(target: str | Path) -> bool:
+    """Put back the old folder that a killed write left aside: where no exchange exists, a write
+    that dies between its two renames leaves nothing at `target` and the complete old folder
+    under .NAME.gf-old-PID-HEX. Readers call this for a path that is missing, so that a killed
+    write never leaves a model missing; nothing else is touched. True if `target` is there now."""
+    target = Path(target)
+    if os.path.lexists(target):
+        return True
+    if not target.name or not target.parent.is_dir():
+        return False
+    for child in sorted(target.parent.iterdir()):
+        if _leftover_stage(target, child.name) == "old":
+            # Another reader may be first, and a reader may not own the folder: then the
+            # folder stays aside and the reader reports the path as missing.
+            with contextlib.suppress(OSError):
+                os.rename(child, target)
+                fsync_dir(target.parent)
+            break
+    return os.path.lexists(target)
+
+
 def clean_leftovers(target: Path) -> list[str]:
     """Remove what killed writes to `target` left beside it; an old folder moved aside by a
     write that died before the new one went in is put back first. Returns the names removed."""
     if not target.parent.is_dir():
         return []
+    restore_aside(target)
     removed = []
     for child in sorted(target.parent.iterdir()):
-        stage = _leftover_stage(target, child.name)
-        if stage is None:
-            continue
-        if stage == "old" and not os.path.lexists(target):
-            os.rename(child, target)  # the complete old folder, back where it was
+        if _leftover_stage(target, child.name) is None:
             continue
         shutil.rmtree(child, ignore_errors=True)
         removed.append(child.name)
@@ -278,14 +302,20 @@ def swap_in(new: Path, target: Path) -> None:
         old = new  # the exchange left the old folder under the new one's hidden name
     else:
         # Two renames: a crash between them leaves the old folder aside under .gf-old-, which
-        # clean_leftovers puts back.
+        # the next reader (restore_aside) or writer (clean_leftovers) puts back.
         old = _hidden(target, "old")
         os.rename(target, old)
-        os.rename(new, target)
+        try:
+            os.rename(new, target)
+        except BaseException:
+            os.rename(old, target)  # a failed write changes nothing
+            raise
     fsync_dir(target.parent)
     doomed = _hidden(target, "del")
     os.rename(old, doomed)
-    shutil.rmtree(doomed)
+    # The new folder is in place: a deletion that fails (or is killed) leaves .NAME.gf-del-*,
+    # which the next write to `target` removes; it must not report the write as failed.
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -310,15 +340,15 @@ def write_folder(
     held = folder_kind(target)
     if held is not None:
         if held != kind:
-            what = {"other": "files that are not a model"}.get(held, f"a {held}")
+            what = {"other": "files that are not a model"}.get(held, with_article(held))
             raise FolderError(
-                f"{flag} {dest} holds {what}, not a {kind}: --overwrite replaces a {kind} folder"
-                " only; write to a new folder"
+                f"{flag} {dest} holds {what}, not {with_article(kind)}: --overwrite replaces"
+                f" {with_article(kind)} folder only; write to a new folder"
             )
         if not overwrite:
             raise FolderError(
-                f"{flag} {dest} already holds a {kind}: pass --overwrite to replace it, or write"
-                " to a new folder"
+                f"{flag} {dest} already holds {with_article(kind)}: pass --overwrite to replace"
+                " it, or write to a new folder"
             )
     tmp = _hidden(target, "new")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,11 @@ from trees import tree
 
 from glassformer.cli import main
 from glassformer.files import FolderError, clean_leftovers, folder_kind, swap_in, write_folder
+from glassformer.interop.checkpoint import load
+from glassformer.interop.integrity import InteropError
+from glassformer.interop.peft import load_adapter, save_adapter
 from glassformer.interop.pretrained import from_pretrained
+from glassformer.nn.lora import apply_lora
 
 
 def one_error_line(capsys) -> str:
@@ -396,3 +401,202 @@ def test_a_kill_while_pruning_an_old_step_never_leaves_a_half_deleted_step(
         ], step  # fmt: skip
     checkpoint.remove_leftovers(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000003"]
+
+
+# --- destinations refused whatever the flags (files.check_destination) ---------------------------
+
+
+def test_a_destination_that_is_a_symlink_is_refused_and_nothing_behind_it_changes(
+    models: Path, capsys
+) -> None:
+    link, dangling = models / "link", models / "dangling"
+    os.symlink(models / "base-hf", link)  # a link to a model of the same kind
+    os.symlink(models / "nowhere", dangling)  # a link to nothing yet
+    before = tree(models)
+    for out, target in [(link, models / "base-hf"), (dangling, models / "nowhere")]:
+        assert main(["convert", str(models / "base"), "--to", "hf", str(out), "--overwrite"]) == 2
+        assert f"{out} is a symlink to {target}: glassformer never writes through a link" in (
+            one_error_line(capsys)
+        )
+    assert tree(models) == before and link.is_symlink() and not (models / "nowhere").exists()
+
+
+def test_an_out_path_that_is_not_utf8_is_one_line_and_creates_nothing(models: Path, capsys):
+    out = os.fsdecode(bytes(models / "out") + b"-\xff")  # how Python reads such bytes in argv
+    before = tree(models)
+    assert main(["convert", str(models / "base"), "--to", "hf", out]) == 2
+    assert "-\\udcff' is not valid UTF-8: give a folder name in UTF-8" in one_error_line(capsys)
+    assert tree(models) == before and sorted(os.listdir(models)) == ["base", "base-hf", "lora1"]
+
+
+@pytest.mark.parametrize("command", ["convert", "merge", "finetune"])
+def test_an_empty_out_is_refused_without_overwrite_too(
+    tiny_models, models: Path, monkeypatch, capsys, command: str
+) -> None:
+    work = models / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = {
+        "convert": ["convert", str(models / "base"), "--to", "hf", ""],
+        "merge": ["merge", "--model", str(models / "base-hf"), "--adapter",
+                  str(models / "lora1"), "--out", ""],
+        "finetune": [*tiny_models.finetune, "--model", str(models / "base-hf"), "--out", ""],
+    }[command]  # fmt: skip
+    before = tree(models)
+    assert main(argv) == 2
+    expected = "is empty: give a path" if command == "finetune" else "is an empty path: name a"
+    assert expected in one_error_line(capsys)  # finetune's config check comes first
+    assert tree(models) == before and not os.listdir(work)
+
+
+# --- every folder records what it is (glassformer.json) ----------------------------------------
+
+
+def _record(folder: Path) -> dict:
+    return json.loads((folder / "glassformer.json").read_text())
+
+
+@pytest.fixture
+def adapter_folder(models: Path) -> Path:
+    """An adapter folder as save_adapter writes it (a LoRA on the tiny base-hf model)."""
+    model, _ = from_pretrained(models / "base-hf")
+    apply_lora(model, "q,v", rank=2)
+    return save_adapter(model, models / "adapter", base_model=str(models / "base-hf"))
+
+
+def test_adapter_run_and_model_folders_record_their_kind(models: Path, adapter_folder: Path):
+    assert _record(adapter_folder) == {"kind": "adapter", "written_by": "glassformer"}
+    assert _record(models / "lora1") == {
+        "kind": "run",
+        "holds": "adapter",
+    }  # finetune --method lora
+    assert _record(models / "base") == {"kind": "run", "holds": "model"}  # train
+    assert _record(models / "base-hf")["kind"] == "model"  # convert
+    for name in ("adapter", "lora1", "base", "base-hf"):
+        assert folder_kind(models / name) == _record(models / name)["kind"]
+
+
+def test_commands_never_take_an_adapter_a_run_or_a_model_for_another(
+    tiny_models, models: Path, adapter_folder: Path, tiny_run_config, capsys
+) -> None:
+    out_dir = f"train.out_dir={json.dumps(str(adapter_folder))}"
+    train = ["train", "--config", str(tiny_run_config("x")), "--set", out_dir, "--no-progress"]
+    before = tree(models)
+    base = ["--model", str(models / "base-hf")]
+    for argv in (
+        [*train, "--resume"],
+        [*train, "--overwrite"],
+        [*tiny_models.finetune, *base, "--out", str(adapter_folder), "--resume"],
+    ):
+        assert main(argv) == 2
+        assert "holds an adapter, not a training run" in one_error_line(capsys)
+    merge = ["merge", *base, "--adapter", str(models / "lora1"), "--out"]
+    for argv in (
+        ["convert", str(models / "base"), "--to", "hf", str(adapter_folder), "--overwrite"],
+        [*merge, str(adapter_folder), "--overwrite"],
+    ):
+        assert main(argv) == 2
+        assert "holds an adapter, not a model: --overwrite replaces a model" in (
+            one_error_line(capsys)
+        )
+    model, _ = from_pretrained(models / "base-hf")
+    apply_lora(model, "q,v", rank=2)
+    for folder, held in [("lora1", "a run"), ("base", "a run"), ("base-hf", "a model")]:
+        with pytest.raises(FolderError, match=f"holds {held}, not an adapter"):
+            save_adapter(model, models / folder, overwrite=True)
+    with pytest.raises(InteropError, match="holds a LoRA adapter, not a model"):
+        from_pretrained(adapter_folder)
+    assert tree(models) == before
+
+
+# --- what a killed write leaves: never a missing folder -----------------------------------------
+
+KILLED_BETWEEN_THE_RENAMES = """
+import os, signal, sys
+import glassformer.files as files
+files._exchange = lambda a, b: False  # a system without renameat2 (macOS, old kernels)
+rename = os.rename
+def rename_then_die(src, dst):
+    rename(src, dst)
+    if ".gf-old-" in os.fspath(dst):  # the old folder is aside, the new one not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+os.rename = rename_then_die
+from glassformer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_write_killed_between_its_two_renames_leaves_no_model_missing(models: Path):
+    dest = models / "base-hf"
+    old = tree(dest)
+    argv = ["convert", str(models / "base"), "--to", "hf", str(dest), "--overwrite"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_BETWEEN_THE_RENAMES, *argv], capture_output=True, env=env
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    (aside,) = [p for p in models.iterdir() if p.name.startswith(".base-hf.gf-old-")]
+    assert not dest.exists() and tree(aside) == old  # what the crash left
+    model, tokenizer = from_pretrained(dest)  # a reader puts the old folder back
+    assert tree(dest) == old and model is not None and tokenizer is not None
+    (hidden,) = [p.name for p in models.iterdir() if p.name.startswith(".")]
+    assert hidden.startswith(".base-hf.gf-new-")  # the dead write's new folder, never swapped in
+    assert main(argv) == 0  # the next write removes it
+    assert not [p.name for p in models.iterdir() if p.name.startswith(".")]
+
+
+def _aside(folder: Path, pid: int) -> Path:
+    """Move `folder` aside as a write that died between its two renames leaves it."""
+    aside = folder.parent / f".{folder.name}.gf-old-{pid}-0a0b0c0d"
+    os.rename(folder, aside)
+    return aside
+
+
+@pytest.mark.parametrize("kind", ["model", "run", "adapter"])
+def test_every_reader_puts_back_a_folder_a_killed_write_left_aside(
+    tiny_models, models: Path, kind: str
+) -> None:
+    name = {"model": "base-hf", "run": "base", "adapter": "lora1"}[kind]
+    folder = models / name
+    before = tree(folder)
+    _aside(folder, _dead_pid())
+    if kind == "model":
+        from_pretrained(folder)
+    elif kind == "run":
+        load(folder)
+    else:
+        model, _ = from_pretrained(tiny_models.base_hf)
+        assert load_adapter(model, folder)
+    assert tree(folder) == before
+    assert not [p.name for p in models.iterdir() if p.name.startswith(".")]
+
+
+def test_a_reader_leaves_the_aside_folder_of_a_writer_still_at_work(models: Path) -> None:
+    folder = models / "base-hf"
+    aside = _aside(folder, os.getppid())  # its writer is alive: about to put the new one in
+    with pytest.raises(InteropError, match="is neither a path nor a known alias"):
+        from_pretrained(folder)
+    assert aside.is_dir() and not folder.exists()
+
+
+def test_a_second_rename_that_fails_puts_the_old_folder_back(tmp_path: Path, monkeypatch):
+    import glassformer.files
+
+    dest = tmp_path / "model"
+    with write_folder(dest, "model") as tmp:
+        (tmp / "config.json").write_text("old")
+    before = tree(dest)
+    real_rename = os.rename
+
+    def refuse_the_new_folder(src, dst):
+        if ".gf-new-" in os.fspath(src):
+            raise OSError(5, "Input/output error", os.fspath(src))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(glassformer.files, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(glassformer.files.os, "rename", refuse_the_new_folder)
+    failing = pytest.raises(FolderError, match="nothing was changed")
+    with failing, write_folder(dest, "model", overwrite=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    monkeypatch.undo()
+    assert tree(dest) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from glassformer import json_input
 from glassformer.config import ConfigError, ModelConfig
+from glassformer.files import restore_aside
 from glassformer.interop.integrity import (
     UNREADABLE_SAFETENSORS,
     count_values,
@@ -250,7 +251,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """The step directory that `path` means: a step directory itself, or a run directory
     (its `latest`, or else its highest complete step-* directory)."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not restore_aside(path):  # a folder a killed write left aside
         raise CheckpointError(f"no checkpoint at {path}: the path does not exist; {_TRAIN_HINT}")
     if path.is_file():
         if path.name in (MODEL_FILE, CONFIG_FILE, LATEST_FILE):

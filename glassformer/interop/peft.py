@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
-from glassformer.files import write_folder
+from glassformer.files import restore_aside, write_folder
 from glassformer.interop.adapter_config import (
     ADAPTER_CONFIG,
     FLOAT32_MAX,
@@ -261,7 +261,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
     Every module and shape is checked before the model changes: an adapter for another model
     or size is one error naming the tensor and both shapes."""
     folder = Path(adapter_dir)
-    if not folder.is_dir():
+    if not folder.is_dir() and not restore_aside(folder):  # a folder a killed write left aside
         raise InteropError(
             f"{folder} is not a folder: give the adapter's folder (adapter_config.json)"
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from glassformer import json_input
+from glassformer.files import restore_aside
 from glassformer.interop.hf_files import PICKLE_SUFFIXES
 from glassformer.interop.integrity import InteropError
 
@@ -42,7 +43,7 @@ def resolve(name_or_path: str | Path) -> Path:
             raise InteropError(f"alias {name!r}: {path} is missing; reinstall with {install}")
         return path
     path = Path(name)
-    if not path.exists():
+    if not path.exists() and not restore_aside(path):  # a folder a killed write left aside
         raise InteropError(
             f"{name!r} is neither a path nor a known alias: aliases are "
             f"{', '.join(sorted(ALIASES))}"

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from glassformer import json_input
 from glassformer.config import ConfigError
-from glassformer.files import check_destination, folder_kind
+from glassformer.files import check_destination, folder_kind, with_article
 from glassformer.interop.checkpoint import (
     LATEST_FILE,
     STEP_DIR_RE,
@@ -56,9 +56,9 @@ def check_run_folder(out_dir: Path, sources: list[Path], flag: str) -> None:
     kind = folder_kind(out_dir)
     if kind in ("model", "adapter"):
         raise ConfigError(
-            f"{flag}={str(out_dir)!r} holds a {kind}, not a training run: a run's checkpoints"
-            f" would be mixed into it; pick a new folder for the run (load the {kind} with"
-            " --model, or name it as finetune.model / train.init_from)"
+            f"{flag}={str(out_dir)!r} holds {with_article(kind)}, not a training run: a run's"
+            f" checkpoints would be mixed into it; pick a new folder for the run (load the"
+            f" {kind} with --model, or name it as finetune.model / train.init_from)"
         )
     make_out_dir(out_dir)
 
