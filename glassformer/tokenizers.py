@@ -556,6 +556,27 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     return max(map(len, hf.get_vocab(with_added_tokens=True)), default=None)
 
 
+# Real text averages a few characters a token (about 4 in English, fewer in Chinese); 100
+# (WordPiece's own longest word) is 25 times that, so no real example is refused, and at most
+# max_seq_len x 100 characters are ever tokenized (8,192 positions: 0.8 MB, about a second).
+SPARSE_TEXT_CHARS_PER_TOKEN = 100
+
+
+def chars_per_token_cap(tokenizer: Any) -> int:
+    """For a tokenizer whose encodings no length bounds (longest_token_chars is None): the most
+    characters a token may stand for on average in a text that is taken to fit a context. Such a
+    tokenizer drops text (spaces, control characters) or turns a whole unknown word into one
+    [UNK], so only tokenizing counts its tokens; a text sparser than this is mostly what the
+    model never sees. The longest of: the vocabulary's longest token, WordPiece's longest word,
+    SPARSE_TEXT_CHARS_PER_TOKEN."""
+    hf = getattr(tokenizer, "hf", None)
+    if not isinstance(hf, HFTokenizer):
+        return SPARSE_TEXT_CHARS_PER_TOKEN
+    longest = max(map(len, hf.get_vocab(with_added_tokens=True)), default=0)
+    word = getattr(hf.model, "max_input_chars_per_word", None) or 0
+    return max(SPARSE_TEXT_CHARS_PER_TOKEN, longest, word)
+
+
 def _keeps_every_char(hf: HFTokenizer) -> bool:
     model = hf.model
     if type(model).__name__ != "BPE":

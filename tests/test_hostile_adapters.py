@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 import glassformer as gf
+from glassformer import tokenizers
 from glassformer.cli import main
 from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
@@ -38,6 +39,7 @@ from glassformer.tokenizers import (
     BPETokenizer,
     CharTokenizer,
     PretrainedTokenizer,
+    chars_per_token_cap,
     load_tokenizer,
     longest_token_chars,
 )
@@ -508,6 +510,94 @@ def test_tokenizers_that_can_drop_text_have_no_bound():
     wordpiece = PretrainedTokenizer(hf)
     assert wordpiece.encode(" " * 5_000, add_special_tokens=False) == []
     assert longest_token_chars(wordpiece) is None
+
+
+WORDS = ["[UNK]", "[PAD]", "to", "be", "or", "not", "that", "is", "the", "question"]
+
+
+def _wordpiece() -> PretrainedTokenizer:
+    """A WordPiece tokenizer behind a whitespace pre-tokenizer, as BERT's: it drops spaces and
+    gives a whole unknown word one [UNK], so no length bounds its encodings."""
+    hf = HFTokenizer(models.WordPiece({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PretrainedTokenizer(hf, pad_token="[PAD]")
+
+
+def test_a_tokenizer_that_drops_text_gets_a_cap_on_sparse_examples(monkeypatch):
+    wordpiece = _wordpiece()
+    assert longest_token_chars(wordpiece) is None
+    # The cap: 100, WordPiece's own longest word (read from the Rust model), longer than any
+    # token of this vocabulary.
+    assert chars_per_token_cap(wordpiece) == wordpiece.hf.model.max_input_chars_per_word == 100
+    long_vocab = HFTokenizer(models.WordPiece({"[UNK]": 0, "x" * 150: 1}, unk_token="[UNK]"))
+    assert chars_per_token_cap(PretrainedTokenizer(long_vocab)) == 150
+    given: list[int] = []
+    real_encode = PretrainedTokenizer.encode
+
+    def encode(self, text, *args, **kwargs):
+        given.append(len(text))
+        return real_encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PretrainedTokenizer, "encode", encode)
+    # 3,000 characters for 30 tokens: within the cap, so the tokenizer counts them (1,000).
+    with pytest.raises(FinetuneDataError, match=r"x line 1 is 1000 tokens, more than finetune"):
+        encode_records(wordpiece, [(1, {"text": "to " * 1_000})], 30, "x")
+    assert given == [3_000]
+    (example,) = encode_records(wordpiece, [(2, {"text": "to be " * 14 + "or"})], 30, "x")
+    assert len(example.ids) == 29  # the tokenizer's own count: 14 x 2 + 1
+    # The cap's price: 3,001 characters that are one token and 2,999 dropped spaces are refused.
+    given.clear()
+    refused = r"x line 3 holds 3,001 characters, more than 100 for each of finetune\.max_seq_len=30"
+    with pytest.raises(FinetuneDataError, match=refused + " tokens: this tokenizer drops text"):
+        encode_records(wordpiece, [(3, {"text": " " * 2_999 + "to"})], 30, "x")
+    assert given == []
+
+
+HUGE_CHARS = 50_000_000
+
+
+@pytest.fixture(scope="module")
+def huge_data(tmp_path_factory) -> Path:
+    """data.jsonl whose line 2 is one example of 50,000,000 characters (a 50 MB line)."""
+    path = tmp_path_factory.mktemp("huge") / "data.jsonl"
+    huge = ("to be or not " * (HUGE_CHARS // 13 + 1))[:HUGE_CHARS]
+    path.write_text(json.dumps({"text": "to be or not"}) + "\n" + json.dumps({"text": huge}) + "\n")
+    assert path.stat().st_size > 50_000_000
+    return path
+
+
+@pytest.mark.parametrize("vocabulary", ["char", "wordpiece"])
+def test_a_50_mb_data_line_is_refused_before_it_is_tokenized(
+    vocabulary, huge_data, tmp_path, monkeypatch, capsys
+):
+    tokenizer = CharTokenizer.from_text(ALPHABET) if vocabulary == "char" else _wordpiece()
+    torch.manual_seed(0)
+    cfg = _cfg(tokenizer.vocab_size)
+    save_checkpoint(tmp_path / "base", 0, gf.build_model(cfg).eval(), cfg, tokenizer)
+    given: list[int] = []  # the length of every text any tokenizer is asked to encode
+    real_char, real_hf = CharTokenizer.encode, tokenizers._hf_encode
+
+    def char_encode(self, text, *args, **kwargs):
+        given.append(len(text))
+        return real_char(self, text, *args, **kwargs)
+
+    def hf_encode(hf, text, *args, **kwargs):
+        given.append(len(text))
+        return real_hf(hf, text, *args, **kwargs)
+
+    monkeypatch.setattr(CharTokenizer, "encode", char_encode)
+    monkeypatch.setattr(tokenizers, "_hf_encode", hf_encode)
+    argv = ["finetune", "--model", str(tmp_path / "base"), "--data", str(huge_data),
+            "--out", str(tmp_path / "out"), "--steps", "1", "--max-seq-len", "32",
+            "--no-progress", "--threads", "1"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err[:2000]
+    assert err.startswith(f"error: {huge_data} line 2 holds 50,000,000 characters, ")
+    assert "split or shorten the example, or raise --max-seq-len" in err
+    assert given == [len("to be or not")]  # line 1 only: line 2 never reached the tokenizer
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step-*"))
 
 
 def test_a_character_checkpoint_fine_tunes_on_text_lines(tiny_run_config, tmp_path):

@@ -50,7 +50,7 @@ from glassformer.interop.integrity import clip
 from glassformer.interop.peft import write_adapter_files
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.nn.lora import apply_lora, trainable_fraction
-from glassformer.tokenizers import longest_token_chars
+from glassformer.tokenizers import chars_per_token_cap, longest_token_chars
 from glassformer.train.checkpoint import publish_adapter
 from glassformer.train.config import FOLIO_DATA, FinetuneConfig, FinetuneRunConfig
 from glassformer.train.tasks import Task
@@ -174,11 +174,13 @@ def encode_records(
     what to do (the trainer never cuts an answer off silently)."""
     eos = tokenizer.eos_token_id
     longest = longest_token_chars(tokenizer) if records else None
+    cap = chars_per_token_cap(tokenizer) if records and longest is None else None
     examples = []
     for line, record in records:
         # An example that cannot fit is refused before it is tokenized (50 MB of text takes a
         # minute): no token stands for more than `longest` characters, and a chat template
-        # writes every message's content out.
+        # writes every message's content out. A tokenizer that drops text has no such bound;
+        # it gets a cap on how sparse an example may be (chars_per_token_cap).
         texts = (
             [m["content"] for m in record["messages"]] if "messages" in record else [record["text"]]
         )
@@ -189,6 +191,14 @@ def encode_records(
                 f"{-(-chars // longest):,} tokens (no token of this tokenizer is longer than "
                 f"{longest} character{'s' * (longest > 1)}), more than finetune.max_seq_len="
                 f"{max_len}: split or shorten the example, or raise --max-seq-len"
+            )
+        if cap is not None and chars > max_len * cap:
+            raise FinetuneDataError(
+                f"{source} line {line} holds {chars:,} characters, more than {cap} for each of"
+                f" finetune.max_seq_len={max_len} tokens: this tokenizer drops text (spaces,"
+                " unknown words), so only tokenizing it all would count its tokens, and an"
+                f" example sparser than {cap} characters a token is mostly text the model never"
+                " sees; split or shorten the example, or raise --max-seq-len"
             )
         if "messages" in record:
             if not getattr(tokenizer, "chat_template", None):
