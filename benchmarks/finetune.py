@@ -49,7 +49,9 @@ It prints one table, a row per contestant: tokens/s, ms/step, spread, trainable 
 of trainable weights, gradients, optimizer state and frozen weights, loss at the first and last
 step; then the ratios glassformer-LoRA / peft-LoRA and glassformer-LoRA / glassformer-full
 (tokens/s), LoRA / full optimizer state, with the issue's targets (LoRA at least as fast as
-peft's; LoRA optimizer state under 2% of full's), and the peak RSS.
+peft's; LoRA optimizer state under 2% of full's), and the peak RSS. --json PATH also writes the
+rows and ratios with the command, date and machine (benchmarks/record.py), for
+benchmarks/render.py: docs/finetune.md's table is benchmarks/results/finetune.json (--steps 20).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import record  # benchmarks/record.py
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -260,8 +263,9 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
         print(line(row))
 
 
-def report(contestants: dict[str, Contestant], tokens_per_step: int) -> None:
-    rate, rows = {}, []
+def report(contestants: dict[str, Contestant], tokens_per_step: int) -> dict:
+    """Print the table and the ratios; return them as a dict (for --json)."""
+    rate, rows, records = {}, [], []
     for name, c in contestants.items():
         median = statistics.median(c.seconds)
         rate[name] = tokens_per_step / median
@@ -282,6 +286,22 @@ def report(contestants: dict[str, Contestant], tokens_per_step: int) -> None:
                 f"{c.losses[0]:.4f}",
                 f"{c.losses[-1]:.4f}",
             ]
+        )
+        records.append(
+            {
+                "contestant": name,
+                "tokens_per_s": rate[name],
+                "ms_per_step": median * 1000,
+                "spread": (max(per_step) - min(per_step)) / rate[name],
+                "trainable": m.trainable_params,
+                "params_mb": m.weights / MB,
+                "grads_mb": m.grads / MB,
+                "optim_mb": m.optimizer / MB,
+                "train_mb": (m.weights + m.grads + m.optimizer) / MB,
+                "frozen_mb": m.frozen / MB,
+                "first_loss": c.losses[0],
+                "last_loss": c.losses[-1],
+            }
         )
     header = ["contestant", "tokens/s", "ms/step", "spread", "trainable", "params MB"]
     header += ["grads MB", "optim MB", "train MB", "frozen MB", "loss@0", "loss@last"]
@@ -327,6 +347,15 @@ def report(contestants: dict[str, Contestant], tokens_per_step: int) -> None:
         f"{len(lora.losses)} steps: {gap:.2e} (same weights, adapters and batch)"
     )
     print(f"peak RSS of this process (all three models together): {peak_rss_mb():,.0f} MB")
+    return {
+        "rows": records,
+        "lora_vs_peft": speed,
+        "speed_target": SPEED_TARGET,
+        "paired": {"median": statistics.median(paired), "faster": faster, "rounds": len(paired)},
+        "lora_vs_full": rate["glassformer LoRA"] / rate["glassformer full"],
+        "optimizer_lora_over_full": ratio,
+        "largest_loss_difference": gap,
+    }
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -370,6 +399,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--lr", type=float, default=TrainConfig.learning_rate, help="AdamW learning rate"
+    )
+    parser.add_argument(
+        "--json", type=Path, help="also write the rows and ratios here (benchmarks/results/)"
     )
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1:
@@ -432,7 +464,10 @@ def main() -> None:
     for round_ in range(args.steps):  # who goes first rotates: no one always follows full
         for c in order[round_ % len(order) :] + order[: round_ % len(order)]:
             c.seconds.append(c.step(inputs, targets))
-    report(contestants, tokens_per_step)
+    result = report(contestants, tokens_per_step)
+    if args.json:
+        settings = {"model": "SmolLM2-135M", "batch": batch_name, "steps": args.steps}
+        record.write(args.json, args.threads, {**settings, **result})
 
 
 if __name__ == "__main__":

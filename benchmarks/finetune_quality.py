@@ -25,7 +25,8 @@ fine-tuned adapters merged into the weights (what `glassformer generate --adapte
     python benchmarks/finetune_quality.py --limit 20 --systems copy,zero-shot   # smoke run
 
 It prints one markdown table (docs/finetune.md's) and writes every system's outputs and scores to
-out/folio-table/results.json.
+out/folio-table/results.json; --json PATH also writes the table's rows with the command, date and
+machine (benchmarks/record.py), for benchmarks/render.py (benchmarks/results/finetune_quality.json).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import record  # benchmarks/record.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -156,6 +159,7 @@ def main() -> None:
     parser.add_argument("--out", default="out/folio-table", help="folder for runs and results")
     parser.add_argument("--retrain", action="store_true", help="train even if a run is there")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write the table's rows here")
     args = parser.parse_args()
 
     import torch
@@ -200,6 +204,24 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         results_path.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     print_table(results, keys, len(pairs))
+    if args.json:
+        shown = [s for s in SYSTEMS if s.key in keys and s.key in results]
+        rows = [table_row(system, results[system.key]) for system in shown]
+        record.write(args.json, args.threads, {"n_speeches": len(pairs), "rows": rows})
+
+
+def table_row(system: System, result: dict) -> dict:
+    """What the table shows of one system, unrounded."""
+    fraction = result["fraction"] if system.kind == "finetune" else None
+    return {
+        "key": system.key,
+        "name": result["name"],
+        "trainable": result["trainable"],
+        "fraction": fraction,
+        "train_minutes": result["seconds"] / 60,
+        "chrf": result["chrf"],
+        "bleu": result["bleu"],
+    }
 
 
 def print_table(results: dict, keys: list[str], n: int) -> None:

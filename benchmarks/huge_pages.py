@@ -10,6 +10,7 @@ around it) at cache position --position, --calls calls per round; rounds alterna
 
     python benchmarks/huge_pages.py
     python benchmarks/huge_pages.py --precision fp32 --rounds 5   # a quick look
+    python benchmarks/huge_pages.py --json benchmarks/results/huge_pages.json   # the docs' table
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import copy
 import os
 import statistics
 import time
+from pathlib import Path
 from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import record  # benchmarks/record.py
 import torch
 from decode import PRECISIONS, glassformer_variant  # benchmarks/decode.py
 
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="fused steps per round")
     parser.add_argument("--position", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not supported():
@@ -56,7 +60,7 @@ def main() -> None:
     small = torch.ones(2**28)  # 1 GiB in 4 KB pages
     large = huge_page_empty(2**30).view(torch.float32).fill_(1.0)
     base, _ = from_pretrained("smollm2")
-    contestants = {"read 1 GiB (GB/s)": {"4 KB": small.sum, "2 MB": large.sum}}
+    contestants = {"read 1 GiB": {"4 KB": small.sum, "2 MB": large.sum}}
     for precision in args.precision:
         model = glassformer_variant(base, precision, plain=False)
         with mock.patch.object(fused, "to_huge_pages", lambda model: 0):
@@ -66,7 +70,7 @@ def main() -> None:
         for pages, step in (("4 KB", step_4k), ("2 MB", step_2m)):
             cache = step.model.new_cache(1, args.position + 1)
             steps[pages] = lambda step=step, cache=cache: step(5, args.position, cache)
-        contestants[f"SmolLM2 {precision} step (steps/s)"] = steps
+        contestants[f"{precision} step"] = steps
 
     rates = {name: {"4 KB": [], "2 MB": []} for name in contestants}
     for pair in contestants.values():  # warm-up
@@ -83,9 +87,27 @@ def main() -> None:
     print(f"{args.threads} threads | median of {args.rounds} interleaved rounds | fused step: "
           f"{args.calls} calls a round at cache position {args.position}")  # fmt: skip
     print(f"{'what':<28}{'4 KB pages':>12}{'2 MB pages':>12}{'ratio':>8}")
+    rows = []
     for name, pair in rates.items():
         small_rate, large_rate = (statistics.median(pair[p]) for p in ("4 KB", "2 MB"))
-        print(f"{name:<28}{small_rate:>12.1f}{large_rate:>12.1f}{large_rate / small_rate:>7.2f}x")
+        unit = "GB/s" if name.startswith("read") else "steps/s"
+        what = name if name.startswith("read") else f"SmolLM2 {name}"
+        print(
+            f"{what + f' ({unit})':<28}{small_rate:>12.1f}{large_rate:>12.1f}"
+            f"{large_rate / small_rate:>7.2f}x"
+        )
+        rows.append(
+            {
+                "what": name,
+                "unit": unit,
+                "pages_4k": small_rate,
+                "pages_2m": large_rate,
+                "ratio": large_rate / small_rate,
+            }
+        )
+    if args.json:
+        settings = {"rounds": args.rounds, "calls": args.calls, "position": args.position}
+        record.write(args.json, args.threads, {"model": "SmolLM2-135M", **settings, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ median of --runs. Slow at long contexts: the recompute at 2048 costs seconds per
     python benchmarks/kv_cache.py
     python benchmarks/kv_cache.py --contexts 128 256 --new-tokens 4 --runs 1   # quick check
     python benchmarks/kv_cache.py --figure kv_cache.png
+    python benchmarks/kv_cache.py --runs 3 --json benchmarks/results/kv_cache.json   # the docs'
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import record  # benchmarks/record.py
 import torch
 from torch import Tensor, nn
 
@@ -48,16 +51,18 @@ class Decode:
 def decode_with_cache(model: nn.Module, prompt: Tensor, n_new: int) -> Decode:
     """Prefill (untimed), then n_new greedy steps of one token each through the KV cache."""
     cache = model.new_cache(1, max_seq_len=prompt.shape[1] + n_new)
-    logits = model(prompt, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+    n_prompt = prompt.shape[1]
+    logits = model(prompt, torch.arange(n_prompt), cache=cache, last_token_only=True)[:, -1]
     token = logits.argmax(-1, keepdim=True)  # (1, 1)
     new_ids = [int(token)]
     start = time.perf_counter()
-    for _ in range(n_new):
-        logits = model(token, cache=cache, last_token_only=True)[:, -1]
+    for position in range(n_prompt, n_prompt + n_new):
+        at = torch.tensor([position])
+        logits = model(token, at, cache=cache, last_token_only=True)[:, -1]
         token = logits.argmax(-1, keepdim=True)
         new_ids.append(int(token))
     elapsed = time.perf_counter() - start
-    return Decode(n_new / elapsed, new_ids, cache.filled_bytes)
+    return Decode(n_new / elapsed, new_ids, cache.row_bytes(n_prompt + n_new))
 
 
 def decode_by_recompute(model: nn.Module, prompt: Tensor, n_new: int) -> Decode:
@@ -149,6 +154,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--model", default="smollm2", help="from_pretrained alias or path")
     parser.add_argument("--figure", help="write a tok/s vs context plot (PNG) here")
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     if args.new_tokens < 1 or args.runs < 1 or min(args.contexts) < 1:
         parser.error("--new-tokens, --runs and every --contexts value must be >= 1")
@@ -177,6 +183,20 @@ def main() -> None:
         rows = measure(model, ids, args.contexts, args.new_tokens, args.runs)
     if args.figure:
         plot(rows, args.figure)
+    if args.json:
+        settings = {"model": args.model, "precision": "fp32", "new_tokens": args.new_tokens}
+        rows = [
+            {
+                "context": r["context"],
+                "cache_tok_s": r["cache"],
+                "recompute_tok_s": r["recompute"],
+                "ratio": r["cache"] / r["recompute"],
+                "kv_mib": r["kv_mib"],
+                "same_tokens": r["same"],
+            }
+            for r in rows
+        ]
+        record.write(args.json, args.threads, {**settings, "runs": args.runs, "rows": rows})
 
 
 if __name__ == "__main__":

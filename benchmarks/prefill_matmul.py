@@ -9,6 +9,7 @@ that the machine's other load hits both alike; figures are medians over --rounds
 
     python benchmarks/prefill_matmul.py
     python benchmarks/prefill_matmul.py --tokens 128 1024 --rounds 9
+    python benchmarks/prefill_matmul.py --json benchmarks/results/prefill_matmul.json  # the docs'
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import record  # benchmarks/record.py
 import torch
 import torch.nn.functional as F
 
@@ -36,13 +39,14 @@ def _ms(fn, calls: int = 1) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def matrices(model, tokens: int, rounds: int) -> None:
+def matrices(model, tokens: int, rounds: int) -> list[dict]:
     block = model.blocks[0]
     layers = {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
               "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
     print(f"\n{tokens} rows, one matrix at a time (GFLOP/s, median of {rounds}; error vs fp64)")
     print("| matrix | shape | MKL | oneDNN | ratio | MKL error | oneDNN error |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     for name, layer in layers.items():
         w = layer.weight.detach()
         x = torch.randn(tokens, w.shape[1])
@@ -59,9 +63,22 @@ def matrices(model, tokens: int, rounds: int) -> None:
         mkl, onednn = rate["MKL"], rate["oneDNN"]
         print(f"| {name} | {tuple(w.shape)} | {mkl:.0f} | {onednn:.0f} | {onednn / mkl:.2f}x | "
               f"{error['MKL']:.1e} | {error['oneDNN']:.1e} |")  # fmt: skip
+        rows.append(
+            {
+                "tokens": tokens,
+                "matrix": name,
+                "shape": list(w.shape),
+                "mkl_gflop_s": mkl,
+                "onednn_gflop_s": onednn,
+                "onednn_vs_mkl": onednn / mkl,
+                "mkl_error": error["MKL"],
+                "onednn_error": error["oneDNN"],
+            }
+        )
+    return rows
 
 
-def whole_prefill(model, tokens: int, rounds: int) -> None:
+def whole_prefill(model, tokens: int, rounds: int) -> dict:
     engines = {"oneDNN (Engine default)": Engine(model)}
     with mock.patch.object(kernels.FastLinears, "applies", lambda model: False):
         engines["MKL"] = Engine(model)  # the same Engine, its prefill without FastLinears
@@ -81,6 +98,8 @@ def whole_prefill(model, tokens: int, rounds: int) -> None:
     print(f"\nwhole prefill of {tokens} tokens, fp32 (ms to the first token, median of {rounds})")
     for k, v in times.items():
         print(f"  {k:<24} {statistics.median(v):7.1f} ms   {base / statistics.median(v):.2f}x")
+    onednn = statistics.median(times["oneDNN (Engine default)"])
+    return {"tokens": tokens, "mkl_ms": base, "onednn_ms": onednn, "onednn_vs_mkl": base / onednn}
 
 
 def main() -> None:
@@ -88,6 +107,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -95,10 +115,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, oneDNN: "
           f"{kernels._onednn_linear() is not None}")  # fmt: skip
     with torch.inference_mode():
-        for tokens in args.tokens:
-            matrices(model, tokens, args.rounds)
-    for tokens in args.tokens:
-        whole_prefill(model, tokens, args.rounds)
+        rows = [row for tokens in args.tokens for row in matrices(model, tokens, args.rounds)]
+    prefill = [whole_prefill(model, tokens, args.rounds) for tokens in args.tokens]
+    if args.json:
+        fields = {"model": "SmolLM2-135M", "rounds": args.rounds, "matrices": rows}
+        record.write(args.json, args.threads, {**fields, "prefill": prefill})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from other processes hits each alike; the median of --runs runs is shown.
 
     python benchmarks/quantization.py
     python benchmarks/quantization.py --tokens 1024 --runs 1   # a quick look
+    python benchmarks/quantization.py --tokens 4096 --runs 3 \
+        --json benchmarks/results/quantization.json             # the docs' table
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import record  # benchmarks/record.py
 from llama_cpp_peer import requantized_smollm2  # benchmarks/: llama.cpp requantizes SmolLM2
 
 from glassformer.data import shakespeare_plays
@@ -95,6 +98,7 @@ def main() -> None:
         "--gguf", nargs="*", default=["Q4_1", "Q4_0", "Q4_K_M"],
         help="GGUF files to load with quantize='int4' (needs llama-cpp-python; none: skip)",
     )  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     parser.add_argument(
         "--groups",
         nargs="+",
@@ -141,6 +145,7 @@ def main() -> None:
     print(f"{'weights':<13} {'MB':>8} {'ppl':>9} {'vs fp32':>9} {'decode tok/s':>13} "
           f"{'x fp32':>7} {'llama.cpp ppl':>14}")  # fmt: skip
     base_speed = statistics.median(speeds["fp32"])
+    rows = []
     for name, model in models.items():
         speed = statistics.median(speeds[name])
         peer = f"{llama_ppl[name]:>14.3f}" if name in llama_ppl else ""
@@ -149,6 +154,22 @@ def main() -> None:
             f"{100 * (ppl[name] / ppl['fp32'] - 1):>+8.2f}% {speed:>13.1f} "
             f"{speed / base_speed:>6.2f}x {peer}"
         )
+        rows.append(
+            {
+                "weights": name,
+                "mb": weight_bytes(model) / 1e6,
+                "perplexity": ppl[name],
+                "perplexity_vs_fp32_percent": 100 * (ppl[name] / ppl["fp32"] - 1),
+                "decode_tok_s": speed,
+                "decode_vs_fp32": speed / base_speed,
+                "llama_cpp_perplexity": llama_ppl.get(name),
+            }
+        )
+    if args.json:
+        settings = {"model": "SmolLM2-135M", "tokens": args.tokens, "window": args.window}
+        settings |= {"play": args.play, "prompt_tokens": args.prompt_tokens}
+        settings |= {"new_tokens": args.new_tokens, "runs": args.runs}
+        record.write(args.json, args.threads, {**settings, "rows": rows})
 
 
 def llama_cpp_perplexity(path, ids: list[int], window: int, threads: int) -> float:

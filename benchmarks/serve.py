@@ -30,6 +30,10 @@ llama-cpp-python's OpenAI server is not compared: it is not installed here.
     python benchmarks/serve.py --clients 1 4 --new-tokens 16      # a quick check
     python benchmarks/serve.py --prefill-chunks 0 256 512 --threads 2 --repeats 5
     python benchmarks/serve.py --memory 1000 --threads 2
+
+--json PATH also writes every row with the command, date and machine (benchmarks/record.py),
+for benchmarks/render.py: the docs' tables are benchmarks/results/serve.json (--threads 2) and
+serve_prefill_chunks.json (--prefill-chunks 0 256 512 1024 --threads 2 --repeats 5).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import record  # benchmarks/record.py
 
 MODEL = "smollm2"
 
@@ -198,6 +203,27 @@ def print_comparison(results: dict[int, list[tuple[dict, dict]]], args) -> None:
             "join99": median(percentile(j["ttfts"], 0.99) for _, j in runs),
         }
     base = rows[next(iter(rows))]
+    if args.json:
+        settings = {"model": "SmolLM2-135M", "burst_clients": args.burst_clients}
+        settings |= {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+        settings |= {"running": args.running, "join_prompts": args.join_prompts}
+        settings |= {"join_tokens": args.join_tokens, "repeats": args.repeats}
+        records = [
+            {
+                "prefill_chunk": c,
+                "tok_s": r["tok_s"],
+                "p50_ttft_s": r["ttft50"],
+                "p99_ttft_s": r["ttft99"],
+                "p99_ttft_vs_first": r["ttft99"] / base["ttft99"],
+                "gap_p50_s": r["gap50"],
+                "gap_p99_s": r["gap99"],
+                "gap_max_s": r["gapmax"],
+                "gap_p99_vs_first": r["gap99"] / base["gap99"],
+                "join_p99_ttft_s": r["join99"],
+            }
+            for c, r in rows.items()
+        ]
+        record.write(args.json, args.threads, {**settings, "rows": records})
     print(
         f"burst: {args.burst_clients} clients x {args.prompt_tokens}-token prompts, "
         f"{args.new_tokens} new tokens; join: {args.running} running streams, "
@@ -269,6 +295,7 @@ def main() -> None:
     parser.add_argument("--running-new-tokens", type=int, default=64)
     parser.add_argument("--join-prompts", type=int, default=8)
     parser.add_argument("--join-tokens", type=int, default=256)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     if args.prefill_chunks:
         compare_chunks(args)
@@ -281,6 +308,7 @@ def main() -> None:
         asyncio.run(run(url, prompts(2, 16), 4, together=True))  # warm-up
         header = f"{'clients':>7} {'tok/s conc':>11} {'tok/s seq':>10} {'ratio':>6} "
         print(header + f"{'p50 TTFT conc':>14} {'p99 TTFT conc':>14} {'p50 TTFT seq':>13}")
+        records = []
         for c in args.clients:
             batch = prompts(c, args.prompt_tokens)
             runs = []  # (concurrent, sequential) pairs, alternating, so drift hits both alike
@@ -290,14 +318,26 @@ def main() -> None:
                 runs.append((conc, seq))
             conc_ttfts = [t for conc, _ in runs for t in conc["ttfts"]]
             seq_ttfts = [t for _, seq in runs for t in seq["ttfts"]]
+            row = {
+                "clients": c,
+                "tok_s_concurrent": statistics.median(conc["tok_s"] for conc, _ in runs),
+                "tok_s_sequential": statistics.median(seq["tok_s"] for _, seq in runs),
+                "ratio": statistics.median(conc["tok_s"] / seq["tok_s"] for conc, seq in runs),
+                "p50_ttft_concurrent_s": percentile(conc_ttfts, 0.5),
+                "p99_ttft_concurrent_s": percentile(conc_ttfts, 0.99),
+                "p50_ttft_sequential_s": percentile(seq_ttfts, 0.5),
+            }
+            records.append(row)
             print(
-                f"{c:>7} {statistics.median(conc['tok_s'] for conc, _ in runs):>11.1f} "
-                f"{statistics.median(seq['tok_s'] for _, seq in runs):>10.1f} "
-                f"{statistics.median(conc['tok_s'] / seq['tok_s'] for conc, seq in runs):>5.2f}x "
-                f"{percentile(conc_ttfts, 0.5):>13.3f}s {percentile(conc_ttfts, 0.99):>13.3f}s "
-                f"{percentile(seq_ttfts, 0.5):>12.3f}s",
+                f"{c:>7} {row['tok_s_concurrent']:>11.1f} {row['tok_s_sequential']:>10.1f} "
+                f"{row['ratio']:>5.2f}x {row['p50_ttft_concurrent_s']:>13.3f}s "
+                f"{row['p99_ttft_concurrent_s']:>13.3f}s {row['p50_ttft_sequential_s']:>12.3f}s",
                 flush=True,
             )
+        if args.json:
+            settings = {"model": "SmolLM2-135M", "prompt_tokens": args.prompt_tokens}
+            settings |= {"new_tokens": args.new_tokens, "repeats": args.repeats}
+            record.write(args.json, args.threads, {**settings, "rows": records})
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -13,6 +13,7 @@ out.
 
     python benchmarks/step_bandwidth.py            # GPT-2 and SmolLM2, fp32 bf16 int8 int4
     python benchmarks/step_bandwidth.py --models gpt2 --precision fp32 --positions 128 960
+    python benchmarks/step_bandwidth.py --json benchmarks/results/step_bandwidth.json  # the docs'
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import record  # benchmarks/record.py
 import torch
 from decode import PRECISIONS, glassformer_variant, kv_bytes_per_step, weight_bytes_per_step
 
@@ -74,8 +77,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=16, help="steps (and reads) per block")
     parser.add_argument("--blocks", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    rows = []
     print(f"{args.threads} threads, blocks of {args.calls} steps and {args.calls} reads, "
           f"median of {args.blocks}\n")  # fmt: skip
     print(f"{'model':<20}{'prec':<6}{'position':>9}{'MB/step':>9}{'step GB/s':>11}"
@@ -93,6 +98,20 @@ def main() -> None:
                 print(f"{label:<20}{precision:<6}{position:>9}{nbytes / 1e6:>9.0f}"
                       f"{step_gb_s:>11.1f}{read_gb_s:>11.1f}{step_gb_s / read_gb_s:>10.2f}x",
                       flush=True)  # fmt: skip
+                rows.append(
+                    {
+                        "model": label,
+                        "precision": precision,
+                        "position": position,
+                        "mb_per_step": nbytes / 1e6,
+                        "step_gb_s": step_gb_s,
+                        "read_gb_s": read_gb_s,
+                        "step_over_read": step_gb_s / read_gb_s,
+                    }
+                )
+    if args.json:
+        fields = {"calls": args.calls, "blocks": args.blocks, "rows": rows}
+        record.write(args.json, args.threads, fields)
 
 
 if __name__ == "__main__":

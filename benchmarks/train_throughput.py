@@ -36,6 +36,10 @@ bytes with nothing else running. Scaling efficiency is tokens/s at P processes o
 one process: the same cores either way, so 1.00 is the ideal.
 
     python benchmarks/train_throughput.py --procs 1 2 --runs 3 --steps 4
+
+--json PATH also writes every row with the command, date and machine (benchmarks/record.py),
+for benchmarks/render.py: the docs' tables are benchmarks/results/train_throughput.json (with
+--nanogpt) and train_processes.json (--procs 1 2 --runs 3 --steps 4).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import record  # benchmarks/record.py
 import torch
 from torch import Tensor, nn
 
@@ -271,8 +276,9 @@ def report(
     peaks: dict[str, float],
     flops: int,
     tokens_per_step: int,
-) -> None:
-    rows, tokens_per_s = [], {}
+) -> list[dict]:
+    """Print the table and the ratios; return every contestant's row (for --json)."""
+    rows, tokens_per_s, records = [], {}, []
     for i, c in enumerate(contestants):
         median = statistics.median(c.run_seconds)
         rate = tokens_per_step * args.steps / median
@@ -293,6 +299,21 @@ def report(
                 f"{evals[i]:.4f}",
                 f"{rate / args.reference_tokens_per_s:.2f}x",
             ]
+        )
+        records.append(
+            {
+                "model": c.name,
+                "mode": c.mode,
+                "tokens_per_s": rate,
+                "ms_per_step": median / args.steps * 1000,
+                "spread": spread,
+                "mfu": rate * flops / (peaks[c.mode] * 1e9),
+                "first_step_s": c.first_step_s,
+                "first_loss": c.losses[0],
+                "final_loss": statistics.fmean(c.losses[-args.steps :]),
+                "eval_loss": evals[i],
+                "vs_reference": rate / args.reference_tokens_per_s,
+            }
         )
     reference = args.reference_tokens_per_s
     reference_mfu = reference * flops / (peaks["fp32"] * 1e9)
@@ -327,6 +348,7 @@ def report(
         for mode in args.modes:
             ratio = tokens_per_s["glassformer", mode] / tokens_per_s["nanoGPT", mode]
             print(f"glassformer/nanoGPT {mode}: tokens/s {ratio:.2f}x (same run, interleaved)")
+    return records
 
 
 # --- scaling over processes (--procs) --------------------------------------------------------
@@ -418,7 +440,7 @@ def scaling(args: argparse.Namespace) -> None:
     def median_of_medians(rows: list[dict], key: str) -> float:
         return statistics.median(statistics.median(r[key]) for r in rows) if rows[0][key] else 0
 
-    rows, rates = [], {}
+    rows, rates, records = [], {}, []
     for procs, runs in results.items():
         step = median_of_medians(runs, "step_s")
         local = median_of_medians(runs, "local_step_s")
@@ -435,6 +457,17 @@ def scaling(args: argparse.Namespace) -> None:
                 f"{alone * 1000:,.1f}" if procs > 1 else "-",
             ]
         )
+        records.append(
+            {
+                "processes": procs,
+                "threads": runs[0]["threads"],
+                "tokens_per_s": rates[procs],
+                "ms_per_step": step * 1000,
+                "ms_per_step_no_sync": local * 1000 if procs > 1 else None,
+                "exposed_allreduce_ms": (step - local) * 1000 if procs > 1 else None,
+                "allreduce_alone_ms": alone * 1000 if procs > 1 else None,
+            }
+        )
     header = ["processes", "tokens/s", "ms/step", "ms/step no sync", "exposed all-reduce ms"]
     print_table(rows, [*header, "all-reduce alone ms"])
     base = min(args.procs)
@@ -445,6 +478,11 @@ def scaling(args: argparse.Namespace) -> None:
                 f"{rates[procs] / rates[base]:.2f} (tokens/s ratio on the same {args.threads}"
                 " cores; 1.00 is ideal)"
             )
+    if args.json:
+        for r in records:
+            r["vs_first"] = r["tokens_per_s"] / rates[base]
+        settings = {"preset": args.preset, "batch_size": args.batch_size, "runs": args.runs}
+        record.write(args.json, args.threads, {**settings, "steps": args.steps, "rows": records})
 
 
 def _free_port() -> int:
@@ -522,6 +560,7 @@ def parse_args() -> argparse.Namespace:
         " --threads split among them, and compare tokens/s",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     args = parser.parse_args()
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -606,7 +645,12 @@ def main() -> None:
         + f" ({args.peak_size}^3, best of {args.runs} rounds); MFU uses the peak of its mode"
     )
     print()
-    report(args, contestants, evals, peaks, flops, tokens_per_step)
+    rows = report(args, contestants, evals, peaks, flops, tokens_per_step)
+    if args.json:
+        settings = {"preset": args.preset, "batch_size": args.batch_size, "runs": args.runs}
+        settings |= {"steps": args.steps, "reference_tokens_per_s": args.reference_tokens_per_s}
+        settings["peak_gflop_s"] = peaks
+        record.write(args.json, args.threads, {**settings, "rows": rows})
 
 
 if __name__ == "__main__":
