@@ -1,16 +1,55 @@
-"""Markdown tables from benchmarks/decode.py's --json output, for docs/performance.md: figures are
-rendered from a run's JSON, stamped with its machine, date and command, never typed by hand.
+"""The docs' performance tables, rendered from the benchmarks' JSON (benchmarks/results/*.json):
+figures are never typed by hand. Each table sits in README.md or docs/*.md between
+`<!-- table: NAME -->` and `<!-- /table -->`; NAME is a key of TABLES (at the bottom), which
+names its JSON and the function that draws it. A benchmark writes its JSON with --json PATH
+(record.py): the command, date, machine and every row it measured.
 
-    python benchmarks/render.py benchmarks/results/decode.json            # every row
-    python benchmarks/render.py benchmarks/results/decode.json --prompt 128
-    python benchmarks/render.py benchmarks/results/decode.json --llama    # glassformer vs llama.cpp
+    python benchmarks/render.py                      # rewrite every table from its JSON
+    python benchmarks/render.py --check              # exit 1 naming each table that differs
+    python benchmarks/render.py --show decode-llama  # print one table
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path("benchmarks/results")  # under the repository root
+MARKED = re.compile(
+    r"^<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- /table -->$", re.M | re.S
+)
+OPENING = re.compile(r"^<!-- table: ", re.M)
+
+
+def markdown(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A markdown table; align: one of ':' (right) or '-' per column, default all '-'."""
+    rule = "|" + "|".join("---:" if a == ":" else "---" for a in align or "-" * len(header)) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def columns(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Console columns as the benchmarks print them: the first `left` left-aligned, the rest
+    right-aligned, two spaces apart (their dashed rule left out)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = zip(row, widths, strict=True)
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(cells))
+
+    return [line(header), *map(line, rows)]
+
+
+def code_block(lines: list[str]) -> list[str]:
+    return ["```", *lines, "```"]
+
+
+# --- benchmarks/decode.py --------------------------------------------------------------------
 
 
 def stamp(result: dict) -> str:
@@ -24,60 +63,426 @@ def stamp(result: dict) -> str:
     )
 
 
-def all_rows(result: dict, prompt: int | None = None) -> list[str]:
-    lines = [
-        "| model | precision | batch | prompt | engine | TTFT ms | decode tok/s | vs transformers"
-        " | % of bandwidth limit | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def decode_rows(result: dict, prompt: int | None = None) -> list[str]:
+    """Every engine's row (of one prompt length)."""
+    rows = []
     for r in result["rows"]:
         if prompt is not None and r["prompt"] != prompt:
             continue
         same = {None: "", True: "yes", False: "no"}[r["same_tokens_as_transformers"]]
         percent = r["percent_of_bandwidth_limit"]
-        lines.append(
-            f"| {r['model']} | {r['precision']} | {r['batch']} | {r['prompt']} | {r['engine']} | "
-            f"{r['ttft_ms']:.0f} | {r['decode_tok_s']:.1f} | {r['vs_transformers']:.2f}x | "
-            f"{'' if percent is None else f'{percent:.0f}%'} | {same} |"
+        rows.append(
+            [
+                r["model"],
+                r["precision"],
+                str(r["batch"]),
+                str(r["prompt"]),
+                r["engine"],
+                f"{r['ttft_ms']:.0f}",
+                f"{r['decode_tok_s']:.1f}",
+                f"{r['vs_transformers']:.2f}x",
+                "" if percent is None else f"{percent:.0f}%",
+                same,
+            ]
         )
-    return lines
+    header = ["model", "precision", "batch", "prompt", "engine", "TTFT ms", "decode tok/s"]
+    header += ["vs transformers", "% of bandwidth limit", "same tokens"]
+    return markdown(header, rows)
 
 
-def against_llama(result: dict) -> list[str]:
+def against_llama(result: dict, prompt: int | None = None) -> list[str]:
     """glassformer beside llama.cpp at each precision, batch 1: decode and TTFT."""
-    lines = [
-        "| model | precision | prompt | llama.cpp | llama.cpp decode tok/s |"
-        " glassformer decode tok/s | ratio | llama.cpp TTFT ms | glassformer TTFT ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
     groups: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
-        if r["batch"] == 1:
+        if r["batch"] == 1 and (prompt is None or r["prompt"] == prompt):
             groups.setdefault((r["model"], r["precision"], r["prompt"]), {})[r["engine"]] = r
-    for (model, precision, prompt), engines in groups.items():
+    rows = []
+    for (model, precision, length), engines in groups.items():
         ours = engines.get("glassformer")
         for name, peer in engines.items():
             if not name.startswith("llama.cpp") or ours is None:
                 continue
-            lines.append(
-                f"| {model} | {precision} | {prompt} | {name.removeprefix('llama.cpp ')} | "
-                f"{peer['decode_tok_s']:.1f} | {ours['decode_tok_s']:.1f} | "
-                f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x | {peer['ttft_ms']:.0f} | "
-                f"{ours['ttft_ms']:.0f} |"
+            rows.append(
+                [
+                    model,
+                    precision,
+                    str(length),
+                    name.removeprefix("llama.cpp "),
+                    f"{peer['decode_tok_s']:.1f}",
+                    f"{ours['decode_tok_s']:.1f}",
+                    f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x",
+                    f"{peer['ttft_ms']:.0f}",
+                    f"{ours['ttft_ms']:.0f}",
+                ]
             )
-    return lines
+    header = ["model", "precision", "prompt", "llama.cpp", "llama.cpp decode tok/s"]
+    header += ["glassformer decode tok/s", "ratio", "llama.cpp TTFT ms", "glassformer TTFT ms"]
+    return markdown(header, rows)
+
+
+def measured_by(lines: list[str], result: dict) -> list[str]:
+    return [*lines, "", f"Measured by {stamp(result)}."]
+
+
+# --- benchmarks/step_bandwidth.py, huge_pages.py, prefill_matmul.py ----------------------------
+
+
+def step_bandwidth(result: dict) -> list[str]:
+    rows = [
+        [
+            r["model"],
+            r["precision"],
+            str(r["position"]),
+            f"{r['mb_per_step']:.0f}",
+            f"{r['step_gb_s']:.1f}",
+            f"{r['read_gb_s']:.1f}",
+            f"{r['step_over_read']:.2f}x",
+        ]
+        for r in result["rows"]
+    ]
+    header = ["model", "precision", "position", "MB per step", "step GB/s", "read GB/s"]
+    return markdown([*header, "step / read"], rows)
+
+
+def huge_pages(result: dict) -> list[str]:
+    rows = [
+        [
+            f"{r['what']}, {r['unit']}",
+            f"{r['pages_4k']:.1f}",
+            f"{r['pages_2m']:.1f}",
+            f"{r['ratio']:.2f}x",
+        ]
+        for r in result["rows"]
+    ]
+    return markdown(["what", "4 KB pages", "2 MB pages", "ratio"], rows)
+
+
+def prefill_matmul(result: dict) -> list[str]:
+    """Each matrix at two prompt lengths side by side, errors at the longer; then whole prefill."""
+    small, large = sorted({r["tokens"] for r in result["matrices"]})
+    by = {(r["matrix"], r["tokens"]): r for r in result["matrices"]}
+    rows = []
+    for name in dict.fromkeys(r["matrix"] for r in result["matrices"]):
+        a, b = by[name, small], by[name, large]
+        out_features, in_features = a["shape"]
+        rows.append(
+            [
+                f"{name} ({out_features}, {in_features})",
+                f"{a['mkl_gflop_s']:.0f} / {a['onednn_gflop_s']:.0f} GFLOP/s",
+                f"{a['onednn_vs_mkl']:.2f}x",
+                f"{b['mkl_gflop_s']:.0f} / {b['onednn_gflop_s']:.0f} GFLOP/s",
+                f"{b['onednn_vs_mkl']:.2f}x",
+                f"{b['mkl_error']:.1e} / {b['onednn_error']:.1e}",
+            ]
+        )
+    prefill = {r["tokens"]: r for r in result["prefill"]}
+    cells = ["whole fp32 prefill, time to the first token"]
+    for tokens in (small, large):
+        p = prefill[tokens]
+        cells += [f"{p['mkl_ms']:.1f} / {p['onednn_ms']:.1f} ms", f"{p['onednn_vs_mkl']:.2f}x"]
+    rows.append([*cells, ""])
+    header = ["matrix (out, in)", f"{small} rows: MKL / oneDNN", "ratio"]
+    header += [f"{large} rows: MKL / oneDNN", "ratio"]
+    header += [f"error vs float64 ({large} rows): MKL / oneDNN"]
+    return markdown(header, rows)
+
+
+# --- benchmarks/kv_cache.py, quantization.py ---------------------------------------------------
+
+
+def kv_cache(result: dict) -> list[str]:
+    rows = [
+        [
+            str(r["context"]),
+            f"{r['cache_tok_s']:.2f}",
+            f"{r['recompute_tok_s']:.2f}",
+            f"{r['ratio']:.1f}x",
+            f"{r['kv_mib']:.1f}",
+        ]
+        for r in result["rows"]
+    ]
+    header = ["context", "with the KV cache, tok/s", "recomputing, tok/s", "ratio"]
+    return markdown([*header, "KV cache MiB"], rows)
+
+
+QUANTIZATION_LABELS = {
+    "int8 channel": "int8, a scale per row",
+    "int8 64": "int8, a scale per 64 (default)",
+    "int8 32": "int8, a scale per 32 (Q8_0)",
+    "int4 32": "int4, a scale and a min per 32 (Q4_1)",
+    "gguf Q4_1": "GGUF Q4_1 file (shipped)",
+    "gguf Q4_0": "GGUF Q4_0 file (llama.cpp, from Q4_1)",
+    "gguf Q4_K_M": "GGUF Q4_K_M file (llama.cpp, from Q4_1)",
+}
+
+
+def quantization(result: dict) -> list[str]:
+    rows = []
+    for r in result["rows"]:
+        change, peer = r["perplexity_vs_fp32_percent"], r["llama_cpp_perplexity"]
+        rows.append(
+            [
+                QUANTIZATION_LABELS.get(r["weights"], r["weights"]),
+                f"{r['mb']:.1f}",
+                f"{r['perplexity']:.3f}",
+                "" if r["weights"] == "fp32" else f"{change:+.2f}%",
+                f"{r['decode_tok_s']:.1f}",
+                f"{r['decode_vs_fp32']:.2f}x",
+                "" if peer is None else f"{peer:.3f}",
+            ]
+        )
+    header = ["weights", "MB", "perplexity", "vs fp32", "decode tok/s", "vs fp32"]
+    return markdown([*header, "llama.cpp's perplexity"], rows)
+
+
+# --- benchmarks/train_throughput.py ------------------------------------------------------------
+
+TRAINING_LABELS = {"nanoGPT": "nanoGPT `model.py`, same run"}
+MODE_LABELS = {"bf16": "bf16 autocast"}
+
+
+def training(result: dict, modes: tuple[str, ...] = ("fp32", "bf16")) -> list[str]:
+    rows = [
+        [
+            TRAINING_LABELS.get(r["model"], r["model"]),
+            MODE_LABELS.get(r["mode"], r["mode"]),
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu']:.1%}",
+            f"{r['final_loss']:.4f}",
+            f"{r['vs_reference']:.2f}x",
+        ]
+        for r in result["rows"]
+        if r["mode"] in modes
+    ]
+    reference = f"vs nanoGPT's stated {result['reference_tokens_per_s']:,.0f} tok/s"
+    return markdown(["model", "mode", "tokens/s", "MFU", "final loss", reference], rows)
+
+
+def training_processes(result: dict) -> list[str]:
+    def ms(value: float | None, form: str = ",.0f") -> str:
+        return "-" if value is None else format(value, form)
+
+    rows = [
+        [
+            f"{r['processes']} x {r['threads']} threads",
+            f"{r['tokens_per_s']:,.0f}",
+            ms(r["ms_per_step"]),
+            ms(r["ms_per_step_no_sync"]),
+            ms(r["exposed_allreduce_ms"]),
+            ms(r["allreduce_alone_ms"], ",.1f"),
+        ]
+        for r in result["rows"]
+    ]
+    header = ["processes", "tokens/s", "ms/step", "ms/step no sync", "exposed all-reduce ms"]
+    lines = columns([*header, "all-reduce alone ms"], rows, left=2)
+    first = result["rows"][0]
+    for r in result["rows"][1:]:
+        lines.append(
+            f"scaling efficiency {r['processes']} processes vs {first['processes']}: "
+            f"{r['vs_first']:.2f} (tokens/s ratio on the same {result['machine']['threads']} "
+            "cores; 1.00 is ideal)"
+        )
+    return code_block(lines)
+
+
+# --- benchmarks/serve.py ------------------------------------------------------------------------
+
+
+def serve_load(result: dict, clients: tuple[int, ...] | None = None) -> list[str]:
+    lines = [
+        f"{'clients':>7} {'tok/s conc':>11} {'tok/s seq':>10} {'ratio':>6} "
+        f"{'p50 TTFT conc':>14} {'p99 TTFT conc':>14} {'p50 TTFT seq':>13}"
+    ]
+    for r in result["rows"]:
+        if clients is None or r["clients"] in clients:
+            lines.append(
+                f"{r['clients']:>7} {r['tok_s_concurrent']:>11.1f} {r['tok_s_sequential']:>10.1f} "
+                f"{r['ratio']:>5.2f}x {r['p50_ttft_concurrent_s']:>13.3f}s "
+                f"{r['p99_ttft_concurrent_s']:>13.3f}s {r['p50_ttft_sequential_s']:>12.3f}s"
+            )
+    return code_block(lines)
+
+
+def serve_prefill_chunks(result: dict) -> list[str]:
+    lines = [
+        result["command"],
+        f"burst: {result['burst_clients']} clients x {result['prompt_tokens']}-token prompts, "
+        f"{result['new_tokens']} new tokens; join: {result['running']} running streams, "
+        f"{result['join_prompts']} new {result['join_tokens']}-token prompts; medians of "
+        f"{result['repeats']}",
+        f"{'prefill chunk':>13} {'tok/s':>6} {'p50 TTFT':>9} {'p99 TTFT':>9} {'vs first':>8} "
+        f"{'gap p50':>8} {'gap p99':>8} {'gap max':>8} {'vs first':>8} {'join p99 TTFT':>13}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['prefill_chunk'] or 'off':>13} {r['tok_s']:>6.1f} {r['p50_ttft_s']:>8.3f}s "
+            f"{r['p99_ttft_s']:>8.3f}s {r['p99_ttft_vs_first']:>7.2f}x {r['gap_p50_s']:>7.3f}s "
+            f"{r['gap_p99_s']:>7.3f}s {r['gap_max_s']:>7.3f}s {r['gap_p99_vs_first']:>7.2f}x "
+            f"{r['join_p99_ttft_s']:>12.3f}s"
+        )
+    return code_block(lines)
+
+
+# --- benchmarks/finetune_quality.py, finetune.py -----------------------------------------------
+
+
+def finetune_quality(result: dict, systems: tuple[str, ...] | None = None) -> list[str]:
+    rows = []
+    for r in result["rows"]:
+        if systems is not None and r["key"] not in systems:
+            continue
+        params = f"{r['trainable']:,}" if r["trainable"] else "0"
+        if r["fraction"] is not None:
+            params += f" ({r['fraction']:.2%})"
+        minutes = r["train_minutes"]
+        train_time = f"{minutes:.1f} min" if minutes else "0"
+        rows.append([r["name"], params, train_time, f"{r['chrf']:.2f}", f"{r['bleu']:.2f}"])
+    return markdown(
+        ["system", "trainable params", "train time here", "chrF", "BLEU"], rows, "-::::"
+    )
+
+
+def finetune_speed(result: dict) -> list[str]:
+    rows = [
+        [
+            r["contestant"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ms_per_step']:,.1f}",
+            f"{r['spread']:.0%}",
+            f"{r['trainable']:,}",
+            f"{r['params_mb']:,.2f}",
+            f"{r['grads_mb']:,.2f}",
+            f"{r['optim_mb']:,.2f}",
+            f"{r['train_mb']:,.2f}",
+        ]
+        for r in result["rows"]
+    ]
+    header = ["contestant", "tokens/s", "ms/step", "spread", "trainable", "params MB"]
+    lines = columns([*header, "grads MB", "optim MB", "train MB"], rows)
+    speed, target = result["lora_vs_peft"], result["speed_target"]
+    paired = result["paired"]
+    lines += [
+        "",
+        f"glassformer LoRA / peft LoRA tokens/s: {speed:.2f}x "
+        f"({'meets' if speed >= target else 'MISSES'} the target >= {target:.2f}x; same run, "
+        "interleaved)",
+        f"paired, round by round: median {paired['median']:.2f}x, glassformer LoRA the faster "
+        f"of the two in {paired['faster']} of {paired['rounds']} rounds",
+    ]
+    return code_block(lines)
+
+
+# --- the tables and where they go ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Table:
+    source: str  # the JSON's file name in benchmarks/results/
+    draw: Callable[[dict], list[str]]
+
+
+TABLES = {
+    "decode-llama": Table("decode.json", lambda r: measured_by(against_llama(r), r)),
+    "decode-llama-128": Table("decode.json", lambda r: against_llama(r, prompt=128)),
+    "decode-128": Table("decode.json", lambda r: measured_by(decode_rows(r, prompt=128), r)),
+    "step-bandwidth": Table("step_bandwidth.json", step_bandwidth),
+    "huge-pages": Table("huge_pages.json", huge_pages),
+    "prefill-matmul": Table("prefill_matmul.json", prefill_matmul),
+    "kv-cache": Table("kv_cache.json", kv_cache),
+    "quantization": Table("quantization.json", quantization),
+    "training": Table("train_throughput.json", training),
+    "training-fp32": Table("train_throughput.json", lambda r: training(r, modes=("fp32",))),
+    "training-processes": Table("train_processes.json", training_processes),
+    "serve-load": Table("serve.json", serve_load),
+    "serve-load-8": Table("serve.json", lambda r: serve_load(r, clients=(8,))),
+    "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
+    "finetune-quality": Table("finetune_quality.json", finetune_quality),
+    "finetune-quality-short": Table(
+        "finetune_quality.json", lambda r: finetune_quality(r, ("copy", "lora-qv", "full"))
+    ),
+    "finetune-speed": Table("finetune.json", finetune_speed),
+}
+
+
+def draw(name: str, root: Path = REPO) -> str:
+    """Table `name` as its JSON gives it (lines joined, no final newline)."""
+    table = TABLES[name]
+    return "\n".join(table.draw(json.loads((root / RESULTS / table.source).read_text())))
+
+
+def pages(root: Path = REPO) -> list[Path]:
+    """The files that may hold tables: the README and the guides."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def rendered(text: str, root: Path = REPO) -> tuple[str, list[str]]:
+    """`text` with every marked table drawn from its JSON, and the problems found on the way
+    (an unknown table name, an opening marker without its closing one)."""
+    problems: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            problems.append(f"unknown table {name!r}: pick from {', '.join(TABLES)}")
+            return match[0]
+        # The blank line ends a markdown table: GitHub would read the marker as one more row.
+        return f"<!-- table: {name} -->\n{draw(name, root)}\n\n<!-- /table -->"
+
+    text = MARKED.sub(replace, text)
+    unclosed = len(OPENING.findall(text)) - len(MARKED.findall(text))
+    if unclosed:
+        problems.append(f"{unclosed} '<!-- table: NAME -->' without its '<!-- /table -->'")
+    return text, problems
+
+
+def check(root: Path = REPO) -> list[str]:
+    """One line per table whose text differs from what its JSON gives, and per bad marker."""
+    problems = []
+    for page in pages(root):
+        text = page.read_text()
+        new, found = rendered(text, root)
+        where = page.relative_to(root)
+        problems += [f"{where}: {p}" for p in found]
+        if new == text:
+            continue
+        for old, match in zip(MARKED.finditer(text), MARKED.finditer(new), strict=True):
+            if old["body"] != match["body"]:
+                source = RESULTS / TABLES[match["name"]].source
+                problems.append(
+                    f"{where}: table {match['name']!r} differs from {source}: "
+                    "run python benchmarks/render.py"
+                )
+    return problems
+
+
+def write(root: Path = REPO) -> list[str]:
+    """Rewrite every page's tables from their JSON; return the pages changed."""
+    changed = []
+    for page in pages(root):
+        text = page.read_text()
+        new, problems = rendered(text, root)
+        if problems:
+            raise SystemExit(f"{page.relative_to(root)}: {'; '.join(problems)}")
+        if new != text:
+            page.write_text(new)
+            changed.append(str(page.relative_to(root)))
+    return changed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("json", type=Path)
-    parser.add_argument("--llama", action="store_true", help="only glassformer vs llama.cpp")
-    parser.add_argument("--prompt", type=int, help="only the rows of this prompt length")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 on a mismatch")
+    parser.add_argument("--show", choices=list(TABLES), metavar="NAME", help="print one table")
     args = parser.parse_args()
-    result = json.loads(args.json.read_text())
-    lines = against_llama(result) if args.llama else all_rows(result, args.prompt)
-    print("\n".join(lines))
-    print(f"\nMeasured by {stamp(result)}.")
+    if args.show:
+        print(draw(args.show))
+    elif args.check:
+        problems = check()
+        print("\n".join(problems) or f"every table equals its JSON ({len(TABLES)} tables)")
+        sys.exit(1 if problems else 0)
+    else:
+        changed = write()
+        print("rewrote " + ", ".join(changed) if changed else "every table already equals its JSON")
 
 
 if __name__ == "__main__":
