@@ -7,8 +7,13 @@ text is glassformer.detokenize's job).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Sequence
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,6 +97,53 @@ def _panic_error(panic: BaseException, source: Path | None) -> TokenizerRegexErr
         f"{where}: the tokenizer's pre-tokenizer or normalizer regex fails on this text "
         f"({detail}): the tokenizer.json is broken or hostile; use another model file"
     )
+
+
+# Rust's panic hook writes its report straight to file descriptor 2 before pyo3 raises the
+# panic in Python: a blank line, "thread '<unnamed>' (PID) panicked at FILE:LINE:COL:", the
+# message, then "note: run with `RUST_BACKTRACE=1` ..." or a backtrace that (unless
+# RUST_BACKTRACE=full) ends in a "note: ..." line.
+_PANIC_HEADER = re.compile(rb"thread '[^'\n]*'(?: \(\d+\))? panicked at ")
+
+
+@contextlib.contextmanager
+def panic_reports_hidden() -> Iterator[None]:
+    """Keep the report of a Rust panic inside the block off the terminal (the panic's message
+    is in the one error line that TokenizerRegexError makes); anything else the block writes to
+    stderr is passed on when it ends. For a command's main thread only: file descriptor 2 is
+    the process's, so nothing else may write to stderr while the block runs."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as captured:
+            os.dup2(captured.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                captured.seek(0)
+                kept = _without_panic_reports(captured.read())
+                if kept:
+                    os.write(2, kept)
+    finally:
+        os.close(saved)
+
+
+def _without_panic_reports(written: bytes) -> bytes:
+    kept: list[bytes] = []
+    in_report = False
+    for line in written.splitlines(keepends=True):
+        if _PANIC_HEADER.match(line):
+            in_report = True
+            if kept and not kept[-1].strip():
+                kept.pop()  # the blank line the hook writes first
+        elif in_report and line.startswith(b"note: "):
+            in_report = False
+            continue
+        if not in_report:
+            kept.append(line)
+    return b"".join(kept)
 
 
 def byte_level_chars() -> dict[int, str]:

@@ -31,7 +31,12 @@ from glassformer.cli.serve import check_address, check_cache_fits
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.pretrained import resolve
 from glassformer.server.gate import resolve_api_key
-from glassformer.tokenizers import PretrainedTokenizer, TokenizerRegexError, load_tokenizer
+from glassformer.tokenizers import (
+    PretrainedTokenizer,
+    TokenizerRegexError,
+    load_tokenizer,
+    panic_reports_hidden,
+)
 
 MESSAGES = [{"role": "user", "content": "Hello there!"}]
 
@@ -393,11 +398,29 @@ def test_a_panicking_tokenizer_as_plain_text_is_the_same_error(backtracking_toke
         tokenizer.encode(HOSTILE_TEXT, parse_special=False)
 
 
+def test_only_the_rust_panic_report_is_kept_off_stderr(backtracking_tokenizer, capfd):
+    tokenizer = PretrainedTokenizer.from_folder(backtracking_tokenizer)
+    with pytest.raises(TokenizerRegexError):
+        tokenizer.encode(HOSTILE_TEXT)
+    # The reference: Rust's panic hook writes its report to file descriptor 2 itself.
+    assert " panicked at " in capfd.readouterr().err
+    with pytest.raises(TokenizerRegexError), panic_reports_hidden():
+        os.write(2, b"written before\n")
+        tokenizer.encode(HOSTILE_TEXT)
+    with panic_reports_hidden():
+        print("written after", file=sys.stderr)
+    assert capfd.readouterr().err == "written before\nwritten after\n"
+
+
 @pytest.mark.slow
-def test_tokenize_with_a_panicking_tokenizer_exits_2(backtracking_tokenizer):
+@pytest.mark.parametrize("backtrace", ["0", "full"])
+def test_tokenize_with_a_panicking_tokenizer_is_one_error_line(
+    backtracking_tokenizer, monkeypatch, backtrace
+):
+    # Rust's report: a blank line, where it panicked, the message and a note (RUST_BACKTRACE
+    # unset or 0), or those and a backtrace of 50 frames (full); none of it reaches the terminal.
+    monkeypatch.setenv("RUST_BACKTRACE", backtrace)
     result = run_cli("tokenize", "--model", str(backtracking_tokenizer), HOSTILE_TEXT)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    # The Rust panic hook writes its own lines first, which Python cannot silence.
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {backtracking_tokenizer / 'tokenizer.json'}: ")
-    assert "use another model file" in last
+    line = assert_one_error_line(result, "use another model file")
+    assert line.startswith(f"error: {backtracking_tokenizer / 'tokenizer.json'}: the tokenizer's")
+    assert "(Onig: Regex search error: retry-limit-in-match over)" in line
