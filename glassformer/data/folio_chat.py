@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from glassformer.train.translation import corpus_split
+from glassformer.data.parallel import corpus_split
 
 FOLIO_INSTRUCTION = (
     "Modernise the spelling and punctuation of this speech from Shakespeare's First Folio"

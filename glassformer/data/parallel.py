@@ -15,6 +15,7 @@ import math
 import re
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -284,3 +285,41 @@ def parallel_corpus(
             folio_plays[folio_name], modern_plays[modern_name], modern_name, threshold, max_chars
         )
     return pairs
+
+
+# Whole plays held out (modern file names): one for validation loss during training, one for
+# the final chrF/BLEU (train/translation.py, train/folio_eval.py). Every other paired play trains.
+VALIDATION_PLAYS = ("twelfth_night",)
+TEST_PLAYS = ("macbeth",)
+SPLITS = ("train", "validation", "test")
+
+
+def split_of(play: str) -> str:
+    if play in VALIDATION_PLAYS:
+        return "validation"
+    return "test" if play in TEST_PLAYS else "train"
+
+
+def _require_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not known: pick one of {', '.join(SPLITS)}")
+
+
+def in_split(pairs: Sequence[ParallelPair], split: str) -> list[ParallelPair]:
+    """The pairs of one split: train, validation or test (whole plays)."""
+    _require_split(split)
+    return [pair for pair in pairs if split_of(pair.play) == split]
+
+
+def corpus_split(
+    split: str, threshold: float | None = None, max_chars: int | None = None
+) -> list[ParallelPair]:
+    """The aligned pairs of one split of the whole corpus (default alignment: DEFAULT_*)."""
+    _require_split(split)  # before the alignment, which takes seconds
+    return in_split(
+        parallel_corpus(
+            DEFAULT_THRESHOLD if threshold is None else threshold,
+            DEFAULT_MAX_CHARS if max_chars is None else max_chars,
+        ),
+        split,
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from glassformer.config import PRESETS, ConfigError, ModelConfig, check_choice, check_field_types
 from glassformer.data.corpus import SPELLINGS
+from glassformer.data.parallel import DEFAULT_MAX_CHARS, DEFAULT_THRESHOLD
 from glassformer.devices import DEVICES
 
 STRATEGIES = ("auto", "single", "ddp", "fsdp")  # train.strategy: train/distributed.py
@@ -56,8 +57,8 @@ class DataConfig:
     nsp: bool = False  # task "mlm": add BERT's next-sentence prediction (50% real / random)
     # task "translation" (Folio -> modern spelling, data/parallel.py): pairs of at most this
     # many characters per side, aligned speeches kept above this trigram-cosine similarity
-    max_pair_chars: int = 200
-    align_threshold: float = 0.5
+    max_pair_chars: int = DEFAULT_MAX_CHARS  # 200
+    align_threshold: float = DEFAULT_THRESHOLD  # 0.5
     # task "arith" (data/arith.py): additions of 1..arith_max_digits digits; this share of the
     # examples shows its worked steps inside <think> ... </think>, the rest answers at once
     arith_max_digits: int = 4

@@ -16,18 +16,22 @@ import torch
 
 from glassformer.config import ConfigError, ModelConfig
 from glassformer.data import IGNORE_INDEX, batch_indices
-from glassformer.data.parallel import ParallelPair, parallel_corpus
+from glassformer.data.parallel import (  # noqa: F401  (corpus_split, split_of: re-exported)
+    SPLITS,
+    TEST_PLAYS,
+    VALIDATION_PLAYS,
+    ParallelPair,
+    corpus_split,
+    in_split,
+    parallel_corpus,
+    split_of,
+)
 from glassformer.tokenizers import BPETokenizer, require_token_ids
 from glassformer.train.config import RunConfig
-from glassformer.train.tasks import TASKS, Task, unigram_entropy
+from glassformer.train.tasks import Task, unigram_entropy
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in a tokenizer trained here
-# Whole plays held out (modern file names): one for validation loss during training, one for
-# the final chrF/BLEU. Every other paired play trains.
-VALIDATION_PLAYS = ("twelfth_night",)
-TEST_PLAYS = ("macbeth",)
-SPLITS = ("train", "validation", "test")
 
 
 def train_translation_tokenizer(texts: Sequence[str], vocab_size: int) -> BPETokenizer:
@@ -57,26 +61,6 @@ class SpecialIds:
             )
         )
         return cls(ids[PAD], ids[BOS], ids[EOS])
-
-
-def split_of(play: str) -> str:
-    if play in VALIDATION_PLAYS:
-        return "validation"
-    return "test" if play in TEST_PLAYS else "train"
-
-
-def corpus_split(
-    split: str, threshold: float | None = None, max_chars: int | None = None
-) -> list[ParallelPair]:
-    """The aligned pairs of one split: train, validation or test (whole plays)."""
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is not known: pick one of {', '.join(SPLITS)}")
-    defaults = RunConfig().data
-    pairs = parallel_corpus(
-        defaults.align_threshold if threshold is None else threshold,
-        defaults.max_pair_chars if max_chars is None else max_chars,
-    )
-    return [pair for pair in pairs if split_of(pair.play) == split]
 
 
 def collate(
@@ -114,7 +98,7 @@ class TranslationTask(Task):
     def __init__(self, run: RunConfig, tokenizer=None) -> None:
         data = run.data
         pairs = parallel_corpus(data.align_threshold, data.max_pair_chars)
-        by_split = {split: [p for p in pairs if split_of(p.play) == split] for split in SPLITS}
+        by_split = {split: in_split(pairs, split) for split in SPLITS}
         train_texts = [text for p in by_split["train"] for text in (p.folio, p.modern)]
         self.tokenizer = tokenizer or train_translation_tokenizer(train_texts, data.bpe_vocab_size)
         self.ids = SpecialIds.of(self.tokenizer)
@@ -163,9 +147,6 @@ class TranslationTask(Task):
     def tokens_in(self, batch: dict[str, torch.Tensor]) -> int:
         """Real tokens on both sides (padding left out)."""
         return int(batch["src_padding_mask"].sum()) + int((batch["targets"] != -100).sum())
-
-
-TASKS[TranslationTask.name] = TranslationTask
 
 
 # --- translating text and scoring it ----------------------------------------------------------
@@ -343,7 +324,7 @@ def held_out_pairs(split: str, data=None) -> list[ParallelPair]:
     if split not in ("validation", "test"):
         raise ValueError(f"split={split!r}: evaluate on 'test' or 'validation' (held-out plays)")
     data = data or RunConfig().data
-    return corpus_split(split, data.align_threshold, data.max_pair_chars)
+    return in_split(parallel_corpus(data.align_threshold, data.max_pair_chars), split)
 
 
 def format_scores(scores: TranslationScores, split: str, n_examples: int = 3) -> str:
