@@ -15,24 +15,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from glassformer.cli.stats import format_reply_stats
 from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 from glassformer.infer.engine import Engine, GenerationStats, Row
 from glassformer.infer.sampling import SamplingParams
-from glassformer.templates import ChatTemplateError
+from glassformer.infer.stats import format_reply_stats
+from glassformer.templates import ChatTemplateError, end_of_turn_ids
 from glassformer.tokenizers import PretrainedTokenizer
-
-# Tokens that end an assistant turn in common chat templates, besides the tokenizer's EOS.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """The ids that end an assistant's turn: the tokenizer's EOS and whichever of
-    END_OF_TURN_TOKENS its vocabulary holds."""
-    stops = {tokenizer.eos_token_id}
-    if hasattr(tokenizer, "token_to_id"):
-        stops |= {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
-    return {i for i in stops if i is not None}
 
 
 @dataclass

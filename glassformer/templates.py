@@ -615,6 +615,23 @@ def chat_pieces(
     return [(piece, is_text) for piece, is_text in pieces if piece]
 
 
+# --- the tokens a template writes around turns and thoughts ---------------------------------------
+
+# Tokens that end an assistant turn in common chat templates, besides the tokenizer's EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
+# The markers around a thinking model's chain of thought (Qwen3, DeepSeek-R1; infer/thinking.py).
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """The ids that end an assistant's turn: the tokenizer's EOS and whichever of
+    END_OF_TURN_TOKENS its vocabulary holds."""
+    stops = {tokenizer.eos_token_id}
+    if hasattr(tokenizer, "token_to_id"):
+        stops |= {tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS}
+    return {i for i in stops if i is not None}
+
+
 # --- a tokenizer's conversations ----------------------------------------------------------------
 
 

@@ -17,11 +17,11 @@ from serving import start_server, stop_server
 from test_server import tiny_chat_model
 
 import glassformer as gf
-from glassformer.chat import END_OF_TURN_TOKENS
 from glassformer.cli import main
 from glassformer.infer.compiled import CompiledDecoder
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.interop.pretrained import from_pretrained
+from glassformer.templates import END_OF_TURN_TOKENS
 from glassformer.tokenizers import CharTokenizer
 from glassformer.train.checkpoint import save_checkpoint
 

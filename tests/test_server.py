@@ -22,11 +22,11 @@ import torch
 from serving import start_server, stop_server
 
 import glassformer as gf
-from glassformer.chat import END_OF_TURN_TOKENS
 from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained, resolve
+from glassformer.templates import END_OF_TURN_TOKENS
 
 API_KEY = "test-key-123"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from glassformer.infer.thinking import THINK_END, THINK_START
+from glassformer.templates import THINK_END, THINK_START
 
 END_OF_TEXT = "<|endoftext|>"
 SPECIAL_TOKENS = (END_OF_TEXT, THINK_START, THINK_END)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-THINK_START, THINK_END = "<think>", "</think>"
+from glassformer.templates import THINK_END, THINK_START
 
 
 @dataclass(frozen=True)

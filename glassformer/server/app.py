@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch import nn
 
 import glassformer
-from glassformer.chat import end_of_turn_ids
 from glassformer.detokenize import TokenBytes
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
@@ -57,7 +56,7 @@ from glassformer.server.protocol import (
 from glassformer.server.responses import Reply
 from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
-from glassformer.templates import ConversationTooLong
+from glassformer.templates import ConversationTooLong, end_of_turn_ids
 
 log = logging.getLogger("glassformer.server")
 

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassformer.data.parallel import ParallelPair
-from glassformer.train.finetune import folio_chat
-from glassformer.train.translation import corpus_split, evenly_spaced, score
+from glassformer.data.folio_chat import folio_chat
+from glassformer.data.parallel import ParallelPair, corpus_split
+from glassformer.infer.engine import Engine
+from glassformer.templates import end_of_turn_ids
+from glassformer.train.translation import evenly_spaced, score
 
 FOLIO_MAX_CHARS = 120  # the speeches configs/smollm2-lora-folio.toml trains on
 MAX_NEW_TOKENS = 96  # a 120-character speech is ~35 tokens; room for a model that rambles
@@ -70,9 +72,6 @@ def modernise(
     rows: int = 16,
 ) -> list[str]:
     """Each speech modernised by a chat model: greedy, `rows` conversations decoded at a time."""
-    from glassformer.chat import end_of_turn_ids
-    from glassformer.infer.engine import Engine
-
     prompts = chat_prompts(tokenizer, folios, shots)
     stops = end_of_turn_ids(tokenizer)
     slot = min(max(len(p) for p in prompts) + max_new_tokens, model.cfg.max_seq_len)

@@ -1,5 +1,5 @@
-"""GenerationStats as a person reads them, in one place: after `generate` (one prompt or a
-batch) and after each chat reply."""
+"""GenerationStats as a person reads them, in one place (the engine computes them): after
+`glassformer generate` (one prompt or a batch) and after each chat reply (chat.py)."""
 
 from __future__ import annotations
 
