@@ -12,16 +12,26 @@ import json
 import math
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
+from glassformer.detokenize import IncrementalDecoder, StopStringsAfter, TokenBytes
 from glassformer.infer.sampling import TokenLogprob
-from glassformer.infer.thinking import Segments
+from glassformer.infer.thinking import Segments, ThinkingMarkers
+from glassformer.server.metrics import Metrics
 from glassformer.server.protocol import APIError, SamplingFields
 from glassformer.server.scheduler import Failed, Tokens
 
-if TYPE_CHECKING:
-    from glassformer.server.app import API
+
+class Server(Protocol):
+    """What a reply reads from the server that makes it (server/app.py's API), so that this
+    module need not import the routes that import it."""
+
+    served: Any  # app.Served: the model's name and tokenizer
+    fingerprint: str
+    stop_ids: tuple[int, ...]  # end-of-turn ids
+    markers: ThinkingMarkers | None  # None: the model does not think
+    token_bytes: TokenBytes
+    metrics: Metrics
 
 
 # --- one response ---------------------------------------------------------------------------------
@@ -33,7 +43,7 @@ class Reply:
 
     def __init__(
         self,
-        api: API,
+        api: Server,
         kind: str,
         id_prefix: str,
         body: SamplingFields,
