@@ -12,7 +12,7 @@ from glassformer.cli import main
 from glassformer.data.parallel import ParallelPair, play_pairs
 from glassformer.train import translation
 from glassformer.train.config import RunConfig
-from glassformer.train.tasks import TASKS, make_task
+from glassformer.train.task_table import TASKS, make_task
 from glassformer.train.trainer import Trainer
 
 # modern -> Folio spellings, the letters the Folio prints differently

@@ -62,7 +62,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     """
     from glassformer.interop.checkpoint import load, resolve_checkpoint
     from glassformer.train.config import RunConfig
-    from glassformer.train.tasks import make_task
+    from glassformer.train.task_table import make_task
 
     step_dir = resolve_checkpoint(args.model)
     config_file = next(

@@ -29,7 +29,7 @@ from glassformer.infer.sampling import SamplingParams
 from glassformer.infer.thinking import require_markers
 from glassformer.tokenizers import BPETokenizer
 from glassformer.train.config import RunConfig
-from glassformer.train.tasks import TASKS, Task, unigram_entropy
+from glassformer.train.tasks import Task, unigram_entropy
 
 VAL_SEED = 20_261_201  # validation problems: the same at every evaluation
 Example = tuple[list[int], list[bool]]  # token ids, and whether each one is learned
@@ -108,9 +108,6 @@ class ArithTask(Task):
         rng = random.Random(VAL_SEED)
         for _ in range(n_batches):
             yield self._batch(rng, batch_size)
-
-
-TASKS[ArithTask.name] = ArithTask
 
 
 # --- asking it, with a budget --------------------------------------------------------------

@@ -23,7 +23,7 @@ from glassformer.data.mlm import mask_tokens, mlm_generator
 from glassformer.interop.checkpoint import read_config, resolve_checkpoint
 from glassformer.tokenizers import BPETokenizer, load_tokenizer, require_token_ids
 from glassformer.train.config import RunConfig
-from glassformer.train.tasks import TASKS, Task, load_documents, unigram_entropy
+from glassformer.train.tasks import Task, load_documents, unigram_entropy
 
 PAD, CLS, SEP, MASK = "[PAD]", "[CLS]", "[SEP]", "[MASK]"
 BERT_SPECIAL_TOKENS = (PAD, CLS, SEP, MASK)  # ids 0..3 in a tokenizer trained here
@@ -293,8 +293,3 @@ class GenreTask(Task):
             of_genre = self.test_labels == index
             result[f"accuracy_{genre}"] = correct[of_genre].float().mean().item()
         return result
-
-
-TASKS.update(
-    {MaskedLanguageModelingTask.name: MaskedLanguageModelingTask, GenreTask.name: GenreTask}
-)

@@ -3,7 +3,7 @@
 A task owns the corpus, the tokenizer and the examples, and hands the trainer batches that go
 straight into `model.loss(**batch)`. The trainer itself (optimizer, schedule, checkpoints,
 exact resume) is the same for every family; a batch is a pure function of (seed, step) so that
-resuming repeats an uninterrupted run.
+resuming repeats an uninterrupted run. task_table.py names every task.
 """
 
 from __future__ import annotations
@@ -124,19 +124,3 @@ class LanguageModelingTask(Task):
         picks = torch.linspace(0, n - 1, min(n, batch_size * n_batches)).round().long()
         for chunk in picks.split(batch_size):
             yield get_batch(self.val_examples, chunk)
-
-
-TASKS: dict[str, type[Task]] = {"lm": LanguageModelingTask}
-# The BERT tasks (mlm, genre) subclass Task and add themselves to TASKS when imported; the
-# import sits here, below Task, so either module can be imported first.
-import glassformer.train.arith  # noqa: E402  (task "arith": thinking, data/arith.py)
-import glassformer.train.bert_tasks  # noqa: E402
-import glassformer.train.translation  # noqa: E402, F401  (task "translation", seq2seq)
-
-
-def make_task(run: RunConfig, tokenizer=None) -> Task:
-    """The task of a run: [data] task, or the family's natural one."""
-    name = run.data.task
-    if name not in TASKS:
-        raise ValueError(f"data.task={name!r} is not known: pick one of {', '.join(TASKS)}")
-    return TASKS[name](run, tokenizer)

@@ -78,7 +78,7 @@ from glassformer.train.run_dir import (
 )
 from glassformer.train.signals import StopRequests
 from glassformer.train.steps import evaluate, progress_bar, to_device
-from glassformer.train.tasks import make_task
+from glassformer.train.task_table import make_task
 from glassformer.train.train_state import (
     load_optimizer_state,
     optimizer_state_dict,
@@ -100,7 +100,7 @@ class TrainResult:
     val_loss: float | None = None
     baseline_name: str = "baseline"
     baseline_loss: float | None = None  # e.g. unigram entropy: what ignoring context scores
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # under torchrun: all ranks together
 
 
 # --- optimization -------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Trainer:
         self.parallel.wrap(self.model, self.half)  # DDP or FSDP; nothing for one process
         self.optimizer = make_optimizer(self.model, self.cfg)  # the parameters that train
         self.step = 0
-        self.tokens_seen = 0  # in this process (for tokens/s)
+        self.tokens_seen = 0  # since this process started (for tokens/s): all ranks' rows
         self.train_losses: list[float] = []
         if start is not None:
             self._restore(start)
@@ -482,6 +482,9 @@ class Trainer:
             f" {self.tokenizer.vocab_size} | task {self.task.name}: {self.task.n_train} training"
             " examples"
         )
+        parallel = self.parallel.header()
+        if parallel is not None:
+            print(parallel)
         if self.step >= stop:
             print(f"nothing to train: the run is already at step {self.step} of {stop}")
         bar = progress_bar(self.step, stop, enabled=self.progress)
@@ -496,7 +499,8 @@ class Trainer:
                 elapsed = time.perf_counter() - t_start
                 tokens_per_s = self.tokens_seen / elapsed
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+                counted = self.parallel.tokens_counted  # "" or " (all N ranks)"
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}{counted}")
                 last = self.step == stop
                 if self.step % cfg.eval_interval == 0 or last:
                     val_loss = evaluate(
@@ -505,7 +509,7 @@ class Trainer:
                     bar.write(
                         f"step {self.step}: train loss {loss:.4f} | val loss {val_loss:.4f} | "
                         f"{self.task.baseline_name} {self.task.baseline_loss:.4f} | "
-                        f"{tokens_per_s:,.0f} tok/s"
+                        f"{tokens_per_s:,.0f} tok/s{counted}"
                     )
                 if self.step % cfg.checkpoint_interval == 0 or last:
                     with stop_requests.deferred():  # a Ctrl-C lets the checkpoint finish
