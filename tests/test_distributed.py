@@ -179,6 +179,11 @@ def test_ddp_two_processes_equal_one_and_resume_on_one(tmp_path, corpus):
     assert_close(saved_losses(tmp_path / "run"), reference)
     # Logging on rank 0 only: one "done" line, not two.
     assert result.stdout.count("done: 6 steps") == 1, result.stdout
+    # The header says this is one job of 2 ranks; the progress line, that its tok/s counts both.
+    assert result.stdout.count("parallel: ddp | world size 2 | backend gloo on cpu") == 1, (
+        result.stdout
+    )
+    assert "tok/s (all 2 ranks)" in result.stdout.split("step 6: train loss")[1], result.stdout
 
     # 2 -> 1: the DDP run's step 3 resumed by one process ends where the single run ended.
     resumed = tmp_path / "resumed"
@@ -194,6 +199,7 @@ def test_fsdp_two_processes_equal_one_and_resume_across_world_sizes(tmp_path, co
     reference = single_losses(config, out_dir=str(tmp_path / "single"), strategy="auto")
     result = torchrun(2, *train_args(config))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "parallel: fsdp | world size 2 | backend gloo on cpu" in result.stdout, result.stdout
     assert_close(saved_losses(tmp_path / "run"), reference)
     step3 = tmp_path / "run" / "step-000003"
     assert sorted(p.name for p in (step3 / "shards").iterdir()) == [

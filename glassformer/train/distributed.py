@@ -270,6 +270,23 @@ class Parallel:
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
 
+    def header(self) -> str | None:
+        """The line that says a run is one job of N ranks: strategy, world size, backend and
+        what tokens/s counts (None for one process)."""
+        if self.strategy == "single":
+            return None
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        return (
+            f"parallel: {self.strategy} | world size {self.ranks.world_size} | backend {backend}"
+            f" on {self.device.type} | tok/s below counts all {self.ranks.world_size} ranks"
+        )
+
+    @property
+    def tokens_counted(self) -> str:
+        """Said after a tokens/s: nothing for one process; under torchrun, that it counts all
+        ranks (each rank counts every row of the global batch, its own and the others')."""
+        return "" if self.strategy == "single" else f" (all {self.ranks.world_size} ranks)"
+
     # --- the model ---
 
     def wrap(self, model: nn.Module, half: torch.dtype | None) -> None:
