@@ -26,6 +26,7 @@ from torch import nn
 
 from glassformer.infer.compiled import CompiledDecoder
 from glassformer.infer.fused import FusedStep
+from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.infer.optimize import DecodeLinear, optimize_for_decode
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.nn.quant import Int8Linear, quantize_int8
@@ -41,13 +42,12 @@ def prepare(model: nn.Module, precision: str) -> nn.Module:
 
 
 def step_ms(step, cache, length: int, token: torch.Tensor, n_steps: int) -> float:
-    """Mean ms of n_steps decode steps from `length` filled positions (then rolled back)."""
-    cache.length = length
+    """Mean ms of n_steps decode steps from `length` filled positions (the next call writes
+    over them again)."""
     start = time.perf_counter()
-    for _ in range(n_steps):
-        step(token, cache)
+    for position in range(length, length + n_steps):
+        step(token, cache, position)
     elapsed = time.perf_counter() - start
-    cache.length = length
     return 1e3 * elapsed / n_steps
 
 
@@ -70,6 +70,7 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt))
     token = torch.tensor([42])
     decoder = CompiledDecoder(model)
+    to_huge_pages(model)  # as Engine(model, huge_pages=True): all three read these pages
     fused = FusedStep(model)  # what Engine(model) decodes a single row with
     capacity = args.prompt + args.blocks * args.steps + 1
     with torch.inference_mode():
@@ -77,24 +78,24 @@ def measure(model: nn.Module, precision: str, args: argparse.Namespace) -> dict[
         fused_cache = model.new_cache(batch_size=1, max_seq_len=capacity)
         decoder.reserve(1, capacity)
         compiled_cache = decoder.cache
-        model(prompt, cache=eager_cache, last_token_only=True)
-        model(prompt, cache=fused_cache, last_token_only=True)
-        decoder.forward(prompt, torch.arange(args.prompt), compiled_cache)
+        positions = torch.arange(args.prompt)
+        model(prompt, positions, cache=eager_cache, last_token_only=True)
+        model(prompt, positions, cache=fused_cache, last_token_only=True)
+        decoder.forward(prompt, positions, compiled_cache)
 
-        def eager_step(tok, cache):
-            return model(tok[:, None], cache=cache, last_token_only=True)
+        def eager_step(tok, cache, position):
+            return model(tok[:, None], torch.tensor([position]), cache=cache, last_token_only=True)
 
-        def compiled_step(tok, cache):  # the static cache leaves `length` to its caller
+        def compiled_step(tok, cache, position):
             # Inputs made inside inference mode, as the Engine makes them: the graph's guards
             # include whether each input is an inference tensor.
-            decoder.compiled_forward(tok.reshape(1, 1).clone(), torch.tensor([cache.length]), cache)
-            cache.length += 1
+            decoder.compiled_forward(tok.reshape(1, 1).clone(), torch.tensor([position]), cache)
 
-        def fused_step(tok, cache):  # writes position cache.length, then counts it
-            fused(int(tok), cache.length, cache)
+        def fused_step(tok, cache, position):
+            fused(int(tok), position, cache)
 
         start = time.perf_counter()
-        compiled_step(token, compiled_cache)
+        compiled_step(token, compiled_cache, args.prompt)
         compile_s = time.perf_counter() - start
         sides = {"eager": (eager_step, eager_cache), "compiled": (compiled_step, compiled_cache),
                  "fused": (fused_step, fused_cache)}  # fmt: skip

@@ -75,8 +75,10 @@ def test_left_padding_does_not_change_the_logits(position):
     next_position = torch.tensor([[len(p)] for p in PROMPTS])
     with torch.no_grad():
         cache = model.new_cache(batch_size=len(PROMPTS), max_seq_len=T + 1)
-        prefill = model(ids, position_ids=positions, padding_mask=mask[:, :T], cache=cache)
-        step = model(next_token, position_ids=next_position, padding_mask=mask, cache=cache)
+        slots = torch.arange(T)  # where the cache stores them; position_ids: what RoPE sees
+        prefill = model(ids, slots, position_ids=positions, padding_mask=mask[:, :T], cache=cache)
+        step = model(next_token, torch.tensor([T]), position_ids=next_position, padding_mask=mask,
+                     cache=cache)  # fmt: skip
         for b, prompt in enumerate(PROMPTS):
             reference = model(torch.tensor([[*prompt, 5]]))[0]  # (len + 1, V)
             torch.testing.assert_close(

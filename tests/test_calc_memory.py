@@ -168,10 +168,10 @@ def test_decode_flops_equal_torchs_flop_counter_step_by_step(family):
     cache = model.new_cache(B, P + N)
     ids = torch.randint(0, cfg.vocab_size, (B, P))
     with torch.no_grad():
-        model(ids, cache=cache, last_token_only=True)
+        model(ids, torch.arange(P), cache=cache, last_token_only=True)
         with FlopCounterMode(display=False) as counter:
-            for _ in range(N):
-                model(ids[:, -1:], cache=cache, last_token_only=True)
+            for position in range(P, P + N):
+                model(ids[:, -1:], torch.tensor([position]), cache=cache, last_token_only=True)
     # exact: each step attends over the positions filled so far, not the cache's empty slots
     assert decode_flops(cfg, P, N, B) == counter.get_total_flops()
 
@@ -182,9 +182,12 @@ def test_decode_step_bytes_are_the_weights_and_a_filled_cache():
     B, P = 3, 20
     cache = model.new_cache(B, 64)
     with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (B, P)), cache=cache)
+        model(torch.randint(0, cfg.vocab_size, (B, P)), torch.arange(P), cache=cache)
     weights = sum(p.nbytes for p in model.parameters())
-    assert decode_step_bytes(cfg, P, "fp32", B) == weights + cache.filled_bytes
+    written = cache.k.ne(0).any(dim=-1).any(dim=2).any(dim=0)  # (B, slots): a key was written
+    assert decode_step_bytes(cfg, P, "fp32", B) == weights + int(written.sum()) * (
+        cache.kv_bytes_per_token
+    )
 
 
 def test_measured_peaks_are_positive_and_quick():

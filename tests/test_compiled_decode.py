@@ -34,9 +34,12 @@ def eager_step_logits(model, prompt: list[int], continuation: list[int]) -> list
     """The eager model's next-token logits after the prompt and after each fed token."""
     cache = model.new_cache(batch_size=1, max_seq_len=len(prompt) + len(continuation))
     with torch.no_grad():
-        logits = [model(torch.tensor([prompt]), cache=cache, last_token_only=True)[:, -1]]
-        for token in continuation:
-            logits.append(model(torch.tensor([[token]]), cache=cache, last_token_only=True)[:, -1])
+        at = torch.arange(len(prompt))
+        logits = [model(torch.tensor([prompt]), at, cache=cache, last_token_only=True)[:, -1]]
+        for position, token in enumerate(continuation, start=len(prompt)):
+            at = torch.tensor([position])
+            step = model(torch.tensor([[token]]), at, cache=cache, last_token_only=True)
+            logits.append(step[:, -1])
     return logits
 
 

@@ -232,7 +232,12 @@ def test_greedy_generation_equals_transformers(name: str, saved) -> None:
     cache = model.new_cache(1, PROMPT_LEN + N_NEW)
     steps = [prompt, *out.sequences[:, PROMPT_LEN:-1].split(1, dim=1)]
     with torch.no_grad():
-        logits = [model(step, cache=cache, last_token_only=True)[:, -1] for step in steps]
+        starts = [0, *range(PROMPT_LEN, PROMPT_LEN + len(steps) - 1)]
+        logits = [
+            model(step, torch.arange(p, p + step.shape[1]), cache=cache, last_token_only=True)
+            for step, p in zip(steps, starts, strict=True)
+        ]
+        logits = [step_logits[:, -1] for step_logits in logits]
     difference = (torch.cat(logits) - torch.cat(out.logits)).abs().max().item()
     assert difference <= ATOL, f"{name}: max |cached logit difference| {difference:.2e}"
 

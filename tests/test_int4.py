@@ -70,9 +70,11 @@ def test_a_quantized_model_computes_with_its_dequantized_weights():
     with torch.inference_mode():
         torch.testing.assert_close(quantized(ids), reference(ids), atol=1e-4, rtol=1e-4)  # prefill
         cache_q, cache_r = quantized.new_cache(1, 32), reference.new_cache(1, 32)
-        quantized(ids, cache=cache_q), reference(ids, cache=cache_r)
+        prompt, at = torch.arange(ids.shape[1]), torch.tensor([ids.shape[1]])
+        quantized(ids, prompt, cache=cache_q), reference(ids, prompt, cache=cache_r)
         step = torch.tensor([[7]])
-        torch.testing.assert_close(quantized(step, cache=cache_q), reference(step, cache=cache_r),
+        torch.testing.assert_close(quantized(step, at, cache=cache_q),
+                                   reference(step, at, cache=cache_r),
                                    atol=1e-4, rtol=1e-4)  # decode: the kernel  # fmt: skip
 
 

@@ -203,11 +203,11 @@ def test_optimized_model_equals_the_plain_one(overrides):
         assert_logits_close(fast(prompt), plain(prompt))
         # decode steps through the cache: 1 row each, the kernel path
         caches = plain.new_cache(1, 20), fast.new_cache(1, 20)
-        plain(prompt, cache=caches[0])
-        fast(prompt, cache=caches[1])
-        for token in (7, 1, 30):
-            step = torch.tensor([[token]])
-            assert_logits_close(fast(step, cache=caches[1]), plain(step, cache=caches[0]))
+        plain(prompt, torch.arange(8), cache=caches[0])
+        fast(prompt, torch.arange(8), cache=caches[1])
+        for position, token in enumerate((7, 1, 30), start=8):
+            step, at = torch.tensor([[token]]), torch.tensor([position])
+            assert_logits_close(fast(step, at, cache=caches[1]), plain(step, at, cache=caches[0]))
     plain_ids = Engine(plain).generate([1, 2, 3], max_new_tokens=20, temperature=0).token_ids
     fast_ids = Engine(fast).generate([1, 2, 3], max_new_tokens=20, temperature=0).token_ids
     assert fast_ids == plain_ids
@@ -237,8 +237,8 @@ def test_bf16_model_matches_the_plain_model_cast_to_bf16():
     ids = torch.tensor([[3, 14, 15, 9]])
     with torch.inference_mode():
         cache = fast.new_cache(1, 8)
-        fast(ids[:, :3], cache=cache)
-        step = fast(ids[:, 3:], cache=cache)[0, -1].float()  # the kernel path
+        fast(ids[:, :3], torch.arange(3), cache=cache)
+        step = fast(ids[:, 3:], torch.tensor([3]), cache=cache)[0, -1].float()  # the kernel path
         expected = reference_bf16(ids)[0, -1].float()
         full = plain(ids)[0, -1]
     # bf16 keeps 8 bits of mantissa; both bf16 paths stay near each other and near fp32

@@ -166,10 +166,9 @@ def test_scores_match_a_manual_log_softmax_and_greedy_generation() -> None:
     other = [(greedy[0] + 1) % 23, *greedy[1:]]
     cache = model.new_cache(batch_size=1, max_seq_len=32)
     with torch.no_grad():
-        model(torch.tensor([prefix]), cache=cache)
-    for answer, hit in ((greedy, True), (other, False)):
-        logprob, greedy_hit = score_continuation(model, cache, query, answer)
-        assert cache.length == len(prefix)  # rolled back for the next question
+        model(torch.tensor([prefix]), torch.arange(len(prefix)), cache=cache)
+    for answer, hit in ((greedy, True), (other, False)):  # the second written over the first
+        logprob, greedy_hit = score_continuation(model, cache, len(prefix), query, answer)
         ids = torch.tensor([prefix + query + answer])
         with torch.no_grad():
             logprobs = F.log_softmax(model(ids)[0], dim=-1)  # no cache: the reference

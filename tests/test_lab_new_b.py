@@ -115,11 +115,12 @@ def test_greedy_hit_with_a_cached_prefix_equals_the_whole_prompt() -> None:
         second = int(model(torch.tensor([prefix + query + [first]]))[0, -1].argmax())
     cache = model.new_cache(1, 32)
     with torch.no_grad():
-        model(torch.tensor([prefix]), cache=cache)
-    assert icl.greedy_hit(model, cache, query, [first, second])
-    assert cache.length == len(prefix)  # rolled back for the next query
-    assert not icl.greedy_hit(model, cache, query, [first, (second + 1) % 40])
-    assert icl.greedy_hit(model, None, prefix + query, [first, second])
+        model(torch.tensor([prefix]), torch.arange(len(prefix)), cache=cache)
+    assert icl.greedy_hit(model, cache, len(prefix), query, [first, second])
+    # the next query is written over this one: a wrong answer after it is still judged alone
+    assert not icl.greedy_hit(model, cache, len(prefix), query, [first, (second + 1) % 40])
+    assert icl.greedy_hit(model, cache, len(prefix), query, [first, second])
+    assert icl.greedy_hit(model, None, 0, prefix + query, [first, second])
 
 
 def test_examples_and_queries_never_overlap() -> None:

@@ -77,13 +77,12 @@ def test_cached_decode_equals_full_recompute(case: str) -> None:
     ids = torch.randint(0, VOCAB, (B, prompt_len + n_new))
     cache = model.new_cache(B)
     with torch.no_grad():
-        logits = model(ids[:, :prompt_len], cache=cache)
+        logits = model(ids[:, :prompt_len], torch.arange(prompt_len), cache=cache)
         torch.testing.assert_close(logits, model(ids[:, :prompt_len]), atol=ATOL, rtol=0)
         for t in range(prompt_len, prompt_len + n_new):
-            step = model(ids[:, t : t + 1], cache=cache)  # (B, 1, V)
+            step = model(ids[:, t : t + 1], torch.arange(t, t + 1), cache=cache)  # (B, 1, V)
             full = model(ids[:, : t + 1])[:, -1:]  # no cache, the whole prefix again
             torch.testing.assert_close(step, full, atol=ATOL, rtol=0, msg=f"step {t}")
-    assert cache.length == prompt_len + n_new
 
 
 def test_cached_decode_in_chunks_equals_full_recompute() -> None:
@@ -93,7 +92,8 @@ def test_cached_decode_in_chunks_equals_full_recompute() -> None:
     cache = model.new_cache(2)
     with torch.no_grad():
         full = model(ids)
-        chunks = [model(ids[:, a:b], cache=cache) for a, b in ((0, 4), (4, 7), (7, 8), (8, 15))]
+        spans = ((0, 4), (4, 7), (7, 8), (8, 15))
+        chunks = [model(ids[:, a:b], torch.arange(a, b), cache=cache) for a, b in spans]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=0)
 
 
@@ -160,7 +160,13 @@ def test_left_padded_prefill_and_decode_equal_each_row_alone(position: str) -> N
     position_ids = (padding_mask.cumsum(-1) - 1).clamp(min=0)
     cache = model.new_cache(2)
     with torch.no_grad():
-        prefill = model(ids, position_ids=position_ids, padding_mask=padding_mask, cache=cache)
+        prefill = model(
+            ids,
+            torch.arange(width),
+            position_ids=position_ids,
+            padding_mask=padding_mask,
+            cache=cache,
+        )
         assert not torch.isnan(prefill).any()
         steps = []
         for t in range(n_new):
@@ -170,6 +176,7 @@ def test_left_padded_prefill_and_decode_equal_each_row_alone(position: str) -> N
             steps.append(
                 model(
                     continuations[:, t : t + 1],
+                    torch.arange(width + t, width + t + 1),
                     position_ids=step_positions,
                     padding_mask=padding_mask,
                     cache=cache,
@@ -429,9 +436,28 @@ def test_input_longer_than_max_seq_len_with_learned_positions_is_a_clear_error()
     with pytest.raises(ValueError, match=r"17 tokens is longer than max_seq_len=16"):
         model(torch.randint(0, VOCAB, (1, 17)))
     cache = model.new_cache(1)
-    model(torch.randint(0, VOCAB, (1, 16)), cache=cache)
+    model(torch.randint(0, VOCAB, (1, 16)), torch.arange(16), cache=cache)
     with pytest.raises(ValueError, match=r"longer than max_seq_len=16"):
-        model(torch.randint(0, VOCAB, (1, 1)), cache=cache)
+        model(torch.randint(0, VOCAB, (1, 1)), torch.tensor([16]), cache=cache)
+
+
+def test_a_cached_forward_without_positions_is_a_clear_error() -> None:
+    model = _model(position="rope")
+    with pytest.raises(ValueError, match=r"a forward with a cache needs the positions"):
+        model(torch.randint(0, VOCAB, (1, 3)), cache=model.new_cache(1))
+
+
+def test_a_rolled_back_row_equals_one_that_never_saw_the_rejected_tokens() -> None:
+    """Speculative decoding's rollback is writing at an earlier position next time: the cache
+    keeps no count, so tokens written past it and then written over leave no trace."""
+    model = _model(position="rope", n_kv_heads=2)
+    ids, rejected = torch.randint(0, VOCAB, (1, 9)), torch.randint(0, VOCAB, (1, 3))
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(ids[:, :5], torch.arange(5), cache=cache)
+        model(rejected, torch.arange(5, 8), cache=cache)  # proposals the target rejects
+        resumed = model(ids[:, 5:], torch.arange(5, 9), cache=cache)
+        torch.testing.assert_close(resumed, model(ids)[:, 5:], atol=ATOL, rtol=0)
 
 
 def test_full_kv_cache_is_a_clear_error() -> None:
@@ -440,7 +466,7 @@ def test_full_kv_cache_is_a_clear_error() -> None:
     with pytest.raises(
         ValueError, match=r"KV cache is full: 0 cached \+ 5 new positions > capacity 4"
     ):
-        model(torch.randint(0, VOCAB, (1, 5)), cache=cache)
+        model(torch.randint(0, VOCAB, (1, 5)), torch.arange(5), cache=cache)
 
 
 # --- config JSON ------------------------------------------------------------------------------

@@ -116,9 +116,10 @@ def test_cached_decoding_equals_uncached_at_every_step(variant: str) -> None:
         memory = model.encode(src, mask)
         cache = model.new_cache(2, 16)
         prefill = model.decode(tgt[:, :3], memory, mask, cache=cache)  # a 3-token first chunk
-        steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache=cache) for t in range(3, 9)]
+        steps = [
+            model.decode(tgt[:, t : t + 1], memory, mask, cache=cache, start=t) for t in range(3, 9)
+        ]
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=0)
-    assert cache.length == 9
 
 
 def test_cross_attention_keys_and_values_are_projected_once_per_source() -> None:
@@ -131,7 +132,7 @@ def test_cross_attention_keys_and_values_are_projected_once_per_source() -> None
         memory = model.encode(src, mask)
         cache = model.new_cache(2, 16)
         for t in range(6):
-            model.decode(torch.full((2, 1), START + t), memory, mask, cache=cache)
+            model.decode(torch.full((2, 1), START + t), memory, mask, cache=cache, start=t)
     assert len(calls) == len(model.decoder)  # once per layer, not once per step
     assert all(k is not None and k.shape == (2, 4, 7, 8) for k in cache.cross_attn.k)
     # Without a cache every decode call projects again.

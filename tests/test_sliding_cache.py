@@ -51,15 +51,15 @@ def test_greedy_decode_past_the_window_equals_recompute(window, n_kv_heads, back
     cache = model.new_cache(1)
     assert isinstance(cache, SlidingWindowCache)
     with torch.no_grad():
-        logits = model(ids, cache=cache, last_token_only=True)[:, -1]
+        logits = model(ids, torch.arange(3), cache=cache, last_token_only=True)[:, -1]
         for step in range(45):
             reference = _recompute_last(model, ids)
             torch.testing.assert_close(logits, reference, atol=ATOL, rtol=1e-5, msg=f"step {step}")
             next_id = logits.argmax(-1, keepdim=True)  # (1, 1)
             assert int(next_id) == int(reference.argmax()), f"step {step}"
+            logits = model(next_id, torch.tensor([ids.shape[1]]), cache=cache)[:, -1]
             ids = torch.cat([ids, next_id], dim=1)
-            logits = model(next_id, cache=cache)[:, -1]
-    assert cache.length == 48 and cache.nbytes == cache.kv_bytes_per_token * window
+    assert ids.shape[1] == 48 and cache.nbytes == cache.kv_bytes_per_token * window
 
 
 def test_one_layer_decode_equals_attending_to_the_last_window_only() -> None:
@@ -73,9 +73,9 @@ def test_one_layer_decode_equals_attending_to_the_last_window_only() -> None:
     ids = torch.randint(0, VOCAB, (2, 20))
     cache = model.new_cache(2)
     with torch.no_grad():
-        model(ids[:, :6], cache=cache)
+        model(ids[:, :6], torch.arange(6), cache=cache)
         for t in range(6, 20):
-            step = model(ids[:, t : t + 1], cache=cache)[:, -1]
+            step = model(ids[:, t : t + 1], torch.tensor([t]), cache=cache)[:, -1]
             positions = torch.arange(t + 1 - window, t + 1)[None]
             alone = plain(ids[:, t + 1 - window : t + 1], position_ids=positions)[:, -1]
             torch.testing.assert_close(step, alone, atol=ATOL, rtol=0, msg=f"position {t}")
@@ -86,11 +86,11 @@ def test_prefill_longer_than_the_window_then_decode() -> None:
     ids = torch.randint(0, VOCAB, (2, 30))
     cache = model.new_cache(2)
     with torch.no_grad():
-        prefill = model(ids[:, :17], cache=cache)  # 17 > W = 5: the sliding mask over the prompt
+        prefill = model(ids[:, :17], torch.arange(17), cache=cache)  # 17 > W = 5: sliding mask
         torch.testing.assert_close(prefill, model(ids[:, :17]), atol=ATOL, rtol=0)
-        assert cache.filled_bytes == cache.kv_bytes_per_token * 5 * 2
+        assert cache.row_bytes(17) * 2 == cache.kv_bytes_per_token * 5 * 2
         for t in range(17, 30):
-            step = model(ids[:, t : t + 1], cache=cache)[:, -1]
+            step = model(ids[:, t : t + 1], torch.tensor([t]), cache=cache)[:, -1]
             torch.testing.assert_close(
                 step, _recompute_last(model, ids[:, : t + 1]), atol=ATOL, rtol=0
             )
@@ -107,11 +107,13 @@ def test_chunked_prefill_equals_one_shot(chunks) -> None:
         one_shot = model(ids)
         pieces, start = [], 0
         for n in chunks:
-            pieces.append(model(ids[:, start : start + n], cache=cache))
+            pieces.append(
+                model(ids[:, start : start + n], torch.arange(start, start + n), cache=cache)
+            )
             start += n
         torch.testing.assert_close(torch.cat(pieces, dim=1), one_shot[:, :start], atol=ATOL, rtol=0)
         for t in range(start, ids.shape[1]):  # and decoding carries on from the chunked ring
-            step = model(ids[:, t : t + 1], cache=cache)
+            step = model(ids[:, t : t + 1], torch.tensor([t]), cache=cache)
             torch.testing.assert_close(step, one_shot[:, t : t + 1], atol=ATOL, rtol=0)
 
 
@@ -124,8 +126,9 @@ def test_alibi_with_the_ring_builds_its_bias_from_each_slots_position(backend) -
     cache = model.new_cache(1)
     with torch.no_grad():
         full = model(ids)
-        chunks = [model(ids[:, a:b], cache=cache) for a, b in ((0, 7), (7, 9), (9, 10))]
-        steps = [model(ids[:, t : t + 1], cache=cache) for t in range(10, 26)]
+        spans = ((0, 7), (7, 9), (9, 10))
+        chunks = [model(ids[:, a:b], torch.arange(a, b), cache=cache) for a, b in spans]
+        steps = [model(ids[:, t : t + 1], torch.tensor([t]), cache=cache) for t in range(10, 26)]
     torch.testing.assert_close(torch.cat(chunks + steps, dim=1), full, atol=ATOL, rtol=0)
 
 
@@ -145,13 +148,20 @@ def test_left_padded_batch_with_the_ring_equals_each_row_alone() -> None:
     position_ids = (padding_mask.cumsum(-1) - 1).clamp(min=0)
     cache = model.new_cache(2)
     with torch.no_grad():
-        model(ids, position_ids=position_ids, padding_mask=padding_mask, cache=cache)
+        model(
+            ids,
+            torch.arange(width),
+            position_ids=position_ids,
+            padding_mask=padding_mask,
+            cache=cache,
+        )
         steps = []
         for t in range(n_new):
             padding_mask = torch.cat([padding_mask, torch.ones(2, 1, dtype=torch.bool)], dim=1)
             position_ids = position_ids[:, -1:] + 1
             step = model(
                 continuations[:, t : t + 1],
+                torch.tensor([width + t]),
                 position_ids=position_ids,
                 padding_mask=padding_mask,
                 cache=cache,
@@ -175,10 +185,10 @@ def test_ring_slots_hold_the_full_caches_keys_at_key_positions() -> None:
     assert isinstance(full, KVCache)
     with torch.no_grad():
         for cache in (ring, full):
-            model(ids[:, :8], cache=cache)
+            model(ids[:, :8], torch.arange(8), cache=cache)
         for t in range(8, 23):
             for cache in (ring, full):
-                model(ids[:, t : t + 1], cache=cache)
+                model(ids[:, t : t + 1], torch.tensor([t]), cache=cache)
             positions = ring.key_positions(t, 1)  # the positions the slots hold after step t
             assert sorted(positions.tolist()) == list(range(t + 1 - 5, t + 1))
             n = len(positions)
@@ -196,11 +206,11 @@ def test_memory_stays_at_the_window_whatever_the_length() -> None:
     assert model.new_cache(3, kind="full").nbytes == per_token * 64 * 3
     filled = []
     with torch.no_grad():
-        model(torch.randint(0, VOCAB, (3, 2)), cache=cache)
-        filled.append(cache.filled_bytes)
-        for _ in range(40):
-            model(torch.randint(0, VOCAB, (3, 1)), cache=cache)
-            filled.append(cache.filled_bytes)
+        model(torch.randint(0, VOCAB, (3, 2)), torch.arange(2), cache=cache)
+        filled.append(3 * cache.row_bytes(2))
+        for n in range(3, 43):
+            model(torch.randint(0, VOCAB, (3, 1)), torch.tensor([n - 1]), cache=cache)
+            filled.append(3 * cache.row_bytes(n))
     assert filled == [per_token * 3 * min(n, 6) for n in range(2, 43)]
     assert cache.nbytes == per_token * 6 * 3
 
@@ -210,11 +220,10 @@ def test_reset_starts_a_fresh_sequence() -> None:
     first, second = torch.randint(0, VOCAB, (1, 15)), torch.randint(0, VOCAB, (1, 11))
     cache = model.new_cache(1)
     with torch.no_grad():
-        model(first, cache=cache)
+        model(first, torch.arange(15), cache=cache)
         cache.reset()
-        assert cache.length == 0 and cache.filled_bytes == 0
-        again = [model(second[:, :6], cache=cache)]
-        again += [model(second[:, t : t + 1], cache=cache) for t in range(6, 11)]
+        again = [model(second[:, :6], torch.arange(6), cache=cache)]
+        again += [model(second[:, t : t + 1], torch.tensor([t]), cache=cache) for t in range(6, 11)]
         torch.testing.assert_close(torch.cat(again, dim=1), model(second), atol=ATOL, rtol=0)
 
 
@@ -298,16 +307,16 @@ def test_ring_of_another_window_is_a_clear_error() -> None:
     model = _model(4)
     cache = SlidingWindowCache.for_config(_model(6).cfg, 1, None, torch.float32, None)
     with pytest.raises(ValueError, match=r"window=6 does not fit this model's sliding_window=4"):
-        model(torch.randint(0, VOCAB, (1, 3)), cache=cache)
+        model(torch.randint(0, VOCAB, (1, 3)), torch.arange(3), cache=cache)
 
 
 def test_ring_past_its_position_limit_is_a_clear_error() -> None:
     model = _model(4)
     cache = model.new_cache(1, max_seq_len=10)
     with torch.no_grad():
-        model(torch.randint(0, VOCAB, (1, 10)), cache=cache)
+        model(torch.randint(0, VOCAB, (1, 10)), torch.arange(10), cache=cache)
         with pytest.raises(ValueError, match=r"10 fed \+ 1 new positions > max_seq_len 10"):
-            model(torch.randint(0, VOCAB, (1, 1)), cache=cache)
+            model(torch.randint(0, VOCAB, (1, 1)), torch.tensor([10]), cache=cache)
 
 
 @pytest.mark.parametrize(
@@ -333,8 +342,8 @@ def test_cached_forward_in_grad_mode_frees_its_graph(kind, window) -> None:
 
     model = _model(window)
     cache = model.new_cache(max_seq_len=16, kind=kind)
-    model(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache=cache)  # prefill (a chunk), grad enabled
-    model(torch.tensor([[7]]), cache=cache)  # one decode step, grad enabled
+    model(torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.arange(6), cache=cache)  # a chunk, with grad
+    model(torch.tensor([[7]]), torch.tensor([6]), cache=cache)  # one decode step, with grad
     buffers = weakref.ref(cache.k)
     assert not cache.k.requires_grad
     del cache
@@ -351,10 +360,10 @@ def test_gradients_through_a_cached_call_equal_the_uncached_ones(kind, window) -
     plain, cached = _model(window), _model(window)
     plain(ids)[:, -1].sum().backward()
     cache = cached.new_cache(max_seq_len=16, kind=kind)
-    cached(ids, cache=cache)[:, -1].sum().backward()
+    cached(ids, torch.arange(7), cache=cache)[:, -1].sum().backward()
     for (name, p), q in zip(plain.named_parameters(), cached.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=ATOL, rtol=1e-4, msg=name)
-    step = cached(torch.tensor([[6]]), cache=cache)[:, -1]
+    step = cached(torch.tensor([[6]]), torch.tensor([7]), cache=cache)[:, -1]
     assert step.requires_grad
     full = plain(torch.cat([ids, torch.tensor([[6]])], dim=1))[:, -1]
     torch.testing.assert_close(step, full, atol=ATOL, rtol=1e-4)

@@ -193,20 +193,16 @@ def test_refuses_a_bad_k(k):
         speculative_generate(model, model, PROMPT, max_new_tokens=5, k=k)
 
 
-def test_kv_cache_truncate_rolls_back_and_refuses_to_extend():
+def test_a_rollback_is_a_write_at_an_earlier_position():
     cache = KVCache(n_layers=1, batch_size=1, n_kv_heads=1, max_seq_len=8, head_dim=2)
     k = torch.arange(10.0).view(1, 1, 5, 2)
     cache.begin(torch.arange(5))
     cache.update(0, torch.arange(5), k, k)
-    cache.truncate(2)
-    new = torch.full((1, 1, 1, 2), -1.0)
-    position = cache.next_positions(1)
+    new, position = torch.full((1, 1, 1, 2), -1.0), torch.tensor([2])  # positions 2.. rejected
     cache.begin(position)
     keys, _ = cache.update(0, position, new, new)
-    # The next write lands at position 2 and the stale positions 3, 4 are not returned.
+    # The write lands at position 2 and the stale positions 3, 4 are not returned.
     assert torch.equal(keys, torch.cat([k[:, :, :2], new], dim=2))
-    with pytest.raises(ValueError, match="truncate\\(length=4\\)"):
-        cache.truncate(4)
 
 
 # --- speculative sampling -------------------------------------------------------------------

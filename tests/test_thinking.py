@@ -71,6 +71,27 @@ def test_budget_closes_the_segment_like_a_hand_written_loop(budget):
         assert 0 < stats.thinking_time_s <= stats.total_time_s
 
 
+@pytest.mark.parametrize("draft_seed", [None, 1])  # None: the target drafts for itself
+@pytest.mark.parametrize("budget", [0, 3, 7])
+def test_speculative_decoding_closes_the_segment_at_the_budget_too(budget, draft_seed):
+    from glassformer.infer.speculative import SpeculativeDecoder
+
+    model = _model()
+    draft = model
+    if draft_seed is not None:  # another model: some proposals are rejected
+        torch.manual_seed(draft_seed)
+        draft = build_model(model.cfg).eval()
+    prompt, n = [5, 9, 2, START], 14
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, think_ids=(START, END),
+                            thinking_budget=budget, eos_token_id=None)  # fmt: skip
+    decoder = SpeculativeDecoder(model, draft, k=4)
+    row = decoder.add(prompt, params)
+    while not row.finished:
+        decoder.step()
+    assert row.tokens == _greedy_with_budget(model, prompt, budget, n)
+    assert row.stats.thinking_forced_end and row.stats.thinking_tokens == budget + 1
+
+
 def test_without_markers_every_token_is_the_answer():
     model = _model()
     engine = Engine(model)

@@ -477,7 +477,7 @@ def kv_cache_bytes(cfg: AnyConfig, tokens: int, dtype: str = "fp16", batch_size:
     """Bytes of keys and values held after `tokens` positions (prompt + generated), per
     batch of `batch_size` sequences. A sliding-window model keeps only the last
     `sliding_window` positions (Mistral's rolling buffer), so its cache stops growing there.
-    Equals `filled_bytes` of the cache model.new_cache() makes (tests hold it)."""
+    Equals the bytes model.new_cache() holds once filled (tests count its written slots)."""
     if tokens < 0 or batch_size < 1:
         raise ValueError(f"tokens={tokens}, batch_size={batch_size}: need tokens >= 0, batch >= 1")
     _check_has_kv_cache(cfg)

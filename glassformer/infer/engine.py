@@ -321,7 +321,7 @@ class Engine(Loops):
             )
         held = parked.context[: parked.length]
         shared = min(common_prefix_length(held, row.prompt), len(row.prompt) - 1)
-        if shared < len(held) and not hasattr(self.cache, "truncate"):
+        if shared < len(held) and not self.cache.rewinds:
             shared = 0
         if len(row.prompt) > self.cache.max_seq_len:
             raise ValueError(

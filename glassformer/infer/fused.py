@@ -338,7 +338,6 @@ class FusedStep:
         self._function(
             ctypes.byref(self._struct), ids, n, position, logits.data_ptr(), torch.get_num_threads()
         )
-        cache.length = position + n  # as cache.begin() does for the torch path
         return logits  # float32 whatever the weights: the C step computes in float32
 
 

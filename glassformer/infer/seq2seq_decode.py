@@ -50,8 +50,10 @@ def greedy_decode(
     tokens = torch.full((B, 1), model.decoder_start_token_id, device=src_ids.device)  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
     for _ in range(max_new_tokens):
-        step_input = tokens[:, -1:] if cache is not None else tokens
-        logits = model.decode(step_input, memory, src_padding_mask, cache, last_token_only=True)
+        start = tokens.shape[1] - 1 if cache is not None else 0  # the cache holds the rest
+        logits = model.decode(
+            tokens[:, start:], memory, src_padding_mask, cache, last_token_only=True, start=start
+        )
         next_ids = logits[:, -1].argmax(dim=-1)  # (B,)
         tokens = torch.cat((tokens, next_ids[:, None]), dim=1)
         if eos is not None:
@@ -107,8 +109,10 @@ def beam_hypotheses(
     may_improve = True  # transformers' "early stop heuristic unsatisfied"
     n_candidates = 2 * beam_size  # enough that k beams survive even if k candidates end in eos
     for step in range(max_new_tokens):
-        step_input = running[:, -1:] if cache is not None else running
-        logits = model.decode(step_input, memory, src_padding_mask, cache, last_token_only=True)
+        start = running.shape[1] - 1 if cache is not None else 0  # the cache holds the rest
+        logits = model.decode(
+            running[:, start:], memory, src_padding_mask, cache, last_token_only=True, start=start
+        )
         log_probs = logits[:, -1].float().log_softmax(dim=-1)  # (k, V)
         vocab_size = log_probs.shape[-1]
         total = (log_probs + running_scores[:, None]).view(-1)  # (k * V,)

@@ -77,49 +77,44 @@ def check_draft(target: nn.Module, draft: nn.Module) -> None:
         )
 
 
-def rollback(cache, length: int) -> None:
-    """Drop the cache's positions from `length` on; only caches that keep them can do it."""
-    if not hasattr(cache, "truncate"):
-        raise TypeError(
-            f"{type(cache).__name__} cannot roll back rejected tokens (no truncate()): use "
-            "the plain KVCache for speculative decoding"
-        )
-    cache.truncate(length)
-
-
 def propose(
     draft: nn.Module,
     cache,
+    held: int,
     context: list[int],
     n_proposals: int,
     params: SamplingParams,
     generator: torch.Generator | None,
     step: FusedStep | None = None,
-) -> tuple[list[int], Tensor | None]:
+) -> tuple[list[int], Tensor | None, int]:
     """Let the draft continue `context` by n_proposals tokens, one forward pass each.
 
-    The draft's cache may lag behind the context by a few tokens (the target's correction, or
-    the last proposal after a full acceptance): the first pass feeds all of them at once. Passes
-    of up to step.max_tokens go through `step`, the draft's fused C step, when it has one for
-    this cache (the prompt's first pass is a prefill through the modules).
-    Returns the tokens and, when sampling, the draft's distributions q (K, V) they came from.
+    The draft's cache holds positions 0..held-1 of the context, which may lag behind by a few
+    tokens (the target's correction, or the last proposal after a full acceptance): the first
+    pass feeds all of them at once. Passes of up to step.max_tokens go through `step`, the
+    draft's fused C step, when it has one for this cache (the prompt's first pass is a prefill
+    through the modules).
+    Returns the tokens, when sampling the draft's distributions q (K, V) they came from, and
+    the positions the cache holds after (the last proposal is not fed).
     """
-    feed = context[cache.length :]  # at least the last token: the cache holds context[:-1]
+    feed = context[held:]  # at least the last token: the cache holds context[:-1]
     tokens: list[int] = []
     q_rows: list[Tensor] = []
     for _ in range(n_proposals):
         if step is not None and step.takes(cache, len(feed)):
-            logits = step.many(feed, cache.length, cache)[-1:]  # (1, V)
+            logits = step.many(feed, held, cache)[-1:]  # (1, V)
         else:
             ids = torch.tensor([feed], device=draft.device)  # (1, T)
-            logits = draft(ids, cache=cache, last_token_only=True)[:, -1]  # (1, V)
-        check_finite_logits(logits, f"the draft model's logits at position {cache.length}")
+            positions = torch.arange(held, held + len(feed), device=draft.device)
+            logits = draft(ids, positions, cache=cache, last_token_only=True)[:, -1]  # (1, V)
+        held += len(feed)
+        check_finite_logits(logits, f"the draft model's logits at position {held - 1}")
         if not params.is_greedy:
             q_rows.append(sampling_distribution(logits, params)[0])
         token = int(sample(logits, params, generator))
         tokens.append(token)
         feed = [token]
-    return tokens, (torch.stack(q_rows) if q_rows else None)
+    return tokens, (torch.stack(q_rows) if q_rows else None), held
 
 
 def verify_greedy(target_logits: Tensor, proposals: list[int]) -> list[int]:
@@ -184,6 +179,7 @@ class SpeculativeDecoder(Engine):
         self.draft_step = FusedStep.for_model(self.draft) if fast else None
         self.draft_cache = None
         self._draft_row: Row | None = None  # whose context the draft cache holds
+        self._draft_held = 0  # how many positions of it (the cache keeps no count)
 
     def add(self, prompt_ids, params: SamplingParams | None = None, **kwargs) -> Row:
         """Engine.add, refusing what a speculative round does not apply: the draft proposes
@@ -239,7 +235,7 @@ class SpeculativeDecoder(Engine):
         if self._draft_row is not row:  # a new row: the draft starts from an empty cache
             wanted = len(row.prompt) + params.max_new_tokens
             self.draft_cache = self.draft.new_cache(1, min(draft_max, wanted), kind="full")
-            self._draft_row = row
+            self._draft_row, self._draft_held = row, 0
         # Propose no more than fits: a round emits up to n_proposals + 1 tokens, the target's
         # pass writes positions len(context) - 1 ... + n_proposals, the draft's one fewer.
         remaining = params.max_new_tokens - len(row.tokens)
@@ -247,10 +243,18 @@ class SpeculativeDecoder(Engine):
             self.k, remaining - 1, target_max - len(context), draft_max - len(context) + 1
         )
         n_proposals = max(n_proposals, 0)  # 0: a plain target step (e.g. draft window full)
+        # A round emits up to n_proposals + 1 thinking tokens: no more than the budget left.
+        # Once it is spent the round still writes the last token's keys, then closes the
+        # segment, as Row.sample does.
+        budget, force_end = params.thinking_budget, False
+        if row.thinking and budget is not None:
+            force_end = row.thought >= budget
+            n_proposals = 0 if force_end else min(n_proposals, budget - row.thought - 1)
         t_draft = time.perf_counter()
-        proposals, draft_probs = propose(
+        proposals, draft_probs, held = propose(
             self.draft,
             self.draft_cache,
+            self._draft_held,
             context,
             n_proposals,
             params,
@@ -270,13 +274,16 @@ class SpeculativeDecoder(Engine):
             slot = self.cache.rows(row.slot, row.slot + 1)
             target_logits = self.model(ids, positions, cache=slot)[0]  # (K + 1, V)
         check_finite_logits(target_logits, f"the model's logits at step {len(row.tokens) + 1}")
-        if params.is_greedy:
+        if force_end:
+            row.stats.thinking_forced_end = True
+            emitted = [params.think_ids[1]]
+        elif params.is_greedy:
             emitted = verify_greedy(target_logits, proposals)
         else:
             emitted = verify_sampled(target_logits, proposals, draft_probs, params, row.generator)
         n_accepted = len(emitted) - 1
         # The draft's cache holds context[:-1] again after the rejected proposals go.
-        rollback(self.draft_cache, min(self.draft_cache.length, len(context) + n_accepted))
+        self._draft_held = min(held, len(context) + n_accepted)  # later positions: rewritten
         stats.draft_time_s += t_target - t_draft
         stats.target_time_s += time.perf_counter() - t_target
         stats.rounds += 1

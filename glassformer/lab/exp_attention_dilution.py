@@ -83,10 +83,13 @@ def read_prompt(model: nn.Module, prompt: Prompt, n_filler: int) -> Reading:
     ids = prompt.ids(n_filler)
     answer = prompt.answer
     cache = model.new_cache(batch_size=1, max_seq_len=len(ids) + len(answer))
-    model(torch.tensor([ids[:-1]], device=model.device), cache=cache, last_token_only=True)
-    tail = torch.tensor([ids[-1:] + answer[:-1]], device=model.device)
+    n, device = len(ids) - 1, model.device
+    model(torch.tensor([ids[:-1]], device=device), torch.arange(n, device=device), cache=cache,
+          last_token_only=True)  # fmt: skip
+    tail = torch.tensor([ids[-1:] + answer[:-1]], device=device)
     with capture(model, residual=False) as cap:
-        logits = model(tail, cache=cache)[0].float()  # (len(answer), V)
+        at = torch.arange(n, n + tail.shape[1], device=device)
+        logits = model(tail, at, cache=cache)[0].float()  # (len(answer), V)
     rows = torch.stack([cap.attention[layer][0, :, 0] for layer in range(len(cap.attention))])
     target = torch.tensor(answer, device=logits.device)
     logprob = float(logits.log_softmax(-1).gather(1, target[:, None]).sum())

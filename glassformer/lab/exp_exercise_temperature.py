@@ -61,11 +61,12 @@ def hand_sample(
     the untempered distribution."""
     rows = len(temperatures)
     cache = model.new_cache(batch_size=rows, max_seq_len=len(prompt) + n_new)
-    logits = model(torch.tensor([prompt] * rows), cache=cache, last_token_only=True)  # (R, 1, V)
+    positions = torch.arange(len(prompt))
+    logits = model(torch.tensor([prompt] * rows), positions, cache=cache, last_token_only=True)
     first = logits[0, -1].clone()  # (V,) the prompt's next-token logits, for the figure
     rngs = [np.random.default_rng(seed + i) for i in range(rows)]
     out = [{"ids": [], "surprisal": [], "done": False} for _ in range(rows)]
-    for _ in range(n_new):
+    for position in range(len(prompt), len(prompt) + n_new):
         step = logits[:, -1].double().numpy()  # (R, V)
         chosen = []
         for i, temperature in enumerate(temperatures):
@@ -79,7 +80,8 @@ def hand_sample(
                 out[i]["done"] = token == eos
         if all(row["done"] for row in out):
             break
-        logits = model(torch.tensor(chosen)[:, None], cache=cache)  # (R, 1, V)
+        at = torch.tensor([position])
+        logits = model(torch.tensor(chosen)[:, None], at, cache=cache)  # (R, 1, V)
     return first, out
 
 

@@ -125,14 +125,15 @@ def decode_step_times(model: nn.Module, context: int, n_steps: int, seed: int) -
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, context), generator=generator)
     cache = model.new_cache(batch_size=1, max_seq_len=context + n_steps + 1)
-    logits = model(prompt, cache=cache, last_token_only=True)
+    logits = model(prompt, torch.arange(context), cache=cache, last_token_only=True)
     timer = ModuleTimer({**module_sets(model), "output head": [model.lm_head]})
     steps = []
     try:
-        for _ in range(n_steps + 1):  # the first step warms up and is dropped
+        for position in range(context, context + n_steps + 1):  # the first step warms up
             timer.reset()
             t0 = time.perf_counter()
-            logits = model(logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+            at = torch.tensor([position])
+            logits = model(logits[:, -1].argmax(-1, keepdim=True), at, cache=cache)
             steps.append({**timer.seconds, "step": time.perf_counter() - t0})
     finally:
         timer.close()

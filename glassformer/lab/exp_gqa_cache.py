@@ -51,8 +51,16 @@ def filled_cache_bytes(cfg: ModelConfig, n_tokens: int, seed: int) -> tuple[int,
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
     cache = model.new_cache(batch_size=1, max_seq_len=n_tokens)
-    model(torch.randint(0, cfg.vocab_size, (1, n_tokens)), cache=cache, last_token_only=True)
-    return cache.filled_bytes, cache.kv_bytes_per_token
+    ids, positions = torch.randint(0, cfg.vocab_size, (1, n_tokens)), torch.arange(n_tokens)
+    model(ids, positions, cache=cache, last_token_only=True)
+    return written_bytes(cache), cache.kv_bytes_per_token
+
+
+def written_bytes(cache) -> int:
+    """Bytes of the cache slots a forward wrote keys into (they hold zeros until written), in
+    every row: what the cache holds, counted in its memory rather than from its size."""
+    written = cache.k.ne(0).any(dim=-1).any(dim=2).any(dim=0)  # (B, slots)
+    return int(written.sum()) * cache.kv_bytes_per_token
 
 
 @lab.register("gqa-cache")  # its claim: lab/claims.toml

@@ -128,14 +128,15 @@ def parameter_digest(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def greedy_hit(model: nn.Module, cache, query_ids: list[int], answer_ids: list[int]) -> bool:
-    """Whether greedy decoding after (cached prefix +) query writes exactly answer_ids: every
-    answer token is the argmax at the position before it. The cache is rolled back after."""
+def greedy_hit(
+    model: nn.Module, cache, held: int, query_ids: list[int], answer_ids: list[int]
+) -> bool:
+    """Whether greedy decoding after (a prefix of `held` positions in the cache +) query
+    writes exactly answer_ids: every answer token is the argmax at the position before it. The
+    query is written after the prefix, where the next query is written over it."""
     ids = torch.tensor([query_ids + answer_ids], device=model.device)
-    start = cache.length if cache is not None else 0
-    logits = model(ids, cache=cache)[0]  # (T, V)
-    if cache is not None:
-        cache.truncate(start)
+    positions = torch.arange(held, held + ids.shape[1], device=model.device)
+    logits = model(ids, positions, cache=cache)[0]  # (T, V)
     predicted = logits[len(query_ids) - 1 : -1].argmax(dim=-1)
     return bool((predicted == torch.tensor(answer_ids, device=logits.device)).all())
 
@@ -143,12 +144,16 @@ def greedy_hit(model: nn.Module, cache, query_ids: list[int], answer_ids: list[i
 @torch.no_grad()
 def accuracy_with_examples(model, encode, examples, queries) -> float:
     """Share of queries answered right after the prompt of `examples` (prefilled once)."""
-    cache = None
+    cache, prefix = None, []
     if examples:
         prefix = encode(format_examples(examples))
         cache = model.new_cache(batch_size=1, max_seq_len=len(prefix) + 32)
-        model(torch.tensor([prefix], device=model.device), cache=cache, last_token_only=True)
-    hits = [greedy_hit(model, cache, encode(f"{x} ->"), encode(f" {y}")) for x, y in queries]
+        ids, positions = torch.tensor([prefix], device=model.device), torch.arange(len(prefix))
+        model(ids, positions.to(model.device), cache=cache, last_token_only=True)
+    hits = [
+        greedy_hit(model, cache, len(prefix), encode(f"{x} ->"), encode(f" {y}"))
+        for x, y in queries
+    ]
     return sum(hits) / len(hits)
 
 

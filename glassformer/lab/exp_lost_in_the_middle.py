@@ -4,7 +4,7 @@ model each time, and see which answer is right: "lost in the middle".
 Measured with SmolLM2-135M-Instruct (real weights). Each trial's prompt holds N facts "The secret
 number of <name> is <4 digits>." spread evenly through Shakespeare filler, from its start to its
 end, followed by a question; the model is asked about every fact in turn, so the facts at every
-position share one prompt and one prefill (the KV cache is rolled back after each question). Per
+position share one prompt and one prefill (each question is written over the last). Per
 fact: the log-probability of the right digits after "The secret number of <name> is", and
 whether greedy decoding would write exactly them (every digit the argmax: the teacher-forced
 equivalent of temperature-0 generation). Accuracy and mean log-prob per position of the fact.
@@ -136,14 +136,15 @@ def prompt_parts(tokenizer, context: str, fact: Fact) -> tuple[str, str]:
 
 
 @torch.no_grad()
-def score_continuation(model: nn.Module, cache, query_ids: list[int], answer_ids: list[int]):
-    """Given a cache that holds the shared prefix: (sum of log p(answer | prefix + query), whether
-    every answer token is the argmax: greedy decoding would write the answer). The cache is
-    rolled back to the prefix afterwards."""
-    start = cache.length
+def score_continuation(
+    model: nn.Module, cache, held: int, query_ids: list[int], answer_ids: list[int]
+):
+    """Given a cache whose first `held` positions hold the shared prefix: (sum of log p(answer |
+    prefix + query), whether every answer token is the argmax: greedy decoding would write the
+    answer). The query goes right after the prefix, where the next question is written over it."""
     ids = torch.tensor([query_ids + answer_ids], device=model.device)
-    logits = model(ids, cache=cache)[0].float()  # (T, V)
-    cache.truncate(start)
+    positions = torch.arange(held, held + ids.shape[1], device=model.device)
+    logits = model(ids, positions, cache=cache)[0].float()  # (T, V)
     predicting = logits[len(query_ids) - 1 : -1]  # the positions that predict the answer
     target = torch.tensor(answer_ids, device=logits.device)
     logprobs = predicting.log_softmax(dim=-1)
@@ -160,13 +161,16 @@ def run_trial(model, tokenizer, facts: list[Fact], fillers: list[str]) -> list[t
     shared, _ = prompt_parts(tokenizer, context, facts[0])
     shared_ids = encode(shared)
     cache = model.new_cache(batch_size=1, max_seq_len=len(shared_ids) + 64)
-    model(torch.tensor([shared_ids], device=model.device), cache=cache, last_token_only=True)
+    positions = torch.arange(len(shared_ids), device=model.device)
+    ids = torch.tensor([shared_ids], device=model.device)
+    model(ids, positions, cache=cache, last_token_only=True)
     scores = []
     for fact in facts:
         shared_again, query = prompt_parts(tokenizer, context, fact)
         if shared_again != shared:
             raise ValueError("the chat template puts the question before the notes' end")
-        scores.append(score_continuation(model, cache, encode(query), encode(fact.answer)))
+        held, query_ids, answer_ids = len(shared_ids), encode(query), encode(fact.answer)
+        scores.append(score_continuation(model, cache, held, query_ids, answer_ids))
     return scores
 
 

@@ -42,11 +42,12 @@ def _cpu_sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query, (key[0], heads, *key[2:]), (value[0], heads, *value[2:]))
 
 
-def counted_flops(model: torch.nn.Module, ids: torch.Tensor, cache) -> int:
-    """FLOPs torch's counter sees in model(ids, cache=cache, last_token_only=True)."""
+def counted_flops(model: torch.nn.Module, ids: torch.Tensor, cache, start: int) -> int:
+    """FLOPs torch's counter sees in a forward of ids at positions start.. into the cache."""
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+    positions = torch.arange(start, start + ids.shape[1])
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        model(ids, cache=cache, last_token_only=True)
+        model(ids, positions, cache=cache, last_token_only=True)
     return counter.get_total_flops()
 
 
@@ -80,18 +81,20 @@ def prefill_seconds(model, ids: torch.Tensor, repeats: int) -> float:
     def prefill() -> None:
         cache = model.new_cache(batch_size=1, max_seq_len=ids.shape[1] + 1)
         with torch.no_grad():
-            model(ids, cache=cache, last_token_only=True)
+            model(ids, torch.arange(ids.shape[1]), cache=cache, last_token_only=True)
 
     return statistics.median(cpu_seconds(prefill) for _ in range(repeats))
 
 
-def decode_seconds(model, token: torch.Tensor, cache, steps: int) -> float:
-    """Median CPU seconds of one decode step continuing `cache` (growing by one position a
-    step); the first step is a warm-up."""
+def decode_seconds(model, token: torch.Tensor, cache, start: int, steps: int) -> float:
+    """Median CPU seconds of one decode step continuing `cache` at positions start.. (one
+    position a step); the first step is a warm-up."""
     times = []
     with torch.no_grad():
-        for _ in range(steps + 1):
-            times.append(cpu_seconds(lambda: model(token, cache=cache, last_token_only=True)))
+        for position in range(start, start + steps + 1):
+            at = torch.tensor([position])
+            times.append(cpu_seconds(lambda at=at: model(token, at, cache=cache,
+                                                          last_token_only=True)))  # fmt: skip
     return statistics.median(times[1:])
 
 
@@ -119,14 +122,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
 
     steps = ctx.pick(16, 8, 3)
     cache = model.new_cache(batch_size=1, max_seq_len=prompt_len + steps + 2)
-    prefill_flops = counted_flops(model, ids, cache)  # also the warm-up of both timings
-    decode_flops = counted_flops(model, ids[:, -1:], cache)  # step prompt_len + 1
+    prefill_flops = counted_flops(model, ids, cache, 0)  # also the warm-up of both timings
+    decode_flops = counted_flops(model, ids[:, -1:], cache, prompt_len)  # step prompt_len + 1
     prefill_bytes = calc.decode_step_bytes(cfg, 0, "fp32") + calc.kv_cache_bytes(
         cfg, prompt_len, "fp32"
     )  # every weight read once, the prompt's keys/values written once
     decode_bytes = calc.decode_step_bytes(cfg, prompt_len + 1, "fp32")
     prefill_s = prefill_seconds(model, ids, ctx.pick(5, 2, 2))
-    decode_s = decode_seconds(model, ids[:, -1:], cache, steps)  # context prompt_len + 2..
+    decode_s = decode_seconds(model, ids[:, -1:], cache, prompt_len + 1, steps)  # context P + 2..
 
     phases = {
         "prefill": (prefill_flops, prefill_bytes, prefill_s),

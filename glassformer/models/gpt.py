@@ -131,8 +131,9 @@ class GPT(nn.Module):
         """(B, T) ids at `positions` -> (B, T, C) final hidden states (after the final norm).
 
         positions: where the tokens sit in their sequence, (T,) for every row or (B, T) per
-            row: the slots the cache writes, the causal order, the angles RoPE turns. Default:
-            right after what the cache holds (0.. without a cache).
+            row: the slots the cache writes, the causal order, the angles RoPE turns. Required
+            with a cache (the caller counts what each row holds; the cache keeps no count);
+            0..T-1 without one.
         cache: from new_cache(); it holds positions 0..p-1 of each row the tokens continue.
         position_ids: what the position encoding sees when it differs from `positions` (HF's
             position_ids): packed documents restart at 0, left-padded rows count real tokens.
@@ -144,8 +145,13 @@ class GPT(nn.Module):
             raise ValueError(f"input_ids must be (batch, time), got shape {tuple(input_ids.shape)}")
         T, device = input_ids.shape[1], input_ids.device
         if positions is None:
-            positions = cache.next_positions(T, device) if cache is not None else None
-            positions = torch.arange(T, device=device) if positions is None else positions
+            if cache is not None:
+                raise ValueError(
+                    "a forward with a cache needs the positions of its tokens: pass "
+                    "positions=torch.arange(p, p + T), p being how many positions the cache "
+                    "holds for the row (0 for a prompt)"
+                )
+            positions = torch.arange(T, device=device)
         if position_ids is None:
             # (1, T) broadcasts over the batch, so the position table's gradient gathers T rows.
             position_ids = positions if positions.dim() == 2 else positions[None]

@@ -66,12 +66,14 @@ class RNNLayer(nn.Module):
 class RNNState:
     """The RNN's generation cache: the hidden state of every layer (and the LSTM's cell state).
 
-    It plays the KV cache's part for the Engine (length, max_seq_len, rows, swap_rows, reset,
+    It is a Cache (nn/kv_cache.py) like the KV caches (max_seq_len, rows, swap_rows, reset,
     row_bytes, nbytes), but its size does not depend on the context length. max_seq_len is
     bookkeeping, not memory: it defaults to the config's max_seq_len, the window the model was
     trained on, so the Engine stops (or shifts its window) where the model's training
     experience ends, as for GPT.
     """
+
+    rewinds = False  # the state after n tokens cannot give back the state after fewer
 
     def __init__(
         self,
@@ -87,7 +89,6 @@ class RNNState:
         self.h = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, C)
         self.c = torch.zeros(shape, dtype=dtype, device=device) if cell == "lstm" else None
         self.max_seq_len = max_seq_len
-        self.length = 0
 
     def layer_state(self, layer: int) -> Tensor | tuple[Tensor, Tensor]:
         """The state layer `layer` starts from: (B, C) h, or (h, c) for an LSTM."""
@@ -106,7 +107,6 @@ class RNNState:
         view = copy.copy(self)
         view.h = self.h[:, start:stop]
         view.c = None if self.c is None else self.c[:, start:stop]
-        view.length = 0
         return view
 
     def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
@@ -123,23 +123,15 @@ class RNNState:
         """One row's state: the same bytes at every length (none before the first token)."""
         return self.nbytes // self.batch_size if length else 0
 
-    def advance(self, n_positions: int) -> None:
-        self.length += n_positions
-
     def reset(self) -> None:
         self.h.zero_()
         if self.c is not None:
             self.c.zero_()
-        self.length = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the state: L * B * C numbers (twice that for an LSTM), at any length."""
         return self.h.nbytes + (self.c.nbytes if self.c is not None else 0)
-
-    @property
-    def filled_bytes(self) -> int:
-        return self.nbytes if self.length else 0
 
 
 class RNNLM(nn.Module):
@@ -243,8 +235,6 @@ class RNNLM(nn.Module):
                 state_out.write(i, last)
             if i < len(self.rnn_layers) - 1:
                 x = self.drop(x)
-        if state_out is not None:
-            state_out.advance(T)
         return self.final_norm(x)
 
     def forward(

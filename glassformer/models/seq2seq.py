@@ -37,29 +37,49 @@ from glassformer.nn.position import (
 
 @dataclass
 class Seq2SeqCache:
-    """Decoder state for generation: the self-attention KV cache grows by one position per
-    step; the cross-attention keys/values are projected from the memory on the first decode
-    call and reused after (the source does not change)."""
+    """Decoder state for generation (a Cache, nn/kv_cache.py): the self-attention KV cache is
+    written at the target positions each decode call is given; the cross-attention keys/values
+    are projected from the memory on the first decode call and reused after (the source does
+    not change)."""
 
     self_attn: KVCache
     cross_attn: CrossAttentionCache
-
-    @property
-    def length(self) -> int:
-        return self.self_attn.length
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows `index` (B',) of every cached tensor: beam search's parent beams."""
         self.self_attn.k = self.self_attn.k.index_select(1, index)
         self.self_attn.v = self.self_attn.v.index_select(1, index)
-        cross = self.cross_attn
-        for layer, (k, v) in enumerate(zip(cross.k, cross.v, strict=True)):
-            if k is not None:
-                cross.store(layer, k.index_select(0, index), v.index_select(0, index))
+        self.cross_attn.reorder(index)
+
+    def rows(self, start: int, stop: int) -> Seq2SeqCache:
+        return Seq2SeqCache(self.self_attn.rows(start, stop), self.cross_attn.rows(start, stop))
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
+        self.self_attn.swap_rows(a, b, n_positions)
+        self.cross_attn.swap_rows(a, b)
+
+    def reset(self) -> None:
+        self.self_attn.reset()
+        self.cross_attn.reset()
+
+    @property
+    def batch_size(self) -> int:
+        return self.self_attn.batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.self_attn.max_seq_len
+
+    @property
+    def rewinds(self) -> bool:
+        return self.self_attn.rewinds
 
     @property
     def nbytes(self) -> int:
         return self.self_attn.nbytes + self.cross_attn.nbytes
+
+    def row_bytes(self, length: int) -> int:
+        return self.self_attn.row_bytes(length) + self.cross_attn.row_bytes(length)
 
 
 class Seq2Seq(nn.Module):
@@ -135,7 +155,8 @@ class Seq2Seq(nn.Module):
         self_attn = KVCache.for_config(
             self.cfg, batch_size, max_seq_len, dtype or param.dtype, param.device
         )
-        return Seq2SeqCache(self_attn, CrossAttentionCache(self.cfg.n_layers))
+        cross_attn = CrossAttentionCache(self.cfg.n_layers, batch_size, self_attn.max_seq_len)
+        return Seq2SeqCache(self_attn, cross_attn)
 
     # --- inputs and embeddings ----------------------------------------------------------------
 
@@ -213,13 +234,19 @@ class Seq2Seq(nn.Module):
         src_padding_mask: Tensor | None = None,
         cache: Seq2SeqCache | None = None,
         last_token_only: bool = False,
+        start: int = 0,
     ) -> Tensor:
         """(B, T) target ids and (B, S, C) memory -> (B, T, V) next-token logits.
 
         Each target position sees itself and the positions before it, and the whole source.
-        cache: from new_cache(); tgt_ids continue where the cache ends.
+        cache: from new_cache(), holding target positions 0..start-1 of every row.
+        start: the target position of tgt_ids[:, 0] (the caller counts; the cache does not).
         """
-        start = cache.length if cache is not None else 0
+        if start and cache is None:
+            raise ValueError(
+                f"start={start} without a cache: the target positions before it are not held "
+                "anywhere; pass the cache that holds them, or the whole target with start=0"
+            )
         self._check_ids(tgt_ids, "tgt_ids", start + tgt_ids.shape[1])
         B, T = tgt_ids.shape
         self._check_padding(src_padding_mask, B, memory.shape[1])

@@ -2,22 +2,67 @@
 rolling-buffer cache for sliding-window models (Mistral) whose memory stays at W positions, a
 static cache for compiled decode steps, and the encoder-decoder's cross-attention cache.
 
-Every self-attention cache is used the same way. The model calls `begin(positions)` once per
-forward with the positions of the new tokens, (T,) for every row or (B, T) per row, and gets
-the positions of the keys every layer will see (for the mask); each layer then calls
-`update(layer, positions, k, v)`, which writes the new keys/values and returns the keys/values
-to attend over. Positions are the one source of truth: tokens at positions p.. continue a row
-whose cache holds positions 0..p-1, so rows of one batch may sit at different lengths (the
-Engine's continuous batching). Memory is allocated once, up front: decode allocates nothing.
+Every cache is a `Cache` (below): rows the Engine can hand out, swap and reset, and bytes it can
+count. Every self-attention cache is also an `AttentionCache`, used the same way: the model
+calls `begin(positions)` once per forward with the positions of the new tokens, (T,) for every
+row or (B, T) per row, and gets the positions of the keys every layer will see (for the mask);
+each layer then calls `update(layer, positions, k, v)`, which writes the new keys/values and
+returns the keys/values to attend over. The caller's positions are the one source of truth: a
+cache stores keys and values where it is told and keeps no count of its own, so rows of one
+batch may sit at different lengths (the Engine's continuous batching), and rolling back
+(speculative decoding's rejected tokens) is writing at an earlier position next time. Memory is
+allocated once, up front: decode allocates nothing.
 Shapes: L layers, B batch, Hkv key/value heads, Tmax capacity, D head dim.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """What every generation cache is to the Engine (KV caches, the RNN's state, the encoder-
+    decoder's caches): `batch_size` row slots, `max_seq_len` positions per row at most; `rows`
+    gives a view of some slots whose writes land here, `swap_rows` exchanges two slots, `reset`
+    readies every slot for a new row; `nbytes` is what is allocated, `row_bytes(length)` what
+    one row holding `length` positions uses of it. `rewinds`: a row may go back to an earlier
+    position and continue from there (it overwrote nothing it held before that position; a
+    ring or a recurrent state cannot), as a chat turn that shares part of the last does."""
+
+    max_seq_len: int
+    rewinds: bool
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def row_bytes(self, length: int) -> int: ...
+
+    def rows(self, start: int, stop: int) -> Cache: ...
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class AttentionCache(Cache, Protocol):
+    """A self-attention cache: `begin(positions)` before a forward writes tokens at `positions`
+    returns the positions of the keys every `update(layer, positions, k, v)` of that forward
+    returns, after writing k, v (B, Hkv, T, D) at `positions`."""
+
+    def begin(self, positions: Tensor) -> Tensor: ...
+
+    def update(
+        self, layer: int, positions: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 def _with_grad(cached_k: Tensor, k: Tensor, cached_v: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -55,27 +100,23 @@ def _span(positions: Tensor) -> tuple[int, int, bool]:
 
 
 class _SlotCache:
-    """What both preallocated caches share: per-layer key/value buffers (L, B, Hkv, slots, D)
-    and `length`, one past the last position written (the next position of a uniform batch)."""
+    """What the preallocated self-attention caches share: keys and values per layer, k[layer]
+    and v[layer] of shape (B, Hkv, slots, D) each, stored as one (L, B, Hkv, slots, D) block or
+    as a list of per-layer tensors (StaticKVCache), and the bookkeeping over them."""
 
-    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, slots, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
+    k: Tensor | list[Tensor]
+    v: Tensor | list[Tensor]
+    max_seq_len: int
+    rewinds = True  # position p lives in slot p: going back overwrites nothing earlier
 
     def reset(self) -> None:
-        self.length = 0
-
-    def next_positions(self, n_new: int, device: torch.device | str | None = None) -> Tensor:
-        """The positions (T,) of n_new tokens that continue every row where the cache ends."""
-        return torch.arange(self.length, self.length + n_new, device=device)
+        """Nothing to clear: a new row writes its positions from 0 and reads no further."""
 
     def rows(self, start: int, stop: int):
         """The same cache for batch rows start..stop-1 only: a view, so its writes land here
         (the Engine prefills one row's slot this way)."""
         view = copy.copy(self)
-        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
-        view.length = 0
+        view.k, view.v = _batch_rows(self.k, start, stop), _batch_rows(self.v, start, stop)
         return view
 
     def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
@@ -83,34 +124,41 @@ class _SlotCache:
         slots). The Engine keeps its live rows in the first slots, so a decode step reads one
         contiguous block, and moves only what rows hold."""
         held = slice(0, n_positions)
-        for buffer in (self.k, self.v):
-            row_a = buffer[:, a, :, held].clone()
-            buffer[:, a, :, held] = buffer[:, b, :, held]
-            buffer[:, b, :, held] = row_a
+        for buffer in (*self.k, *self.v):  # (B, Hkv, slots, D) each
+            row_a = buffer[a, :, held].clone()
+            buffer[a, :, held] = buffer[b, :, held]
+            buffer[b, :, held] = row_a
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
+
+    @property
+    def slots(self) -> int:
+        """Positions one row can hold at once (Tmax, or the window W of a ring)."""
+        return self.k[0].shape[2]
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for every slot, filled or not."""
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in (*self.k, *self.v))
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one position across all layers: 2 * L * Hkv * D * bytes, the
         number calc.kv_bytes_per_token(cfg, dtype) computes without a cache."""
-        return self.nbytes // self.k.shape[3] // self.k.shape[1]
+        return self.nbytes // self.slots // self.batch_size
 
     def row_bytes(self, length: int) -> int:
         """Bytes of keys/values one row of `length` positions holds: at most one per slot."""
-        return self.kv_bytes_per_token * min(length, self.k.shape[3])
+        return self.kv_bytes_per_token * min(length, self.slots)
 
-    @property
-    def filled_bytes(self) -> int:
-        """Bytes of keys/values held by every row at the cache's length."""
-        return self.row_bytes(self.length) * self.k.shape[1]
+
+def _batch_rows(buffer: Tensor | list[Tensor], start: int, stop: int) -> Tensor | list[Tensor]:
+    """Rows start..stop-1 of a (L, B, ...) block or of each (B, ...) tensor of a list: views."""
+    if isinstance(buffer, Tensor):
+        return buffer[:, start:stop]
+    return [layer[start:stop] for layer in buffer]
 
 
 def _scatter(buffer: Tensor, positions: Tensor, x: Tensor) -> None:
@@ -138,7 +186,8 @@ class KVCache(_SlotCache):
         device: torch.device | str | None = None,
     ) -> None:
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self._allocate(shape, dtype, device)  # (L, B, Hkv, Tmax, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, Tmax, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
 
     @classmethod
@@ -166,7 +215,7 @@ class KVCache(_SlotCache):
                 f"{self.max_seq_len}; create the cache with a larger max_seq_len"
             )
         self._run = slice(first, end) if consecutive else None
-        self.length = end
+        self._end = end
         return torch.arange(end, device=positions.device)
 
     def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -187,17 +236,7 @@ class KVCache(_SlotCache):
             if k.requires_grad or v.requires_grad:
                 cached = slice(0, run.start)
                 return _with_grad(self.k[layer, :, :, cached], k, self.v[layer, :, :, cached], v)
-        return self.k[layer, :, :, : self.length], self.v[layer, :, :, : self.length]
-
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (speculative decoding's rollback of rejected
-        tokens). Nothing is erased: the next write lands at `length` and reads only [:end]."""
-        if not 0 <= length <= self.length:
-            raise ValueError(
-                f"truncate(length={length}) must keep between 0 and the {self.length} cached "
-                "positions: a cache can only be rolled back, not extended"
-            )
-        self.length = length
+        return self.k[layer, :, :, : self._end], self.v[layer, :, :, : self._end]
 
 
 class SlidingWindowCache(_SlotCache):
@@ -210,9 +249,11 @@ class SlidingWindowCache(_SlotCache):
     may attend to the filled slots in any order; `begin` names the position of each key that
     `update` returns, for masks and ALiBi. Per layer: k, v (B, Hkv, W, D).
 
-    `max_seq_len` bounds the total positions fed (what the model's positions support), not
-    memory: `length` can run past W up to it.
+    `max_seq_len` bounds the positions fed (what the model's positions support), not memory:
+    positions run past W up to it.
     """
+
+    rewinds = False  # position p overwrote position p - W
 
     def __init__(
         self,
@@ -230,7 +271,8 @@ class SlidingWindowCache(_SlotCache):
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 1: the most positions fed")
         shape = (n_layers, batch_size, n_kv_heads, window, head_dim)
-        self._allocate(shape, dtype, device)  # (L, B, Hkv, W, D); length may exceed W
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, Hkv, W, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.window = window
         self.max_seq_len = max_seq_len
 
@@ -278,7 +320,7 @@ class SlidingWindowCache(_SlotCache):
                 f"new positions > max_seq_len {self.max_seq_len}; create it with a larger "
                 "max_seq_len"
             )
-        self.length = end
+        self._end = end
         if consecutive:
             self._start, self._per_row = first, None
             return self.key_positions(first, end - first, positions.device)
@@ -310,7 +352,7 @@ class SlidingWindowCache(_SlotCache):
             slots = (self._per_row % W)[:, None]  # (B, 1)
             _scatter(self.k[layer], slots, k)
             _scatter(self.v[layer], slots, v)
-            n_filled = min(self.length, W)
+            n_filled = min(self._end, W)
             return self.k[layer, :, :, :n_filled], self.v[layer, :, :, :n_filled]
         start = self._start
         if T == 1:
@@ -346,72 +388,54 @@ class SlidingWindowCache(_SlotCache):
         return torch.cat([ring[:, :, oldest:], ring[:, :, :oldest]], dim=2)
 
 
-class StaticKVCache:
-    """gpt-fast's cache, for a compiled decode step (infer/compiled.py): one (1, Hkv, Tmax, D)
+class StaticKVCache(_SlotCache):
+    """gpt-fast's cache, for a compiled decode step (infer/compiled.py): one (B, Hkv, Tmax, D)
     tensor per layer for keys and one for values, written at explicit positions, and always
     read whole: a step then has the same shapes at every position, so it compiles to one graph
     (the causal mask hides the slots not filled yet).
 
     Each layer's tensors stand alone (not views of one (L, ...) block) so that a compiled step
     writes its slot in place: torch.compile copies a whole input it cannot prove unaliased.
-    `begin` reads nothing from the device (a compiled graph cannot wait for it), so the caller
-    keeps `length`, the positions filled."""
+    `begin` reads nothing from the device (a compiled graph cannot wait for it)."""
 
     static = True  # the model builds a dense mask over the whole capacity, without host syncs
 
-    def __init__(self, cfg, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (1, cfg.n_kv_heads, capacity, cfg.head_dim)
+    def __init__(
+        self, cfg, capacity: int, dtype: torch.dtype, device: torch.device, batch_size: int = 1
+    ) -> None:
+        shape = (batch_size, cfg.n_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.slots = torch.arange(capacity, device=device)
-        self.capacity = self.max_seq_len = capacity
-        self.length = 0
+        self._every_position = torch.arange(capacity, device=device)
+        self.max_seq_len = capacity
 
     def begin(self, positions: Tensor) -> Tensor:
         """Every slot's position: each update returns the whole capacity."""
-        return self.slots
+        return self._every_position
 
     def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (1, Hkv, T, D) at positions (T,); return the layer's whole capacity."""
+        """Write k, v (B, Hkv, T, D) at positions (T,); return the layer's whole capacity."""
         k_layer, v_layer = self.k[layer], self.v[layer]
         k_layer[:, :, positions] = k
         v_layer[:, :, positions] = v
         return k_layer, v_layer
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def rows(self, start: int, stop: int) -> StaticKVCache:
-        """One row only: the cache itself."""
-        return self
-
-    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
-        """One row only: nothing to exchange."""
-
-    batch_size = 1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
-
-    def row_bytes(self, length: int) -> int:
-        return self.nbytes * min(length, self.capacity) // self.capacity
-
-    @property
-    def filled_bytes(self) -> int:
-        return self.row_bytes(self.length)
 
 
 class CrossAttentionCache:
     """The decoder's cross-attention keys and values (seed 000 §3.1): they come from the encoder
     output, which does not change while decoding, so each layer projects them once per source.
 
-    Per layer: k, v (B, Hkv, S, D), or None until the first decode step computes them.
+    Per layer: k, v (B, Hkv, S, D), or None until the first decode step computes them. A row
+    holds its source's keys and values whatever its target length (none before its first
+    step); max_seq_len is the target positions its decoder allows.
     """
 
-    def __init__(self, n_layers: int) -> None:
+    rewinds = True  # nothing positional: the source's keys hold for any target length
+
+    def __init__(self, n_layers: int, batch_size: int, max_seq_len: int) -> None:
         self.k: list[Tensor | None] = [None] * n_layers
         self.v: list[Tensor | None] = [None] * n_layers
+        self._batch_size, self.max_seq_len = batch_size, max_seq_len
 
     def get(self, layer: int) -> tuple[Tensor, Tensor] | None:
         if self.k[layer] is None:
@@ -420,11 +444,43 @@ class CrossAttentionCache:
 
     def store(self, layer: int, k: Tensor, v: Tensor) -> None:
         self.k[layer], self.v[layer] = k, v
+        self._batch_size = k.shape[0]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (B',) of every stored tensor: beam search's parent beams."""
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            if k is not None:
+                self.store(layer, k.index_select(0, index), v.index_select(0, index))
+        self._batch_size = len(index)
 
     def reset(self) -> None:
         self.k = [None] * len(self.k)
         self.v = [None] * len(self.v)
 
+    def rows(self, start: int, stop: int) -> CrossAttentionCache:
+        """Rows start..stop-1: views of what is stored (a store into the view replaces the
+        view's tensors only, since they are projected whole from one source)."""
+        view = copy.copy(self)
+        view.k = [None if t is None else t[start:stop] for t in self.k]
+        view.v = [None if t is None else t[start:stop] for t in self.v]
+        view._batch_size = stop - start
+        return view
+
+    def swap_rows(self, a: int, b: int, n_positions: int | None = None) -> None:
+        """Exchange rows a and b of every stored tensor (n_positions: unused, a row holds its
+        whole source)."""
+        for t in (*self.k, *self.v):
+            if t is not None:
+                t[[a, b]] = t[[b, a]]  # the right side is a copy
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v if t is not None)
+
+    def row_bytes(self, length: int) -> int:
+        """One row's source keys/values once it has decoded (none before its first step)."""
+        return self.nbytes // self.batch_size if length else 0
