@@ -9,7 +9,10 @@ its slot is free for the next `add`. With a prefill_chunk budget (infer/prefill.
 only takes the slot: each `step` then decodes the live rows and prefills at most that many
 prompt tokens, so a long prompt, or many at once, never stalls the rows already decoding.
 This is continuous batching (vLLM's scheduler in miniature): a row that joins while others
-are mid-generation produces exactly the tokens it produces alone. `generate`, `stream` and
+are mid-generation gets the logits it gets alone up to float rounding, and so the same tokens
+unless two candidates lie within rounding of each other (alone it decodes through the fused C
+step, beside others through one batched torch forward: the same math summed in other orders,
+|difference| ~1e-6 of the logits' scale). `generate`, `stream` and
 `generate_batch` are thin loops over add and step (infer/loops.py); CompiledDecoder
 (infer/compiled.py) is this engine with a compiled decode forward, and SpeculativeDecoder
 (infer/speculative.py) with a speculative round as its step.

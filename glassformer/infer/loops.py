@@ -79,8 +79,9 @@ class Loops:
         """Generate for several prompts at once; one result per prompt, in order.
 
         Every prompt is a row of its own (its own slot, positions and stop), so each produces
-        exactly what it would alone. Row i samples with seed + i, so the rows draw differently
-        and a seed repeats the batch. The other keywords are SamplingParams fields.
+        what it would alone (up to float rounding: see infer/engine.py). Row i samples with
+        seed + i, so the rows draw differently and a seed repeats the batch. The other keywords
+        are SamplingParams fields.
         """
         rows = self._batch_prompts(prompts)
         SamplingParams(max_new_tokens=max_new_tokens, seed=seed, **kwargs)  # all checked first
