@@ -2,8 +2,9 @@
 names a complete checkpoint that loads and resumes, and the run resumed after all the kills
 ends bit-for-bit where an uninterrupted run ends. The same for the folders `convert`, `merge` and
 `finetune` write (issue 30): the destination is always the complete old or the complete new
-folder and every source is untouched; and Ctrl-C or SIGTERM at random moments stops a run within
-seconds with its lock released.
+folder and every source is untouched; and Ctrl-C or SIGTERM at random moments stops a `train` or
+a LoRA `finetune` run within seconds with its lock released and its newest checkpoint whole (the
+fine-tune, resumed after every signal, ends bit for bit where an uninterrupted one ends).
 
 Each trial starts `python -m glassformer train --resume` on a tiny model that saves after every
 step, waits until a save has begun (a new `.tmp-step-*` directory appears) and sends SIGKILL at
@@ -162,6 +163,7 @@ def start_cli(*args: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=default_sigint,
     )
 
 
@@ -360,4 +362,105 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
         f"\nsignals: {SIGNAL_TRIALS} SIGINT/SIGTERM trials stopped in at most"
         f" {max(stopped_in):.2f} s (median {sorted(stopped_in)[len(stopped_in) // 2]:.2f} s);"
         " lock released and the newest checkpoint whole every time"
+    )
+
+
+FINETUNE_SIGNAL_STEPS = 40  # each trial advances a few steps; the rest is trained after the last
+# When each trial's signal lands: SIGINT (even trials) once the run holds its lock, since a
+# Ctrl-C while Python still imports torch is Python's own KeyboardInterrupt traceback, before
+# any glassformer code runs; SIGTERM (odd trials) from the very start too.
+MOMENTS = ("building", "start-up", "saving", "saving", "training")
+
+
+def newest_step(run: Path) -> int:
+    """The step `latest` names (0 before the first checkpoint)."""
+    try:
+        return int((run / "latest").read_text().strip().rsplit("-", 1)[-1])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"{what} did not come in time"
+        time.sleep(0.0005)
+
+
+def signal_at(proc: subprocess.Popen, run: Path, moment: str, signum: int, rng: random.Random):
+    """Send `signum` at `moment` of a fine-tune resumed into `run`."""
+    if moment == "start-up":  # anywhere: imports, reading the flags, building, training
+        time.sleep(rng.uniform(0.0, 3.0))
+    else:
+        wait_for(lambda: (run / ".lock").exists(), proc, "the run took its lock")
+        start = newest_step(run)
+        if moment == "building":  # loading the base, tokenizing the data, the baseline loss
+            time.sleep(rng.uniform(0.0, 0.5))
+        elif moment == "saving":  # a checkpoint being written: it is finished first
+            before = save_dirs(run)
+            wait_for(lambda: save_dirs(run) - before, proc, "a save")
+            time.sleep(rng.uniform(0.0, KILL_WITHIN_S))
+        else:  # a step or two after the last checkpoint, anywhere in the next step
+            target = start + rng.randint(1, 2)
+            wait_for(lambda: newest_step(run) >= target, proc, f"step {target}")
+            time.sleep(rng.uniform(0.0, 0.05))
+    proc.send_signal(signum)
+
+
+@pytest.mark.slow
+def test_ctrl_c_or_sigterm_at_any_moment_of_a_lora_finetune_loses_nothing(
+    tiny_models, tmp_path: Path
+) -> None:
+    flags = [*tiny_models.finetune, "--model", str(tiny_models.base_hf)]
+    flags += ["--steps", str(FINETUNE_SIGNAL_STEPS), "--checkpoint-interval", "1"]
+    run, straight = tmp_path / "signalled", tmp_path / "straight"
+    reference = start_cli(*flags, "--out", str(straight))  # uninterrupted
+    rng = random.Random(33)
+    stopped_in, outcomes, newest = [], [], 0
+    try:
+        for trial, moment in enumerate(MOMENTS):
+            signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
+            proc = start_cli(*flags, "--out", str(run), "--resume")
+            try:
+                signal_at(proc, run, moment, signum, rng)
+                sent = time.monotonic()
+                output = proc.communicate(timeout=STOPPED_WITHIN_S)[0]
+                stopped_in.append(time.monotonic() - sent)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+            # Our handler: 128 + signum; SIGTERM before the handler is set: killed by it.
+            assert proc.returncode in (128 + signum, -signum), (trial, proc.returncode, output)
+            assert "Traceback" not in output, output
+            assert not (run / ".lock").exists(), f"trial {trial}: the lock was left\n{output}"
+            assert not save_dirs(run), f"trial {trial}: a save was cut short\n{output}"
+            name = signal.Signals(signum).name
+            outcomes.append(f"{moment} {name}: {proc.returncode} in {stopped_in[-1]:.2f} s")
+            if not (run / "latest").exists():
+                continue
+            step_dir = resolve_checkpoint(run)
+            state, _ = read_resume_state(step_dir)
+            assert step_dir.name == f"step-{state['step']:06d}", output
+            assert state["step"] >= newest, f"trial {trial}: a saved step was lost\n{output}"
+            newest = state["step"]
+            published = tree(run)  # the adapter peft reads is the newest checkpoint's
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                assert published[name] == tree(step_dir)[name], f"trial {trial}: {name}"
+        assert 0 < newest < FINETUNE_SIGNAL_STEPS, newest
+        finish = start_cli(*flags, "--out", str(run), "--resume")
+        assert finish.wait(timeout=120) == 0, finish.communicate()[0]
+        assert reference.wait(timeout=120) == 0, reference.communicate()[0]
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    last, straight_last = tree(resolve_checkpoint(run)), tree(resolve_checkpoint(straight))
+    assert last["adapter_model.safetensors"] == straight_last["adapter_model.safetensors"]
+    print(
+        f"\nfinetune signals: {len(MOMENTS)} SIGINT/SIGTERM trials ({'; '.join(outcomes)})"
+        "; lock released, no save cut short, the"
+        f" newest checkpoint whole and published; resumed to step {FINETUNE_SIGNAL_STEPS}"
+        " bit-exact"
     )
