@@ -7,11 +7,14 @@ Engine's greedy and sampled tokens with and without it; and the models it refuse
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
 import torch
 
+from glassformer import kernels
 from glassformer.config import ModelConfig
+from glassformer.infer import fused as fused_module
 from glassformer.infer.engine import Engine
 from glassformer.infer.fused import FusedStep, unsupported
 from glassformer.infer.optimize import optimize_for_decode
@@ -196,3 +199,21 @@ def test_bad_positions_and_tokens_are_clear_errors():
         step(1, 48, cache)
     with pytest.raises(ValueError, match="token id 300 is outside"):
         step(300, 0, cache)
+
+
+# --- the C boundary -----------------------------------------------------------------------------
+
+
+def test_the_ctypes_structs_are_checked_against_decode_c(monkeypatch):
+    # decode.c reports each struct's size and each field's offset and size as its compiler laid
+    # them out; a ctypes mirror with two fields swapped (in and out of a Linear, both int64)
+    # would hand every matrix-vector product its sizes crossed, and is refused.
+    fused_module.check_layout(kernels.library())
+    fields = list(fused_module._Linear._fields_)
+    i, o = fields.index(("in_", ctypes.c_int64)), fields.index(("out", ctypes.c_int64))
+    fields[i], fields[o] = fields[o], fields[i]
+    swapped = type("_Linear", (ctypes.Structure,), {"_fields_": fields})
+    monkeypatch.setattr(fused_module, "_Linear", swapped)
+    with pytest.raises(RuntimeError, match=r"at Linear\.in: 8 bytes at offset 32 in C, 8 bytes at "
+                       r"offset 40 in Python; make the _fields_ of _Linear"):  # fmt: skip
+        FusedStep(_model("llama-gqa"))

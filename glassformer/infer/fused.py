@@ -8,7 +8,9 @@ one parallel region and writes the logits. The Engine uses it for batch-1 decode
 models it supports (`FusedStep.for_model` says which and why not); prefill, batches and every
 other model run the torch modules, which stay the reference the tests hold this path to.
 Building the step moves the model's large weights into 2 MB pages (infer/huge_pages.py): the
-same numbers, streamed faster (fp32 steps 1.05-1.18x in benchmarks/huge_pages.py).
+same numbers, streamed faster (fp32 steps 1.05-1.18x in benchmarks/huge_pages.py). The ctypes
+structs below mirror decode.c's; the library's own sizes and offsets are checked against them
+before the first call (check_layout).
 
     step = FusedStep.for_model(model)              # None when this model needs the torch path
     logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
@@ -114,6 +116,42 @@ class _Model(ctypes.Structure):
         ("x_sums", _P),
         ("max_positions", _I),
     ]
+
+
+def check_layout(library: ctypes.CDLL) -> None:
+    """Refuse a ctypes struct above whose fields differ from decode.c's as the C compiler laid
+    them out (glassformer_layout: each struct's size, each field's offset and size): a field
+    out of order, missing or of another type would make the C step read one value as another."""
+    function = library.glassformer_layout
+    function.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_I), _I]
+    function.restype = _I
+    capacity = 256
+    names, numbers = (ctypes.c_char_p * capacity)(), (_I * (2 * capacity))()
+    count = function(names, numbers, capacity)
+    if count > capacity:
+        raise RuntimeError(f"decode.c's layout has {count} entries: raise capacity above")
+    in_c = {names[i].decode(): (numbers[2 * i], numbers[2 * i + 1]) for i in range(count)}
+    in_python = {}
+    for name, struct in (("Linear", _Linear), ("Layer", _Layer), ("Model", _Model)):
+        in_python[name] = (0, ctypes.sizeof(struct))
+        for field, *_ in struct._fields_:
+            descriptor = getattr(struct, field)
+            in_python[f"{name}.{field.rstrip('_')}"] = (descriptor.offset, descriptor.size)
+    for entry in sorted(in_c.keys() | in_python.keys()):
+        c, python = in_c.get(entry), in_python.get(entry)
+        if c != python:
+            raise RuntimeError(
+                f"infer/fused.py's ctypes structs do not match kernels/decode.c at {entry}: "
+                f"{_place(c)} in C, {_place(python)} in Python; make the _fields_ of "
+                f"_{entry.split('.')[0]} list decode.c's fields in its order, with its types"
+            )
+
+
+def _place(offset_and_size: tuple[int, int] | None) -> str:
+    if offset_and_size is None:
+        return "missing"
+    offset, size = offset_and_size
+    return f"{size} bytes at offset {offset}"
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -342,7 +380,9 @@ class FusedStep:
 
 
 def _library_function():
-    function = kernels.library().decode_tokens
+    library = kernels.library()
+    check_layout(library)
+    function = library.decode_tokens
     function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
     function.restype = None
     return function

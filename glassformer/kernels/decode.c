@@ -28,9 +28,14 @@
  * activations are f32; the cache is f32 or bf16. The softmax's, SiLU's and GELU-tanh's
  * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
  * and sines are computed once per token for every layer and head.
+ *
+ * glassformer/infer/fused.py fills these structs through ctypes. glassformer_layout() hands it
+ * every struct's size and every field's offset and size as this compiler lays them out, and
+ * it refuses to run when its mirror differs: one field out of order would be read as another.
  */
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "simd.h"
@@ -342,4 +347,49 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
         norm(x + r * C, h + r * C, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
 #pragma omp parallel num_threads(n_threads)
     linear(&m->head, h, C, n, logits, 0, m->x_sums);
+}
+
+
+/* --- the layout, for the ctypes mirror -------------------------------------------------------- */
+
+typedef struct {
+    const char *name; /* "Model" for the struct's size, "Model.head" for a field */
+    int64_t offset, size;
+} LayoutEntry;
+
+#define STRUCT(S) {#S, 0, sizeof(S)}
+#define FIELD(S, f) {#S "." #f, offsetof(S, f), sizeof(((S *)0)->f)}
+
+static const LayoutEntry LAYOUT[] = {
+    STRUCT(Linear),
+    FIELD(Linear, weight), FIELD(Linear, scale), FIELD(Linear, mins), FIELD(Linear, bias),
+    FIELD(Linear, in), FIELD(Linear, out), FIELD(Linear, group), FIELD(Linear, storage),
+    STRUCT(Layer),
+    FIELD(Layer, attn_norm_weight), FIELD(Layer, attn_norm_bias), FIELD(Layer, q_norm_weight),
+    FIELD(Layer, k_norm_weight), FIELD(Layer, ffn_norm_weight), FIELD(Layer, ffn_norm_bias),
+    FIELD(Layer, qkv), FIELD(Layer, out), FIELD(Layer, up), FIELD(Layer, down),
+    FIELD(Layer, k_cache), FIELD(Layer, v_cache),
+    STRUCT(Model),
+    FIELD(Model, n_layers), FIELD(Model, d_model), FIELD(Model, n_heads),
+    FIELD(Model, n_kv_heads), FIELD(Model, head_dim), FIELD(Model, d_ff),
+    FIELD(Model, vocab_size), FIELD(Model, cache_head_stride), FIELD(Model, cache_pos_stride),
+    FIELD(Model, rms_norm), FIELD(Model, gated), FIELD(Model, activation),
+    FIELD(Model, cache_bf16), FIELD(Model, emb_storage), FIELD(Model, norm_eps),
+    FIELD(Model, attn_scale), FIELD(Model, rope_factor), FIELD(Model, inv_freq),
+    FIELD(Model, tok_emb), FIELD(Model, pos_emb), FIELD(Model, final_norm_weight),
+    FIELD(Model, final_norm_bias), FIELD(Model, head), FIELD(Model, layers), FIELD(Model, x),
+    FIELD(Model, h), FIELD(Model, qkv), FIELD(Model, att), FIELD(Model, scores),
+    FIELD(Model, ff), FIELD(Model, x_sums), FIELD(Model, max_positions),
+};
+
+/* Up to `capacity` entries of the table above: names[i], and offsets_and_sizes[2i], [2i + 1]
+ * in bytes; returns how many there are. */
+int64_t glassformer_layout(const char **names, int64_t *offsets_and_sizes, int64_t capacity) {
+    const int64_t n = (int64_t)(sizeof(LAYOUT) / sizeof(LAYOUT[0]));
+    for (int64_t i = 0; i < n && i < capacity; ++i) {
+        names[i] = LAYOUT[i].name;
+        offsets_and_sizes[2 * i] = LAYOUT[i].offset;
+        offsets_and_sizes[2 * i + 1] = LAYOUT[i].size;
+    }
+    return n;
 }
