@@ -336,7 +336,9 @@ def measure(contestants, hf_model, prompts, args, extra=None):
     (name -> callable(prompts, new_tokens) -> (ttft, tok/s, tokens)) -> (timings, reads):
     each engine's median read bandwidth (GB/s) just before its own runs, its limit's basis."""
     extra = extra or {}
-    engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")))
+    # The fused engines' weights in 2 MB pages ("unfused" shares them); "plain" as torch has them.
+    engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")),
+                            huge_pages=not name.endswith("plain"))
                for name, model in contestants.items()}  # fmt: skip
     runners = {name: functools.partial(run_glassformer, engine)
                for name, engine in engines.items()}  # fmt: skip

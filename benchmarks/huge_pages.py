@@ -3,10 +3,10 @@ one run: a plain 1 GiB read (torch's sum), and SmolLM2's fused decode step (the 
 decodes one token, glassformer/infer/fused.py) in fp32, bf16, int8 and int4.
 
 Each contestant holds its own copy of the weights: "4 KB" as torch allocated them, "2 MB" moved
-by to_huge_pages (FusedStep moves its model's weights when it is built, so the 4 KB copy's step
-is built with the move turned off). The step is timed alone (no sampling, no Python loop
-around it) at cache position --position, --calls calls per round; rounds alternate 4 KB and
-2 MB so that the machine's other load hits both alike; figures are medians over --rounds.
+by to_huge_pages (as Engine(model, huge_pages=True) does). The step is timed alone (no
+sampling, no Python loop around it) at cache position --position, --calls calls per round;
+rounds alternate 4 KB and 2 MB so that the machine's other load hits both alike; figures are
+medians over --rounds.
 
     python benchmarks/huge_pages.py
     python benchmarks/huge_pages.py --precision fp32 --rounds 5   # a quick look
@@ -21,7 +21,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,7 +29,7 @@ import torch
 from decode import PRECISIONS, glassformer_variant  # benchmarks/decode.py
 
 from glassformer.infer import fused
-from glassformer.infer.huge_pages import huge_page_empty, supported
+from glassformer.infer.huge_pages import huge_page_empty, supported, to_huge_pages
 from glassformer.interop.pretrained import from_pretrained
 
 
@@ -63,9 +62,9 @@ def main() -> None:
     contestants = {"read 1 GiB": {"4 KB": small.sum, "2 MB": large.sum}}
     for precision in args.precision:
         model = glassformer_variant(base, precision, plain=False)
-        with mock.patch.object(fused, "to_huge_pages", lambda model: 0):
-            step_4k = fused.FusedStep(model)
-        step_2m = fused.FusedStep(copy.deepcopy(model))  # moves its copy into 2 MB pages
+        moved = copy.deepcopy(model)
+        to_huge_pages(moved)
+        step_4k, step_2m = fused.FusedStep(model), fused.FusedStep(moved)
         steps = {}
         for pages, step in (("4 KB", step_4k), ("2 MB", step_2m)):
             cache = step.model.new_cache(1, args.position + 1)

@@ -128,7 +128,7 @@ def main() -> None:
         print("llama-cpp-python is not installed: no GGUF rows (pip install -e '.[bench]')\n")
 
     prompt = ids[: args.prompt_tokens]
-    engines = {name: Engine(model) for name, model in models.items()}
+    engines = {name: Engine(model, huge_pages=True) for name, model in models.items()}
     for engine in engines.values():  # warm-up: first calls allocate caches and pick kernels
         decode_tokens_per_s(engine, prompt, 4)
     speeds: dict[str, list[float]] = {name: [] for name in models}

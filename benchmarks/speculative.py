@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from glassformer.infer.engine import Engine
+from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.infer.speculative import speculative_generate
 from glassformer.models import build_model
 
@@ -138,6 +139,8 @@ def main() -> None:
     drafts = {name: d if name == "int8" else optimize_for_decode(d, "bf16" if name == "bf16"
               else "fp32") for name, d in drafts.items()}  # fmt: skip
     target = optimize_for_decode(target)
+    for model in (target, *drafts.values()):  # as Engine(model, huge_pages=True) does
+        to_huge_pages(model)
     engine = Engine(target)
     print(
         f"target {args.model} fp32, prompt {len(prompt)} tokens ({args.prompt}), "

@@ -47,6 +47,7 @@ def _block_seconds(fn, calls: int) -> float:
 
 def measure(model, position: int, args) -> tuple[float, float, int]:
     """(step GB/s, read GB/s, bytes per step), medians over the blocks."""
+    huge_pages.to_huge_pages(model)  # the weights in 2 MB pages too, as the buffer below
     step = FusedStep(model)
     cache = model.new_cache(batch_size=1, max_seq_len=position + args.calls + 1)
     element = cache.k.element_size()

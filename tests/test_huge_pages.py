@@ -76,3 +76,17 @@ def test_fused_step_on_moved_weights_decodes_like_the_modules():
     assert fast.fused is not None
     a = fast.generate([5, 9, 200], max_new_tokens=12, temperature=0.0).token_ids
     assert a == plain.generate([5, 9, 200], max_new_tokens=12, temperature=0.0).token_ids
+
+
+def test_an_engine_moves_the_callers_weights_only_when_asked():
+    # A 2 MB embedding (8192 x 64 fp32): to_huge_pages would move it. The default Engine, its
+    # fused step built and decoding, leaves every tensor in the storage the caller gave it.
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=1, n_heads=4, d_ff=128,
+                      max_seq_len=48, position="rope", norm="rms", ffn="swiglu")  # fmt: skip
+    model = build_model(cfg).eval()
+    where = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    Engine(model).generate([5, 9, 200], max_new_tokens=4, temperature=0.0)
+    assert {name: t.data_ptr() for name, t in model.state_dict().items()} == where
+    Engine(model, huge_pages=True)
+    assert model.tok_emb.weight.data_ptr() % HUGE_PAGE == 0

@@ -38,7 +38,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")
-    engine = Engine(model, tokenizer=tokenizer, fast=not options.plain)
+    fast = not options.plain  # the CLI owns the model: its weights may move (huge_pages)
+    engine = Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
     session = ChatSession(
         engine,
         tokenizer,

@@ -39,7 +39,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.show_top and (len(args.prompt) > 1 or args.compile):
         raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
     args.thinking, args.prompt_suffix = thinking_options(args, tokenizer, args.model)
-    engine = Engine(model, tokenizer=tokenizer, fast=not options.plain)
+    fast = not options.plain  # the CLI owns the model: its weights may move (huge_pages)
+    engine = Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
     if args.show_top:
         _generate_show_top(args, engine, tokenizer)
     elif len(args.prompt) > 1:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from glassformer import kernels
 from glassformer.infer.fused import FusedStep
+from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.infer.loops import Loops
 from glassformer.infer.prefill import Chunk, Pending, check_budget, forwards, plan
 from glassformer.infer.rows import (
@@ -80,6 +81,9 @@ class Engine(Loops):
         llama.cpp's n_batch); then add/add_many only take slots and the prompts are prefilled,
         oldest first, across the next steps, beside the live rows' decoding. None (the
         default): each prompt is prefilled whole in add/add_many, its first token sampled there.
+    huge_pages: first move the model's parameters and buffers of 2 MB or more into 2 MB pages
+        (infer/huge_pages.py: the same values, modules and ties; fused decode steps 1.05-1.18x
+        faster). Off by default, as it gives the caller's tensors new storage.
     """
 
     def __init__(
@@ -90,8 +94,11 @@ class Engine(Loops):
         tokenizer=None,
         fast: bool = True,
         prefill_chunk: int | None = None,
+        huge_pages: bool = False,
     ) -> None:
         self.model = model.eval()
+        if huge_pages:
+            to_huge_pages(model)  # before the fused step takes the weights' addresses
         self.fused = FusedStep.for_model(model) if fast else None
         use_linears = fast and kernels.FastLinears.applies(model)
         self._linears = kernels.FastLinears if use_linears else contextlib.nullcontext

@@ -7,10 +7,11 @@ Engine's KV cache) to glassformer/kernels/decode.c, which runs the token's every
 one parallel region and writes the logits. The Engine uses it for batch-1 decode steps of the
 models it supports (`FusedStep.for_model` says which and why not); prefill, batches and every
 other model run the torch modules, which stay the reference the tests hold this path to.
-Building the step moves the model's large weights into 2 MB pages (infer/huge_pages.py): the
-same numbers, streamed faster (fp32 steps 1.05-1.18x in benchmarks/huge_pages.py). The ctypes
-structs below mirror decode.c's; the library's own sizes and offsets are checked against them
-before the first call (check_layout).
+The step reads the weights where they are; moved into 2 MB pages first (infer/huge_pages.py,
+which the Engine does with huge_pages=True) they stream faster (fp32 steps 1.05-1.18x in
+benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs below mirror
+decode.c's; the library's own sizes and offsets are checked against them before the first
+call (check_layout).
 
     step = FusedStep.for_model(model)              # None when this model needs the torch path
     logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
@@ -29,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from glassformer import kernels
-from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.nn.kv_cache import KVCache
 
 _STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
@@ -217,7 +217,6 @@ class FusedStep:
         if reason:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.model, self.cfg, self.max_tokens = model, model.cfg, max_tokens
-        to_huge_pages(model)  # before the structs take the weights' addresses
         self._keep: list[Tensor] = []  # every tensor the C structs point to stays alive here
         self._function = _library_function()
         self._struct = self._build()

@@ -14,7 +14,7 @@ tied weight and optimizer that holds the tensor sees the new memory. Only a mapp
 2 MB pages are advised; its tail stays in 4 KB pages and costs no extra memory. Elsewhere
 (other systems, huge pages off, tensors off the CPU) nothing moves.
 
-    moved = to_huge_pages(model)   # bytes moved (FusedStep calls it for the weights it reads)
+    moved = to_huge_pages(model)   # bytes moved (Engine(model, huge_pages=True) calls it)
 """
 
 from __future__ import annotations
