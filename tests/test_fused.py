@@ -18,8 +18,10 @@ from glassformer.infer import fused as fused_module
 from glassformer.infer.engine import Engine
 from glassformer.infer.fused import FusedStep, unsupported
 from glassformer.infer.optimize import optimize_for_decode
+from glassformer.inspect.capture import capture
 from glassformer.kernels import available
 from glassformer.models import build_model
+from glassformer.nn.lora import apply_lora, lora_parameters, merge_lora
 from glassformer.nn.quant import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs the C kernels (AVX2/FMA, cc)")
@@ -55,11 +57,11 @@ def _torch_step(model, token: int, position: int, cache) -> torch.Tensor:
     return model(ids, positions, cache=cache, last_token_only=True)[:, -1].float()
 
 
-def _compare(model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 6):
+def _compare(model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 6, step=None):
     """Prefill 5 tokens through torch into a cache and a copy of it (in cache_dtype), then decode
-    n_steps tokens, the cache through `model`'s modules, the copy through the fused step of
-    fused_model (default: model): the largest logit difference."""
-    step = FusedStep(fused_model or model)
+    n_steps tokens, the cache through `model`'s modules, the copy through `step` (default: a
+    fused step of fused_model, default model): the largest logit difference."""
+    step = step or FusedStep(fused_model or model)
     reference = model.new_cache(1, 48)
     worst, token = 0.0, 7
     with torch.inference_mode():
@@ -217,3 +219,118 @@ def test_the_ctypes_structs_are_checked_against_decode_c(monkeypatch):
     with pytest.raises(RuntimeError, match=r"at Linear\.in: 8 bytes at offset 32 in C, 8 bytes at "
                        r"offset 40 in Python; make the _fields_ of _Linear"):  # fmt: skip
         FusedStep(_model("llama-gqa"))
+
+
+# --- a model that changes after the step is built -----------------------------------------------
+
+
+def _greedy(engine, n: int = 12) -> list[int]:
+    return engine.generate([5, 9, 200], max_new_tokens=n, temperature=0.0).token_ids
+
+
+def _eager(model, n: int = 12) -> list[int]:
+    """The reference: the torch modules only, on the model as it is now."""
+    return _greedy(Engine(model, fast=False), n)
+
+
+@pytest.fixture
+def torch_steps(monkeypatch):
+    """The fused step's calls that ran the torch modules instead of the C step (a list)."""
+    calls, original = [], FusedStep._modules_step
+
+    def counting(self, *args):
+        calls.append(args)
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedStep, "_modules_step", counting)
+    return calls
+
+
+def test_a_hook_added_after_the_engine_is_built_runs_on_every_step(torch_steps):
+    model = _model("llama-gqa")
+    engine = Engine(model)
+    before = _greedy(engine)
+    shift = torch.randn(model.cfg.d_model)
+    handle = model.blocks[0].register_forward_hook(lambda module, args, out: out + shift)
+    assert _greedy(engine) == _eager(model) != before
+    assert len(torch_steps) == 11  # every decode step: the C step would run past the hook
+    handle.remove()
+    torch_steps.clear()
+    assert _greedy(engine) == before and torch_steps == []  # the C step again
+
+
+def test_an_attention_capture_after_the_engine_is_built_records_every_step():
+    model = _model("qwen3-qk-norm")
+    engine = Engine(model)
+    with capture(model, residual=False) as fast:
+        tokens = _greedy(engine)
+    with capture(model, residual=False) as eager:
+        assert _eager(model) == tokens
+    for layer in range(model.cfg.n_layers):
+        calls, want = fast.attention.calls(layer), eager.attention.calls(layer)
+        assert len(calls) == len(want) == 12  # the prefill, then each of the 11 decode steps
+        for got, expected in zip(calls, want, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_an_adapter_added_after_the_engine_is_built_is_used_until_merged(torch_steps):
+    model = _model("llama-gqa")
+    engine = Engine(model)
+    before = _greedy(engine)
+    apply_lora(model, "q,v", rank=4)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0.0, 0.5)  # B starts at zero: a trained adapter changes the output
+    adapted = _greedy(engine)
+    assert adapted == _eager(model) != before and torch_steps
+    merge_lora(model)  # plain Linears again, the update folded into their weights in place
+    torch_steps.clear()
+    assert _greedy(engine) == _eager(model) == adapted and torch_steps == []
+
+
+@pytest.mark.parametrize("change", ["copy_", "data", "load_state_dict"])
+def test_weights_changed_after_the_engine_is_built_are_read_again(change, torch_steps):
+    # fp32 weights: the C step reads the model's own memory, so an in-place write shows at
+    # once, but new storage (.data = ..., load_state_dict(assign=True)) must be followed.
+    model, other = _model("gpt2"), _model("gpt2", seed=1)
+    engine = Engine(model)
+    before = _greedy(engine)
+    with torch.no_grad():
+        if change == "copy_":
+            for p, q in zip(model.parameters(), other.parameters(), strict=True):
+                p.copy_(q)
+        elif change == "data":
+            for p, q in zip(model.parameters(), other.parameters(), strict=True):
+                p.data = q.detach().clone()
+        else:
+            model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    assert _greedy(engine) == _eager(model) == _eager(other) != before
+    assert torch_steps == []  # the C step, rebuilt on the new weights
+
+
+def test_bf16_weights_written_in_place_reach_the_float32_copies():
+    # The step reads a bf16 model's norm gains and biases from float32 copies it made: a write
+    # to the model's own tensors must reach them (torch counts every in-place write).
+    half = optimize_for_decode(_model("gpt2"), "bf16")
+    step = FusedStep(half)
+    old = copy.deepcopy(half).float()
+    with torch.no_grad():
+        for name, p in half.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn_like(p))
+    new = copy.deepcopy(half).float()
+    assert _compare(old, step=step) > 0.1  # the write changed the logits...
+    assert _compare(new, step=step) < 1e-4  # ...and the step built before it follows
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "relu-sinusoidal-mha"])
+def test_a_cache_longer_than_the_position_table_raises_like_the_modules(arch):
+    model = _model(arch)  # max_seq_len=48 rows in its position table
+    step, cache = FusedStep(model), model.new_cache(1, 64)
+    with torch.inference_mode():
+        step(7, 47, cache)  # the table's last row
+        with pytest.raises(ValueError, match="sequence of 49 tokens is longer") as fused_error:
+            step.many([7, 8], 47, cache)
+        with pytest.raises(ValueError) as torch_error:
+            model(torch.tensor([[7, 8]]), torch.tensor([47, 48]), cache=model.new_cache(1, 64))
+    assert str(fused_error.value) == str(torch_error.value)

@@ -75,8 +75,8 @@ class Engine(Loops):
     fast: decode one row's steps with the fused C step (infer/fused.py) where the model allows
         it (a GPT-family model on the CPU), prefill's fp32 matmuls on oneDNN (FastLinears); False
         runs everything through the torch modules, the reference the fast path is tested against.
-        Build the Engine after changing the model (quantizing, casting, swapping modules): the
-        fused step reads the weights it saw.
+        The fused step follows later changes to the model: new or edited weights are read
+        again, and hooks, attention captures and adapters send its steps through the modules.
     prefill_chunk: the most prompt tokens one step prefills (vLLM's max_num_batched_tokens,
         llama.cpp's n_batch); then add/add_many only take slots and the prompts are prefilled,
         oldest first, across the next steps, beside the live rows' decoding. None (the
