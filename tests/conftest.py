@@ -1,4 +1,6 @@
-"""Shared test setup: one CPU thread, fixed seeds, and Hugging Face kept offline."""
+"""Shared test setup: one CPU thread, fixed seeds, Hugging Face kept offline; the one tiny
+model factory (`tiny_model`), tiny training configs, and the C kernels' skip mark and SIMD
+widths."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+import glassformer as gf
+from glassformer import kernels
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _single_thread_torch() -> None:
@@ -28,6 +33,60 @@ def _seed() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+def tiny_model(*, seed: int = 0, scale: float = 8.0, **fields) -> torch.nn.Module:
+    """A tiny Llama-style GPT in eval mode: vocab 37, 2 layers of width 32, 4 query heads
+    sharing 2 key/value heads, RoPE, RMSNorm, SwiGLU, 48 positions; `fields` override any
+    ModelConfig field (family and components too). Built after torch.manual_seed(seed), then
+    every weight times `scale`: the default 8 gives peaked distributions, so greedy choices are
+    not near-ties; scale=1 keeps the initialization."""
+    config = dict(
+        vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
+        position="rope", norm="rms", ffn="swiglu",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = gf.build_model(gf.ModelConfig(**(config | fields)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model.eval()
+
+
+# GPT-2's components, for tiny_model(**GPT2, ...): learned positions, LayerNorm, GELU, MHA.
+GPT2 = dict(position="learned", norm="layer", ffn="gelu", n_kv_heads=None)
+
+
+# --- the C kernels ----------------------------------------------------------------------------
+
+# What keeps the kernels off here (GLASSFORMER_KERNELS=off, a CPU without AVX2/FMA, no C
+# compiler), or None. Tests that need them skip for such a reason only: where the platform can
+# build them, they run, and a failed build fails them instead of hiding behind a skip.
+KERNELS_MISSING = kernels.missing()
+needs_kernels = pytest.mark.skipif(
+    KERNELS_MISSING is not None, reason=f"needs the C kernels: {KERNELS_MISSING}"
+)
+
+
+def _width(name: str):
+    """The SIMD width `name` as a parameter, skipped with the reason where it cannot run."""
+    missing = KERNELS_MISSING
+    if missing is None and name not in kernels.simd_widths():
+        missing = f"the CPU has no {name.upper()}"
+    reason = f"needs the {name.upper()} kernels: {missing}"
+    return pytest.param(name, marks=pytest.mark.skipif(missing is not None, reason=reason))
+
+
+@pytest.fixture(params=[_width("avx2"), _width("avx512")])
+def simd(request, monkeypatch) -> str:
+    """The kernels of each SIMD width in turn, for one test: AVX2 (forced on an AVX-512 CPU
+    too, as GLASSFORMER_KERNELS=avx2 does) and AVX-512."""
+    monkeypatch.setattr(kernels, "SWITCH", "avx2" if request.param == "avx2" else "on")
+    assert kernels.simd() == request.param, "the kernels failed to build: see the warning"
+    return request.param
+
+
+# --- tiny training runs -----------------------------------------------------------------------
 
 
 def hamlet_corpus(folder: Path) -> Path:

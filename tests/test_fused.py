@@ -11,6 +11,7 @@ import ctypes
 
 import pytest
 import torch
+from conftest import needs_kernels, tiny_model
 
 from glassformer import kernels
 from glassformer.config import ModelConfig
@@ -19,12 +20,11 @@ from glassformer.infer.engine import Engine
 from glassformer.infer.fused import FusedStep, unsupported
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.inspect.capture import capture
-from glassformer.kernels import available
 from glassformer.models import build_model
 from glassformer.nn.lora import apply_lora, lora_parameters, merge_lora
 from glassformer.nn.quant import quantize_int4, quantize_int8
 
-pytestmark = pytest.mark.skipif(not available(), reason="needs the C kernels (AVX2/FMA, cc)")
+pytestmark = needs_kernels
 
 LLAMA = dict(position="rope", norm="rms", ffn="swiglu", bias=False, n_kv_heads=2)
 ARCHS = {
@@ -38,11 +38,11 @@ ARCHS = {
 }
 
 
+SIZES = dict(vocab_size=300, d_model=64, n_heads=4, n_kv_heads=None, d_ff=96)
+
+
 def _model(arch: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    sizes = dict(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=48)
-    cfg = ModelConfig(**{**sizes, **ARCHS[arch]})
-    model = build_model(cfg).eval()
+    model = tiny_model(**SIZES | ARCHS[arch], seed=seed, scale=1)
     with torch.no_grad():  # norm gains and biases away from 1 and 0, so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "bias")):
@@ -77,13 +77,13 @@ def _compare(model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_fp32_step_matches_the_modules(arch):
+def test_fp32_step_matches_the_modules(arch, simd):
     assert _compare(_model(arch)) < 1e-4
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
-def test_long_contexts_and_far_out_exponentials_match(arch, threads, monkeypatch):
+def test_long_contexts_and_far_out_exponentials_match(arch, threads, simd, monkeypatch):
     # The C step's exponentials are its own SIMD ones (kernels/simd.h): the softmax's over 16
     # or 8 scores at a time plus a scalar tail (40 positions here), SiLU's and GELU's. With the
     # up-projections and q/k scaled up, FFN inputs reach the thousands and scores the hundreds,
@@ -107,7 +107,7 @@ def test_long_contexts_and_far_out_exponentials_match(arch, threads, monkeypatch
 
 @pytest.mark.parametrize("bits", [32, 8, 4])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
-def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits):
+def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits, simd):
     # many(): up to max_tokens consecutive tokens in one call (a speculative round's check),
     # each seeing the cache and the run's earlier tokens, as one forward over the run does.
     model = _model(arch)
@@ -128,7 +128,7 @@ def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits):
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
-def test_bf16_weights_match_their_float32_copy(arch):
+def test_bf16_weights_match_their_float32_copy(arch, simd):
     # The C step reads bf16 weights and computes in float32: the exact reference is a float32
     # model holding the same (bf16-rounded) weights, with a float32 cache.
     half = optimize_for_decode(_model(arch), "bf16")
@@ -147,7 +147,7 @@ def test_bf16_cache_rounds_keys_and_values_only():
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_weights_match_the_quantized_modules(arch, bits):
+def test_quantized_weights_match_the_quantized_modules(arch, bits, simd):
     model = quantize_int8(_model(arch), group_size=32) if bits == 8 else quantize_int4(_model(arch))
     assert _compare(model) < 1e-4
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import needs_kernels
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
@@ -32,7 +33,6 @@ from glassformer.interop.checkpoint import read_checkpoint_json
 from glassformer.interop.hf_files import read_json
 from glassformer.interop.integrity import InteropError
 from glassformer.interop.peft import _update_overflow, load_adapter, save_adapter
-from glassformer.kernels import available
 from glassformer.nn.lora import LoRALinear, apply_lora, lora_parameters
 from glassformer.server.protocol import APIError, parse_json
 from glassformer.tokenizers import (
@@ -403,7 +403,7 @@ def _model_broken_at_step_2() -> tuple[torch.nn.Module, list[int]]:
 @pytest.mark.parametrize(
     "fast",
     [
-        pytest.param(True, marks=pytest.mark.skipif(not available(), reason="needs C kernels")),
+        pytest.param(True, marks=needs_kernels),
         False,
     ],
 )

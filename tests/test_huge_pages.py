@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_kernels, tiny_model
 
-from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
 from glassformer.infer.huge_pages import HUGE_PAGE, huge_page_empty, supported, to_huge_pages
-from glassformer.kernels import available
-from glassformer.models import build_model
 
 pytestmark = pytest.mark.skipif(not supported(), reason="needs Linux transparent huge pages")
 
@@ -41,16 +39,11 @@ def test_whole_huge_pages_are_advised_and_the_tail_is_not():
     assert "hg" not in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=128,
-                      max_seq_len=48, position="rope", norm="rms", ffn="swiglu",
-                      tie_embeddings=True)  # fmt: skip
-    return build_model(cfg).eval()
+MODEL = dict(vocab_size=300, d_model=64, n_kv_heads=None, d_ff=128, tie_embeddings=True, scale=1)
 
 
 def test_moved_weights_keep_their_values_ties_and_output():
-    model = _model()
+    model = tiny_model(**MODEL)
     ids = torch.tensor([[5, 17, 200, 3]])
     with torch.inference_mode():
         before = model(ids)
@@ -68,9 +61,9 @@ def test_moved_weights_keep_their_values_ties_and_output():
     assert to_huge_pages(model, min_bytes=4096) == 0  # nothing left to move
 
 
-@pytest.mark.skipif(not available(), reason="needs the C kernels")
+@needs_kernels
 def test_fused_step_on_moved_weights_decodes_like_the_modules():
-    model = _model()
+    model = tiny_model(**MODEL)
     to_huge_pages(model, min_bytes=4096)
     fast, plain = Engine(model), Engine(model, fast=False)
     assert fast.fused is not None
@@ -81,10 +74,7 @@ def test_fused_step_on_moved_weights_decodes_like_the_modules():
 def test_an_engine_moves_the_callers_weights_only_when_asked():
     # A 2 MB embedding (8192 x 64 fp32): to_huge_pages would move it. The default Engine, its
     # fused step built and decoding, leaves every tensor in the storage the caller gave it.
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=8192, d_model=64, n_layers=1, n_heads=4, d_ff=128,
-                      max_seq_len=48, position="rope", norm="rms", ffn="swiglu")  # fmt: skip
-    model = build_model(cfg).eval()
+    model = tiny_model(vocab_size=8192, d_model=64, n_layers=1, n_kv_heads=None, d_ff=128, scale=1)
     where = {name: t.data_ptr() for name, t in model.state_dict().items()}
     Engine(model).generate([5, 9, 200], max_new_tokens=4, temperature=0.0)
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == where

@@ -42,9 +42,8 @@ def test_weights_on_a_q4_grid_come_back_exactly():
     torch.testing.assert_close(back, w, atol=1e-6, rtol=0)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_kernel_matches_the_dequantized_matmul(rows):
+def test_kernel_matches_the_dequantized_matmul(rows, simd):
     torch.manual_seed(2)
     packed, scales, mins = quantize_q4(torch.randn(40, 128))
     x = torch.randn(rows, 128)

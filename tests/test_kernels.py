@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_kernels, tiny_model
 
 import glassformer as gf
 from glassformer import kernels
@@ -16,9 +17,10 @@ from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import DecodeLinear, optimize_for_decode
 
 
+@needs_kernels
 def test_kernels_build_on_this_machine():
-    # The project's machines have AVX2/FMA and a C compiler: the kernels must be there, not
-    # silently replaced by F.linear (which would make every kernel test below vacuous).
+    # A machine with AVX2/FMA and a C compiler (the project's) must have the kernels, not
+    # silently F.linear instead (which would make every kernel test below vacuous).
     assert kernels.available()
 
 
@@ -44,7 +46,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale=None) -> torch.Tensor
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(7, 32), (96, 64), (33, 576)])
-def test_matvec_equals_linear(storage, rows, out_features, in_features):
+def test_matvec_equals_linear(storage, rows, out_features, in_features, simd):
     x = torch.randn(rows, in_features)
     if storage is torch.int8:
         weight, scale = int8_weight(out_features, in_features)
@@ -58,19 +60,29 @@ def test_matvec_equals_linear(storage, rows, out_features, in_features):
     torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-4)
 
 
+def int8_groups(group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (rows, 576) and an int8 weight (40, 576) with one scale per row and group of columns."""
+    weight = torch.randint(-127, 128, (40, 576), dtype=torch.int8)
+    scale = torch.rand(40, 576 // group) + 0.01
+    return torch.randn(rows, 576), weight, scale
+
+
 @pytest.mark.parametrize("group", [32, 64, 192])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int8_group_scales_equal_linear(group, rows):
-    weight = torch.randint(-127, 128, (40, 576), dtype=torch.int8)
-    scale = torch.rand(40, 576 // group) + 0.01  # one scale per row and group of columns
-    x = torch.randn(rows, 576)
+def test_int8_group_scales_equal_linear(group, rows, simd):
+    x, weight, scale = int8_groups(group, rows)
     assert kernels.can_use(x, weight, scale)
     with torch.no_grad():
         y = kernels.matvec(x, weight, scale)
-        fallback = F.linear(x, kernels.dequantize(weight, scale, torch.float32))
-    expected = reference(x, weight, scale)
-    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(fallback.double(), expected, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("group", [32, 64, 192])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_group_scales_dequantized_equal_linear(group, rows):
+    x, weight, scale = int8_groups(group, rows)  # what a machine without the kernels computes
+    fallback = F.linear(x, kernels.dequantize(weight, scale, torch.float32))
+    torch.testing.assert_close(fallback.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-3)
 
 
 def test_matvec_keeps_leading_dims_and_input_dtype():
@@ -108,10 +120,11 @@ def test_int8_without_kernel_dequantizes_exactly():
     torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels")
 @pytest.mark.parametrize("kind", ["int8 per row", "int8 groups of 32", "int4"])
 @pytest.mark.parametrize("slice_rows", [5, 64])
-def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(kind, slice_rows, monkeypatch):
+def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(
+    kind, slice_rows, simd, monkeypatch
+):
     """Prefill: more rows than the matvec loop takes. A slice of 5 weight rows at a time (the
     last one partial: 23 rows), or the whole matrix in one slice, must give the matmul on the
     whole dequantized matrix."""
@@ -170,20 +183,6 @@ def test_fast_linears_apply_to_fp32_linears_only():
 # --- the optimized model ------------------------------------------------------------------------
 
 
-def tiny_model(**overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    with torch.no_grad():  # peaked distributions: greedy choices are not near-ties
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model.eval()
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -230,7 +229,7 @@ def test_tied_head_keeps_sharing_the_embedding_table():
 
 
 def test_bf16_model_matches_the_plain_model_cast_to_bf16():
-    plain = tiny_model()
+    plain = tiny_model(vocab_size=40)  # the model the bounds below were set on
     fast = optimize_for_decode(copy.deepcopy(plain), dtype="bf16")
     reference_bf16 = copy.deepcopy(plain).to(torch.bfloat16)
     assert fast.lm_head.weight.dtype == torch.bfloat16

@@ -8,27 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import needs_kernels, tiny_model
 
 import glassformer as gf
 from glassformer.infer.sampling import SamplingParams, sampling_distribution
 from glassformer.infer.speculative import speculative_generate, verify_sampled
 from glassformer.nn.kv_cache import KVCache
-
-
-def tiny_model(seed: int = 0, scale: float = 8.0, **overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    # Larger weights give peaked distributions, so greedy choices are not near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
-    return model.eval()
-
 
 PROMPT = [3, 14, 15, 9, 2, 6]
 
@@ -54,6 +39,7 @@ def test_random_draft_gives_plain_greedy_output(k):
     assert stats.acceptance_rate < 0.5
 
 
+@needs_kernels
 def test_fused_steps_propose_and_check_the_rounds():
     # Models the fused C step takes (widths multiples of 32): the draft's one-token passes go
     # through its fused step, the target checks each round through its `many`, and the tokens

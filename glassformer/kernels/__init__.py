@@ -8,9 +8,14 @@ anything else (other CPUs, no C compiler, GPUs) goes to torch's F.linear on the 
 weight, which is also the reference the tests hold the kernels to.
 
 The C file is compiled on first use with the system C compiler into a cache folder keyed by
-the source, flags and CPU (~1 s; `GLASSFORMER_KERNELS=0` turns it off), and called through
-ctypes on the tensors' memory. A plain C shared object rather than a torch C++ extension:
-it builds in a second instead of a minute, and needs no torch headers.
+the source, flags and CPU (~1 s), and called through ctypes on the tensors' memory. A plain C
+shared object rather than a torch C++ extension: it builds in a second instead of a minute, and
+needs no torch headers.
+
+One switch, the environment variable GLASSFORMER_KERNELS, read at import: `on` (the default:
+AVX-512 loops where the CPU has them, else AVX2), `avx2` (the AVX2 loops even on an AVX-512
+CPU, so one machine can test both widths) or `off` (`0` too: torch everywhere, as on a machine
+that cannot build the kernels).
 """
 
 from __future__ import annotations
@@ -58,10 +63,60 @@ def _cpu_flags() -> set[str]:
     )
 
 
-def build_flags() -> tuple[str, ...]:
-    """Compiler flags for this CPU: AVX2 + FMA, plus AVX-512 where present."""
-    has_avx512 = {"avx512f", "avx512bw"} <= _cpu_flags()
-    return FLAGS + (AVX512_FLAGS if has_avx512 else ())
+def _switch(value: str) -> str:
+    """GLASSFORMER_KERNELS's value as one of "on", "avx2" and "off"."""
+    switches = {"": "on", "1": "on", "on": "on", "avx2": "avx2", "0": "off", "off": "off"}
+    if value.strip().lower() not in switches:
+        raise ValueError(
+            f"GLASSFORMER_KERNELS={value!r} is not a setting: use on (the default), avx2 "
+            "(the AVX2 loops even on an AVX-512 CPU) or off (torch's F.linear everywhere)"
+        )
+    return switches[value.strip().lower()]
+
+
+# The kernels in use: "on", "avx2" or "off". Tests set it per test (monkeypatch) to check
+# both SIMD widths and the fallback in one process; each setting has its own library.
+SWITCH = _switch(os.environ.get("GLASSFORMER_KERNELS", "on"))
+
+
+def build_flags(avx512: bool | None = None) -> tuple[str, ...]:
+    """Compiler flags: AVX2 + FMA, plus AVX-512 where `avx512` (default: where the CPU has
+    it)."""
+    if avx512 is None:
+        avx512 = "avx512" in simd_widths()
+    return FLAGS + (AVX512_FLAGS if avx512 else ())
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def missing() -> str | None:
+    """What keeps the kernels off before any build is tried: the switch, the CPU (x86-64 with
+    AVX2 and FMA) or the C compiler; None where they should build and run."""
+    return "GLASSFORMER_KERNELS=off" if SWITCH == "off" else _missing_on_this_machine()
+
+
+def _missing_on_this_machine() -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the CPU is {platform.machine() or 'unknown'}, not x86-64"
+    if not Path("/proc/cpuinfo").exists():
+        return "no /proc/cpuinfo to read the CPU's AVX2/FMA flags from (not Linux)"
+    if "avx2" not in simd_widths():
+        return "the CPU has no AVX2/FMA"
+    if _compiler() is None:
+        return "no C compiler (cc or gcc) on PATH"
+    return None
+
+
+def simd_widths() -> list[str]:
+    """The SIMD widths this CPU runs the kernels at: ["avx2", "avx512"], ["avx2"] or []."""
+    flags = _cpu_flags()
+    return [
+        width
+        for width, needs in (("avx2", {"avx2", "fma"}), ("avx512", {"avx512f", "avx512bw"}))
+        if needs <= flags
+    ]
 
 
 def _cache_dir() -> Path:
@@ -69,9 +124,9 @@ def _cache_dir() -> Path:
     return Path(base) / "glassformer" / "kernels"
 
 
-def _build() -> Path:
+def _build(flags: tuple[str, ...]) -> Path:
     """Compile the C files once per (sources, flags, compiler, CPU model); return the .so path."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
@@ -83,7 +138,6 @@ def _build() -> Path:
         ),
         "",
     )
-    flags = build_flags()
     key = hashlib.sha256(
         "\n".join(
             [*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version, cpu]
@@ -105,15 +159,20 @@ def _build() -> Path:
     return target
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with one warning) when they cannot be had here."""
-    if os.environ.get("GLASSFORMER_KERNELS", "1") == "0" or not {"avx2", "fma"} <= _cpu_flags():
+    """The compiled kernels for SWITCH, or None when they cannot be had here."""
+    return _load(SWITCH)
+
+
+@functools.cache
+def _load(switch: str) -> ctypes.CDLL | None:
+    """The kernels built for `switch`, or None (with one warning when a build fails)."""
+    if switch == "off" or _missing_on_this_machine() is not None:
         return None
     try:
-        library = ctypes.CDLL(str(_build()))
+        library = ctypes.CDLL(str(_build(build_flags(avx512=None if switch == "on" else False))))
     except (OSError, RuntimeError) as error:
-        warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=3)
+        warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=4)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for storage in _STORAGES.values():
@@ -140,8 +199,15 @@ def library() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the C kernels run on this machine (AVX2/FMA CPU, a C compiler)."""
+    """Whether the C kernels run on this machine (AVX2/FMA CPU, a C compiler, the switch on)."""
     return _library() is not None
+
+
+def simd() -> str | None:
+    """The SIMD width of the kernels in use: "avx512", "avx2", or None without kernels."""
+    if _library() is None:
+        return None
+    return "avx512" if SWITCH == "on" and "avx512" in simd_widths() else "avx2"
 
 
 def in_features(weight: Tensor) -> int:
@@ -234,7 +300,7 @@ def matvec(
             torch.get_num_threads(),
         )
     else:
-        _functions()[weight.dtype](
+        getattr(library(), f"matvec_{_STORAGES[weight.dtype]}")(
             x2d.data_ptr(),
             weight.data_ptr(),
             None if scale is None else scale.data_ptr(),
@@ -354,13 +420,6 @@ def _matmul_by_slices(x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | N
             y = torch.empty(x2d.shape[0], n_out, dtype=torch.float32)
         y[:, start : start + rows] = part
     return y.view(*x.shape[:-1], n_out)
-
-
-@functools.cache
-def _functions() -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """The C function for each weight storage."""
-    library = _library()
-    return {dtype: getattr(library, f"matvec_{name}") for dtype, name in _STORAGES.items()}
 
 
 @torch.library.custom_op("glassformer::matvec", mutates_args=())
