@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer.cli import main
@@ -14,21 +15,6 @@ from glassformer.tokenizers import CharTokenizer
 from glassformer.train.checkpoint import save_checkpoint
 
 PROMPTS = [[3, 14, 15, 9, 2, 6], [1], [7, 7, 8, 20, 21, 22, 23, 24, 25, 26], [30, 2, 5]]
-
-
-def tiny_model(scale: float = 8.0, **overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    # Larger weights give peaked distributions, so greedy choices are not near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
-    return model.eval()
 
 
 def alone(engine: gf.Engine, prompts: list[list[int]], **kwargs) -> list[list[int]]:

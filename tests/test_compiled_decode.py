@@ -5,28 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer import kernels
 from glassformer.infer.compiled import CompiledDecoder, capacity_for
 from glassformer.nn.quant import quantize_int8
 
-
-def tiny_model(**overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=512,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    # Larger weights give peaked distributions, so greedy choices are not near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model.eval()
-
-
+# A vocabulary of 64 (token 63 below), widths of 64, and room for capacities of 256 and up.
+SIZES = dict(vocab_size=64, d_model=64, max_seq_len=512)
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 
@@ -68,7 +55,7 @@ def decoder_step_logits(decoder, prompt: list[int], continuation: list[int]) -> 
 )
 def test_static_step_equals_eager_model(overrides):
     """compile=False: the same step, eagerly, so every config runs in well under a second."""
-    model = tiny_model(**overrides)
+    model = tiny_model(**SIZES, **overrides)
     continuation = [5, 7, 1, 0, 63, 8, 8, 2]
     expected = eager_step_logits(model, PROMPT, continuation)
     got = decoder_step_logits(CompiledDecoder(model, compile=False), PROMPT, continuation)
@@ -78,7 +65,7 @@ def test_static_step_equals_eager_model(overrides):
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["fp32", "int8"])
 def test_greedy_tokens_equal_engine_uncompiled(quantize):
-    model = tiny_model()
+    model = tiny_model(**SIZES)
     if quantize:
         model = quantize_int8(model)
     expected = gf.Engine(model).generate(PROMPT, max_new_tokens=24, temperature=0.0)
@@ -88,7 +75,7 @@ def test_greedy_tokens_equal_engine_uncompiled(quantize):
 
 
 def test_sampling_with_a_seed_equals_engine():
-    model = tiny_model()
+    model = tiny_model(**SIZES)
     kwargs = dict(max_new_tokens=16, temperature=0.8, top_k=20, seed=3)
     expected = gf.Engine(model).generate(PROMPT, **kwargs).token_ids
     assert CompiledDecoder(model, compile=False).generate(PROMPT, **kwargs).token_ids == expected
@@ -100,14 +87,16 @@ def test_capacity_comes_in_powers_of_two_within_the_context():
 
 
 def test_context_full_stops_like_engine():
-    model = tiny_model(max_seq_len=12)
+    model = tiny_model(**SIZES | {"max_seq_len": 12})
     result = CompiledDecoder(model, compile=False).generate(PROMPT, 40, temperature=0.0)
     assert result.stats.stop_reason == "context_full" and len(result.token_ids) == 12 - 6 + 1
 
 
 def test_unsupported_models_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="moe"):
-        CompiledDecoder(tiny_model(ffn="moe", n_experts=4, n_experts_per_token=2), compile=False)
+        CompiledDecoder(
+            tiny_model(**SIZES, ffn="moe", n_experts=4, n_experts_per_token=2), compile=False
+        )
 
 
 def test_matvec_operator_equals_matvec():
@@ -122,7 +111,7 @@ def test_compiled_int8_decoder_matches_eager_and_engine():
     """The real thing: one fullgraph compile (~10 s on a tiny model), the C kernel inside as the
     glassformer::matvec operator, reused across generations with no recompile."""
     torch._dynamo.reset()
-    model = quantize_int8(tiny_model())
+    model = quantize_int8(tiny_model(**SIZES))
     decoder = CompiledDecoder(model)
     continuation = [5, 7, 1, 0, 63, 8, 8, 2]
     expected = eager_step_logits(model, PROMPT, continuation)

@@ -7,24 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer.infer.sampling import NO_EOS, SamplingParams, make_generator, sample
 from glassformer.tokenizers import CharTokenizer
-
-
-def tiny_model(scale: float = 8.0, **overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    with torch.no_grad():  # larger weights: peaked distributions, no greedy near-ties
-        for p in model.parameters():
-            p.mul_(scale)
-    return model.eval()
 
 
 def recompute(model, prompt: list[int], params: SamplingParams) -> list[int]:

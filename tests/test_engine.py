@@ -4,24 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer.infer.sampling import SamplingParams, sampling_distribution
-
-
-def tiny_model(**overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    # Larger weights give peaked distributions, so greedy choices are not near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model.eval()
 
 
 def greedy_by_recompute(model, prompt: list[int], n: int) -> list[int]:

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import GPT2, tiny_model
 
-from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
 from glassformer.lab.exp_length_extrapolation import (
     FACTORS,
@@ -33,19 +33,14 @@ from glassformer.lab.exp_lost_in_the_middle import (
 )
 from glassformer.models import build_model
 
-
-def tiny_gpt(position: str = "rope", max_seq_len: int = 64):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=2, max_seq_len=max_seq_len,
-                      position=position)  # fmt: skip
-    return build_model(cfg).eval()
+MODEL = dict(GPT2, vocab_size=23, d_model=16, n_heads=2, max_seq_len=64, scale=1)
 
 
 # --- length extrapolation -----------------------------------------------------------------------
 
 
 def test_loss_per_position_matches_the_models_mean_loss() -> None:
-    model = tiny_gpt("learned")
+    model = tiny_model(**MODEL)
     ids = torch.randint(0, 23, (5, 13), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     curve = loss_per_position(model, inputs, targets, chunk=2)  # chunks of 2, 2 and 1 windows
@@ -61,7 +56,9 @@ def test_loss_per_position_matches_the_models_mean_loss() -> None:
 @pytest.mark.parametrize("method", ["alibi", "rope + YaRN"])
 def test_losses_by_length_are_the_mean_loss_of_each_cut(method: str) -> None:
     train_len = 4
-    model = tiny_gpt("alibi" if method == "alibi" else "rope", max_seq_len=train_len)
+    model = tiny_model(
+        **MODEL | {"position": "alibi" if method == "alibi" else "rope", "max_seq_len": train_len}
+    )
     ids = torch.randint(0, 23, (3, FACTORS[-1] * train_len + 1),
                         generator=torch.Generator().manual_seed(2))  # fmt: skip
     windows = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
@@ -80,7 +77,7 @@ def test_losses_by_length_are_the_mean_loss_of_each_cut(method: str) -> None:
 
 
 def test_ntk_at_k_times_l_is_rope_with_the_base_raised_by_k_to_d_over_d_minus_2() -> None:
-    model = tiny_gpt("rope", max_seq_len=8)  # head_dim 8
+    model = tiny_model(**MODEL | {"position": "rope", "max_seq_len": 8})  # head_dim 8
     ntk = with_scaling(model, rope_scaling("rope + NTK", 4, train_len=8))
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(ntk.state_dict()[name], tensor)
@@ -96,7 +93,7 @@ def test_ntk_at_k_times_l_is_rope_with_the_base_raised_by_k_to_d_over_d_minus_2(
 
 
 def test_yarn_at_the_trained_length_is_plain_rope() -> None:
-    model = tiny_gpt("rope", max_seq_len=8)
+    model = tiny_model(**MODEL | {"position": "rope", "max_seq_len": 8})
     assert rope_scaling("rope + YaRN", 1, train_len=8) is None
     assert with_scaling(model, None) is model
     yarn = rope_scaling("rope + YaRN", 16, train_len=8)
@@ -160,7 +157,7 @@ def test_prompt_parts_share_everything_before_the_question() -> None:
 
 
 def test_scores_match_a_manual_log_softmax_and_greedy_generation() -> None:
-    model = tiny_gpt("rope")
+    model = tiny_model(**MODEL | {"position": "rope"})
     prefix, query = [3, 5, 7, 11, 2, 4], [9, 1, 6]
     greedy = Engine(model).generate(prefix + query, max_new_tokens=3, temperature=0).token_ids
     other = [(greedy[0] + 1) % 23, *greedy[1:]]

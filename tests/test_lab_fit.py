@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import GPT2, tiny_model
 
-from glassformer.config import ModelConfig
 from glassformer.lab.fit import (
     Schedule,
     eval_loss,
@@ -17,17 +17,12 @@ from glassformer.lab.fit import (
     unigram_entropy,
     window_batches,
 )
-from glassformer.models import build_model
 
-
-def _tiny_gpt(vocab: int = 8) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model(ModelConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=2,
-                                   max_seq_len=16))  # fmt: skip
+MODEL = dict(GPT2, vocab_size=8, n_layers=1, n_heads=2, max_seq_len=16, scale=1)
 
 
 def test_fit_learns_a_constant_sequence() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     ids = torch.full((4, 8), 3)
     losses = fit(model, lambda step: {"input_ids": ids, "targets": ids}, Schedule(40, 1e-2))
     assert len(losses) == 40
@@ -35,7 +30,7 @@ def test_fit_learns_a_constant_sequence() -> None:
 
 
 def test_fit_stops_at_a_non_finite_loss() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     with torch.no_grad():
         model.tok_emb.weight.fill_(float("nan"))
     ids = torch.zeros((1, 4), dtype=torch.long)
@@ -56,7 +51,7 @@ def test_windows_are_shifted_slices_and_repeat_by_seed() -> None:
 
 
 def test_eval_loss_is_the_mean_cross_entropy() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     ids = torch.randint(0, 8, (200,), generator=torch.Generator().manual_seed(0))
     loss = eval_loss(model, ids, 12, 6, seed=2)
     windows = random_windows(ids, 6, 12, torch.Generator().manual_seed(2))

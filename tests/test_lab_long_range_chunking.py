@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from glassformer.config import ModelConfig
 from glassformer.data.batching import get_batch, make_lm_examples
 from glassformer.data.chunking import pack
 from glassformer.lab.exp_chunking import (
@@ -22,7 +22,6 @@ from glassformer.lab.exp_long_range import (
     recall_batch,
     recall_batches,
 )
-from glassformer.models import build_model
 
 # --- long-range: the delayed-recall task ---------------------------------------------------
 
@@ -92,15 +91,11 @@ def test_token_losses_read_the_owning_window() -> None:
     assert token_losses([0, 0, 0, 2, 2], losses).tolist() == [10, 11, 12, 21, 22]
 
 
-def _tiny_gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, position="rope",
-                      norm="rms", ffn="swiglu", max_seq_len=64)  # fmt: skip
-    return build_model(cfg).eval()
+MODEL = dict(vocab_size=32, n_kv_heads=None, max_seq_len=64, scale=1)
 
 
 def test_window_losses_match_a_manual_cross_entropy() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     ids = torch.randint(0, 32, (20,), generator=torch.Generator().manual_seed(1))
     losses = window_losses(model, ids, [0, 5, 5, 11], max_len=8, batch=2)
     assert sorted(losses) == [0, 5, 11]
@@ -114,7 +109,7 @@ def test_window_losses_match_a_manual_cross_entropy() -> None:
 
 
 def test_packed_with_mask_equals_separate_on_a_tiny_gpt() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     generator = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, 32, (n,), generator=generator).tolist() for n in (5, 9, 7)]
     lengths, with_mask, without_mask = packed_differences(model, docs, max_len=24)
@@ -126,7 +121,7 @@ def test_packed_with_mask_equals_separate_on_a_tiny_gpt() -> None:
 
 def test_packed_differences_match_an_independent_batch_from_batching() -> None:
     # the packed row as data.batching builds it for training: same logits on each document
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     generator = torch.Generator().manual_seed(4)
     docs = [torch.randint(0, 32, (n,), generator=generator).tolist() for n in (6, 4)]
     examples = make_lm_examples(docs, block_size=11, chunking="pack")

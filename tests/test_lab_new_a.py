@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 from glassformer import calc
 from glassformer.config import ModelConfig
@@ -28,7 +29,6 @@ from glassformer.lab.exp_rmsnorm_cost import (
     layer_norm_written,
     rms_norm_written,
 )
-from glassformer.models import build_model
 from glassformer.nn.position import sinusoidal_table
 
 # --- 21 context-lengths -------------------------------------------------------------------------
@@ -160,14 +160,12 @@ def test_op_counter_counts_reductions_by_hand() -> None:
 # --- 26 prefill-decode --------------------------------------------------------------------------
 
 
-def _tiny_gqa_model():
-    cfg = ModelConfig(vocab_size=64, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
-                      max_seq_len=64, position="rope", norm="rms", ffn="swiglu")  # fmt: skip
-    return build_model(cfg).eval()
+# 6 query heads sharing tiny_model's 2 key/value heads
+GQA_MODEL = dict(vocab_size=64, d_model=48, n_heads=6, max_seq_len=64, scale=1)
 
 
 def test_counted_prefill_and_decode_flops_match_calc_cost() -> None:
-    model = _tiny_gqa_model()
+    model = tiny_model(**GQA_MODEL)
     ids = torch.randint(0, 64, (1, 20))
     cache = model.new_cache(batch_size=1, max_seq_len=32)
     assert counted_flops(model, ids, cache) == calc.prefill_flops(model.cfg, 20)
@@ -177,7 +175,7 @@ def test_counted_prefill_and_decode_flops_match_calc_cost() -> None:
 def test_first_token_seconds_are_positive_and_generate_one_token() -> None:
     from glassformer.infer.engine import Engine
 
-    engine = Engine(_tiny_gqa_model(), max_rows=1, max_seq_len=32)
+    engine = Engine(tiny_model(**GQA_MODEL), max_rows=1, max_seq_len=32)
     cpu, wall = first_token_seconds(engine, list(range(10)), repeats=2)
     assert cpu > 0 and wall > 0
     assert not engine.rows  # the row left its slot: the next prompt reuses it

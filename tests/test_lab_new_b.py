@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from glassformer.config import ModelConfig
 from glassformer.inspect.capture import capture
@@ -17,15 +18,9 @@ from glassformer.lab import exp_bert_vs_gpt_classification as classify
 from glassformer.lab import exp_in_context_learning as icl
 from glassformer.lab import exp_regurgitation as regurgitation
 from glassformer.lab import exp_seq2seq_bottleneck as bottleneck
-from glassformer.models import build_model
 from glassformer.tokenizers import CharTokenizer
 
-
-def _tiny_gpt(vocab_size: int = 40, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2, max_seq_len=128,
-                      position="rope", norm="rms", ffn="swiglu", init_std=0.2)  # fmt: skip
-    return build_model(cfg).eval()
+MODEL = dict(vocab_size=40, n_heads=2, max_seq_len=128, init_std=0.2, scale=1)
 
 
 # --- 27 seq2seq bottleneck ----------------------------------------------------------------------
@@ -85,7 +80,7 @@ def test_fixed_score_weight_is_a_softmax_row() -> None:
 def test_prompt_reading_equals_the_uncached_forward() -> None:
     text = "the quick brown fox jumps over the lazy dog. " * 40
     tokenizer = CharTokenizer.from_text(text + "The password is 0123456789.\n")
-    model = _tiny_gpt(tokenizer.vocab_size)
+    model = tiny_model(**MODEL | {"vocab_size": tokenizer.vocab_size})
     prompt = dilution.make_prompt(tokenizer.encode, text, 30, random.Random(0))
     reading = dilution.read_prompt(model, prompt, 20)
     ids = prompt.ids(20)
@@ -107,7 +102,7 @@ def test_prompt_reading_equals_the_uncached_forward() -> None:
 
 
 def test_greedy_hit_with_a_cached_prefix_equals_the_whole_prompt() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     prefix, query = [1, 2, 3, 4, 5], [6, 7]
     with torch.no_grad():
         whole = model(torch.tensor([prefix + query]))[0]
@@ -131,7 +126,7 @@ def test_examples_and_queries_never_overlap() -> None:
 
 
 def test_parameter_digest_sees_a_changed_weight() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     before = icl.parameter_digest(model)
     assert icl.parameter_digest(model) == before
     with torch.no_grad():

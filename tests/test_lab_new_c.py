@@ -8,22 +8,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import GPT2, tiny_model
 
 from glassformer import numpy_ref
-from glassformer.config import ModelConfig
 from glassformer.lab import exp_embedding_distances as emb
 from glassformer.lab import exp_exercise_match_key as match_key
 from glassformer.lab import exp_exercise_temperature as temp
 from glassformer.lab import exp_ffn_knowledge as ffn
 from glassformer.lab import exp_polysemy as poly
-from glassformer.models import build_model
 
-
-def _tiny_gpt(init_std: float = 0.02) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=2, max_seq_len=64,
-                      init_std=init_std)  # fmt: skip
-    return build_model(cfg).eval()
+MODEL = dict(GPT2, vocab_size=50, n_layers=3, n_heads=2, max_seq_len=64, scale=1)
 
 
 # --- exercise-match-key ---------------------------------------------------------------------
@@ -70,7 +64,7 @@ def test_temperature_probs_against_torch_softmax() -> None:
 
 
 def test_hand_sampler_at_zero_is_the_greedy_loop_without_cache() -> None:
-    model = _tiny_gpt(init_std=1.0)
+    model = tiny_model(**MODEL, init_std=1.0)
     prompt = [3, 7, 1, 4]
     _, rows = temp.hand_sample(model, prompt, [0.0, 0.0], n_new=5, seed=0, eos=None)
     ids = list(prompt)
@@ -81,7 +75,7 @@ def test_hand_sampler_at_zero_is_the_greedy_loop_without_cache() -> None:
 
 
 def test_surprisals_equal_one_sequence_at_a_time() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     prompt, continuations = [1, 2, 3], [[4, 5], [6, 7, 8, 9]]
     got = temp.surprisals(model, prompt, continuations)
     for c, values in zip(continuations, got, strict=True):
@@ -141,7 +135,7 @@ def test_sense_scores_on_hand_made_vectors() -> None:
 
 
 def test_zeroed_ffn_equals_a_block_without_its_ffn() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     ids = torch.tensor([[1, 2, 3, 4]])
     block = model.blocks[1]
     with torch.no_grad():
@@ -158,7 +152,7 @@ def test_zeroed_ffn_equals_a_block_without_its_ffn() -> None:
 
 
 def test_answer_logprobs_in_a_padded_batch_equal_one_prompt_at_a_time() -> None:
-    model = _tiny_gpt()
+    model = tiny_model(**MODEL)
     prompts, answers = [[1, 2], [3, 4, 5, 6]], [7, 8]
     got = ffn.answer_logprobs(model, prompts, answers)
     for p, a, value in zip(prompts, answers, got, strict=True):

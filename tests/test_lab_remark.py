@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import GPT2, tiny_model
 
 from glassformer.config import ModelConfig
 from glassformer.lab.exp_chunking import lower_bound
@@ -17,7 +18,6 @@ from glassformer.lab.exp_gqa_cache import filled_cache_bytes
 from glassformer.lab.exp_lost_in_the_middle import paired_gap
 from glassformer.lab.exp_no_position_permutation import permutation_gap
 from glassformer.lab.exp_quadratic import N_HEADS, attention_seconds
-from glassformer.models import build_model
 
 
 def test_lower_bound_is_the_mean_minus_two_standard_errors() -> None:
@@ -60,18 +60,17 @@ def test_bag_of_words_accuracy_scores_the_first_symbol_only() -> None:
     assert accuracy(_Pointer(LENGTH - 1), batch) == 0.0  # distinct symbols: never the first
 
 
-def _model(family: str, position: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(family=family, vocab_size=12, d_model=16, n_layers=1, n_heads=2,
-                      max_seq_len=16, position=position, attention_backend="eager")  # fmt: skip
-    return build_model(cfg).eval()
+# for tiny_model: one GPT-2-style layer, eager attention (the permutation test reads its mask)
+MODEL = dict(GPT2, vocab_size=12, d_model=16, n_layers=1, n_heads=2, max_seq_len=16,
+             attention_backend="eager", scale=1)  # fmt: skip
 
 
 def test_permutation_gap_is_zero_only_without_positions_and_mask() -> None:
     ids, order = [3, 1, 4, 1, 5], [4, 2, 0, 3, 1]
-    assert permutation_gap(_model("bert", "none"), ids, order) < 1e-5
-    assert permutation_gap(_model("bert", "learned"), ids, order) > 1e-3
-    assert permutation_gap(_model("gpt", "none"), ids, order) > 1e-3  # the causal mask
+    bert, no_positions = {"family": "bert"}, {"position": "none"}
+    assert permutation_gap(tiny_model(**MODEL | bert | no_positions), ids, order) < 1e-5
+    assert permutation_gap(tiny_model(**MODEL | bert), ids, order) > 1e-3
+    assert permutation_gap(tiny_model(**MODEL | no_positions), ids, order) > 1e-3  # the causal mask
 
 
 def test_filled_cache_bytes_by_hand() -> None:

@@ -13,6 +13,7 @@ import peft
 import pytest
 import torch
 import transformers
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer.files import FolderError
@@ -64,13 +65,7 @@ def _randomize(params) -> None:
             p.normal_(0.0, 0.2)
 
 
-def _tiny_llama() -> torch.nn.Module:
-    torch.manual_seed(1)
-    cfg = gf.ModelConfig(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-        max_seq_len=32, position="rope", norm="rms", ffn="swiglu", init_std=0.1,
-    )  # fmt: skip
-    return gf.build_model(cfg).eval()
+MODEL = dict(vocab_size=VOCAB, d_ff=48, max_seq_len=32, init_std=0.1, seed=1, scale=1)
 
 
 # --- the layer --------------------------------------------------------------------------------
@@ -93,7 +88,7 @@ def lora_parameters_of(layer: LoRALinear) -> list[torch.nn.Parameter]:
 
 
 def test_fresh_adapter_changes_nothing_and_merge_equals_unmerged():
-    model = _tiny_llama()
+    model = tiny_model(**MODEL)
     reference = model(IDS)
     names = apply_lora(model, "q,v", rank=4, alpha=8)
     assert names == [f"blocks.{i}.attn.qkv_proj.{p}" for i in range(2) for p in "qv"]
@@ -112,7 +107,7 @@ def test_fresh_adapter_changes_nothing_and_merge_equals_unmerged():
 
 
 def test_apply_lora_freezes_the_base_and_counts_the_fraction():
-    model = _tiny_llama()
+    model = tiny_model(**MODEL)
     total = sum(p.numel() for p in model.parameters())
     apply_lora(model, "all-linear", rank=2, alpha=4)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -124,7 +119,7 @@ def test_apply_lora_freezes_the_base_and_counts_the_fraction():
 
 
 def test_lora_on_an_int8_base_trains_the_adapters_only_and_refuses_to_merge():
-    model = quantize_int8(_tiny_llama(), group_size=16)
+    model = quantize_int8(tiny_model(**MODEL), group_size=16)
     apply_lora(model, "q,v", rank=4, alpha=8)
     _randomize(lora_parameters(model))
     model.train()
@@ -141,7 +136,7 @@ def test_lora_on_an_int8_base_trains_the_adapters_only_and_refuses_to_merge():
 def test_an_int8_base_counts_the_parameters_of_its_float_model(tied):
     # int8 weights are buffers, and a tied head gets its own int8 copy of the embedding table:
     # neither may change the share of parameters LoRA trains.
-    float_model = _tiny_llama()
+    float_model = tiny_model(**MODEL)
     float_model.cfg = dataclasses.replace(float_model.cfg, tie_embeddings=tied)
     if not tied:
         float_model.lm_head.weight = torch.nn.Parameter(float_model.lm_head.weight.clone())
@@ -154,8 +149,8 @@ def test_an_int8_base_counts_the_parameters_of_its_float_model(tied):
 
 
 def test_adapter_trained_on_an_int8_base_saves_and_loads_into_the_float_base(tmp_path):
-    float_model = _tiny_llama()
-    model = quantize_int8(_tiny_llama(), group_size=16)  # same seed: the same weights
+    float_model = tiny_model(**MODEL)
+    model = quantize_int8(tiny_model(**MODEL), group_size=16)  # same seed: the same weights
     names = apply_lora(model, "q,v,down", rank=4, alpha=8)
     _randomize(lora_parameters(model))
     save_adapter(model, tmp_path / "adapter")
@@ -179,11 +174,11 @@ def test_adapter_trained_on_an_int8_base_saves_and_loads_into_the_float_base(tmp
 )
 def test_bad_lora_settings_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        apply_lora(_tiny_llama(), **kwargs)
+        apply_lora(tiny_model(**MODEL), **kwargs)
 
 
 def test_explicit_module_names_pick_single_layers():
-    model = _tiny_llama()
+    model = tiny_model(**MODEL)
     names = apply_lora(model, ["blocks.1.attn.qkv_proj", "0.ffn.down"], rank=2)
     assert names == ["blocks.0.ffn.down", "blocks.1.attn.qkv_proj"]
 

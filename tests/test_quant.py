@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
@@ -24,24 +25,11 @@ from glassformer.nn.quant import Int8Linear, quantize_groupwise, quantize_int8, 
 from glassformer.tokenizers import CharTokenizer
 from glassformer.train.checkpoint import save_checkpoint, save_model_weights
 
-
-def tiny_gpt(gain: float = 8.0, **overrides) -> nn.Module:
-    """A Llama-style GPT whose widths are multiples of 32 (the int8 kernel's step).
-
-    gain 8 (weights x 8) gives peaked distributions, so greedy choices are not near-ties;
-    gain 1 keeps the random network out of the chaotic regime where a 0.5% weight change
-    grows layer by layer, for comparing logits."""
-    fields = dict(
-        vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
-        max_seq_len=64, position="rope", norm="rms", ffn="swiglu", tie_embeddings=False,
-    )  # fmt: skip
-    fields.update(overrides)
-    torch.manual_seed(0)
-    model = gf.build_model(gf.ModelConfig(**fields))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(gain)
-    return model.eval()
+# Widths that are multiples of 32 (the int8 kernel's step) and a head of its own. tiny_model's
+# scale 8 gives peaked distributions, so greedy choices are not near-ties; scale 1 keeps the
+# random network out of the chaotic regime where a 0.5% weight change grows layer by layer, for
+# comparing logits.
+SIZES = dict(vocab_size=97, d_model=64, d_ff=128, max_seq_len=64, tie_embeddings=False)
 
 
 def int8_linears(model: nn.Module) -> list[Int8Linear]:
@@ -99,14 +87,14 @@ def test_bad_group_size_is_a_clear_error():
     with pytest.raises(ValueError, match="group_size=24 does not divide in_features=64"):
         Int8Linear.from_linear(nn.Linear(64, 8), group_size=24)
     with pytest.raises(ValueError, match="group_size=0 must be a positive integer"):
-        quantize_int8(tiny_gpt(), group_size=0)
+        quantize_int8(tiny_model(**SIZES), group_size=0)
 
 
 def test_layers_the_group_does_not_divide_fall_back_to_smaller_groups():
-    model = quantize_int8(tiny_gpt(d_model=96, n_heads=4, d_ff=160), group_size=64)
+    model = quantize_int8(tiny_model(**SIZES | {"d_model": 96, "d_ff": 160}), group_size=64)
     groups = {m.in_features: m.group_size for m in int8_linears(model)}
     assert groups == {96: 32, 160: 32}  # 64 divides neither width; 32 divides both
-    odd = quantize_int8(tiny_gpt(d_model=40, n_heads=4, d_ff=80), group_size=64)
+    odd = quantize_int8(tiny_model(**SIZES | {"d_model": 40, "d_ff": 80}), group_size=64)
     assert {m.in_features: m.group_size for m in int8_linears(odd)} == {40: 40, 80: 80}
 
 
@@ -124,10 +112,11 @@ def logit_error(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, f
 # Why these bounds: a row of K Gaussian weights has max|w| ~ 2.4 sigma at K = 64, so the int8
 # step is ~ 0.019 sigma and its rounding error (uniform, std step / sqrt(12)) ~ 0.55% of sigma:
 # each matmul output moves by ~0.55% rms, and a few of them in a row give about 0.7%.
-# Per-channel measured on tiny_gpt(gain=1): max 0.028 / rms 0.0068; groups of 32 are smaller.
+# Per-channel measured on tiny_model(**SIZES, scale=1): max 0.028 / rms 0.0068; groups of 32
+# are smaller.
 @pytest.mark.parametrize("group_size", [None, 32])
 def test_quantized_gpt_logits_are_close_to_float(group_size):
-    model = tiny_gpt(gain=1.0)
+    model = tiny_model(**SIZES, scale=1.0)
     ids = torch.randint(0, 97, (2, 20))
     with torch.no_grad():
         reference = model(ids)
@@ -140,7 +129,7 @@ def test_quantized_gpt_logits_are_close_to_float(group_size):
 
 
 def test_gpt2_style_model_with_biases():
-    model = tiny_gpt(gain=1.0, position="learned", norm="layer", ffn="gelu", bias=True)
+    model = tiny_model(**SIZES, scale=1.0, position="learned", norm="layer", ffn="gelu", bias=True)
     ids = torch.randint(0, 97, (1, 16))
     with torch.no_grad():
         reference = model(ids)
@@ -151,7 +140,7 @@ def test_gpt2_style_model_with_biases():
 
 
 def test_greedy_engine_with_kv_cache_equals_recompute():
-    model = quantize_int8(tiny_gpt())
+    model = quantize_int8(tiny_model(**SIZES))
     prompt = [3, 14, 15, 9, 2, 6]
     result = gf.Engine(model).generate(prompt, max_new_tokens=20, temperature=0.0)
     ids = list(prompt)  # the reference: the whole sequence from scratch, no cache
@@ -162,7 +151,7 @@ def test_greedy_engine_with_kv_cache_equals_recompute():
 
 
 def test_tied_embeddings_are_untied_into_a_float_table_and_an_int8_head():
-    model = tiny_gpt(tie_embeddings=True)
+    model = tiny_model(**SIZES | {"tie_embeddings": True})
     table = model.tok_emb.weight.detach().clone()
     float_bytes = weight_bytes(model)
     quantize_int8(model)
@@ -190,7 +179,7 @@ def test_refuses_other_families_and_saving(tmp_path):
     with pytest.raises(ValueError, match=r"GPT-family.*'bert'"):
         quantize_int8(bert)
     with pytest.raises(ValueError, match=r"a quantized model.*quantize after loading"):
-        save_model_weights(quantize_int8(tiny_gpt()), tmp_path / "model.safetensors")
+        save_model_weights(quantize_int8(tiny_model(**SIZES)), tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -202,7 +191,7 @@ def char_checkpoint(tmp_path_factory) -> Path:
     text = "To be, or not to be, that is the question. KING: "
     tokenizer = CharTokenizer.from_text(text)
     torch.manual_seed(0)
-    model = tiny_gpt(vocab_size=tokenizer.vocab_size)
+    model = tiny_model(**SIZES | {"vocab_size": tokenizer.vocab_size})
     out = tmp_path_factory.mktemp("quant") / "run"
     save_checkpoint(out, 0, model, model.cfg, tokenizer)
     return out
@@ -268,7 +257,9 @@ def test_q8_0_gguf_loads_as_int8_exactly(tmp_path):
     """Q8_0 blocks are 32 int8 values times one fp16 scale, d = max|w| / 127 over the block:
     requantizing the file's values in groups of 32 finds the same q and d, so the int8 model
     computes with exactly the file's weights."""
-    path = write_q8_0_gguf(tmp_path / "tiny.Q8_0.gguf", tiny_gpt(gain=1.0, vocab_size=256))
+    path = write_q8_0_gguf(
+        tmp_path / "tiny.Q8_0.gguf", tiny_model(**SIZES | {"vocab_size": 256}, scale=1.0)
+    )
     file_model, _ = load_gguf(path)  # the file's values, dequantized to float32
     model, tokenizer = from_pretrained(path, quantize="int8")
     file_linears = {n: m for n, m in file_model.named_modules() if isinstance(m, nn.Linear)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import glassformer as gf
 from glassformer.models.gpt import GPT
@@ -17,18 +18,11 @@ VOCAB = 40
 
 
 def _model(sliding_window: int | None = 5, weight_scale: float = 1.0, **overrides) -> GPT:
-    fields = dict(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
-        position="rope", norm="rms", ffn="swiglu", sliding_window=sliding_window,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT(gf.ModelConfig(**(fields | overrides))).eval()
-    # Larger weights give peaked distributions: greedy text that varies, choices that are not
-    # near-ties. (Logits then grow, and with them fp32 round-off: x3 keeps it near 2e-6.)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(weight_scale)
-    return model
+    """tiny_model with the window first. weight_scale > 1 gives peaked distributions: greedy
+    text that varies, choices that are not near-ties. (Logits then grow, and with them fp32
+    round-off: x3 keeps it near 2e-6.)"""
+    fields = dict(vocab_size=VOCAB, max_seq_len=64, sliding_window=sliding_window)
+    return tiny_model(**fields | overrides, scale=weight_scale)
 
 
 def _recompute_last(model: GPT, ids: torch.Tensor) -> torch.Tensor:
