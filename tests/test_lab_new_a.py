@@ -168,8 +168,8 @@ def test_counted_prefill_and_decode_flops_match_calc_cost() -> None:
     model = tiny_model(**GQA_MODEL)
     ids = torch.randint(0, 64, (1, 20))
     cache = model.new_cache(batch_size=1, max_seq_len=32)
-    assert counted_flops(model, ids, cache) == calc.prefill_flops(model.cfg, 20)
-    assert counted_flops(model, ids[:, -1:], cache) == calc.decode_flops(model.cfg, 20, 1)
+    assert counted_flops(model, ids, cache, 0) == calc.prefill_flops(model.cfg, 20)
+    assert counted_flops(model, ids[:, -1:], cache, 20) == calc.decode_flops(model.cfg, 20, 1)
 
 
 def test_first_token_seconds_are_positive_and_generate_one_token() -> None:
