@@ -19,7 +19,7 @@ from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
 from glassformer.nn.ffn import moe_aux_loss
-from glassformer.nn.kv_cache import KVCache, SlidingWindowCache, StaticKVCache
+from glassformer.nn.kv_cache import AttentionCache, KVCache, SlidingWindowCache
 from glassformer.nn.norm import make_norm
 from glassformer.nn.position import AbsolutePositions, RotaryEmbedding, alibi_slopes
 
@@ -123,7 +123,7 @@ class GPT(nn.Module):
         input_ids: Tensor,
         positions: Tensor | None = None,
         *,
-        cache: KVCache | SlidingWindowCache | StaticKVCache | None = None,
+        cache: AttentionCache | None = None,
         position_ids: Tensor | None = None,
         padding_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
@@ -179,7 +179,7 @@ class GPT(nn.Module):
         input_ids: Tensor,
         positions: Tensor | None = None,
         *,
-        cache: KVCache | SlidingWindowCache | StaticKVCache | None = None,
+        cache: AttentionCache | None = None,
         last_token_only: bool = False,
         **inputs: Tensor | None,
     ) -> Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
+from glassformer.nn.kv_cache import AttentionCache, CrossAttentionCache
 from glassformer.nn.norm import RMSNorm, upcast
 from glassformer.nn.position import alibi_bias, apply_rope
 
@@ -243,12 +243,12 @@ class Attention(nn.Module):
         x: Tensor,
         mask: AttentionMask,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: KVCache | CrossAttentionCache | None = None,
+        cache: AttentionCache | CrossAttentionCache | None = None,
         context: Tensor | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
-        """cache: a KVCache for self-attention, whose update writes this call's keys/values at
-        `positions` (the ones the model gave cache.begin); for cross-attention a
+        """cache: an AttentionCache for self-attention, whose update writes this call's
+        keys/values at `positions` (the ones the model gave cache.begin); for cross-attention a
         CrossAttentionCache, whose keys/values are projected from `context` on the first call
         and reused after."""
         B, T, _ = x.shape

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from glassformer.config import ModelConfig
 from glassformer.nn.attention import Attention, AttentionMask
 from glassformer.nn.ffn import make_ffn
-from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
+from glassformer.nn.kv_cache import AttentionCache, CrossAttentionCache
 from glassformer.nn.norm import make_norm
 
 
@@ -35,7 +35,7 @@ class Block(nn.Module):
         x: Tensor,
         mask: AttentionMask,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         context: Tensor | None = None,
         context_mask: AttentionMask | None = None,
         cross_cache: CrossAttentionCache | None = None,
