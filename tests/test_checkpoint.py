@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from processes import DEADLINE_S
 from torch import nn
 
 from glassformer.config import ModelConfig
@@ -167,7 +168,7 @@ def test_loading_a_checkpoint_never_imports_the_trainer(tmp_path: Path) -> None:
         [sys.executable, "-c", script, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=DEADLINE_S,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr

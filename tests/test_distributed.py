@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import DEADLINE_S
 from serving import free_port
 from test_finetune import smol, tiny_data, tiny_llama  # noqa: F401  (fixtures)
 
@@ -88,7 +89,7 @@ def run_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
     # torchrun in a session of its own: on a timeout its workers are killed with it. (A plain
     # subprocess.run kills the launcher only, and then waits for ever on the pipes its workers
     # still hold.)
@@ -171,6 +172,7 @@ def test_unknown_strategy_is_a_config_error(tmp_path, corpus):
 # --- torchrun: DDP and FSDP against one process ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_and_resume_on_one(tmp_path, corpus):
     config = write_config(tmp_path, corpus)
     reference = single_losses(config, out_dir=str(tmp_path / "single"))
@@ -194,6 +196,7 @@ def test_ddp_two_processes_equal_one_and_resume_on_one(tmp_path, corpus):
     assert_close(Trainer(run, resume=True, progress=False).fit().train_losses, reference)
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_equal_one_and_resume_across_world_sizes(tmp_path, corpus):
     config = write_config(tmp_path, corpus, strategy="fsdp")
     reference = single_losses(config, out_dir=str(tmp_path / "single"), strategy="auto")
@@ -247,6 +250,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc for worker pids")
 def test_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(tmp_path, corpus):
     steps = 240
@@ -270,7 +274,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(tmp_path, 
     job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=run_env())
     try:
         latest = tmp_path / "run" / LATEST_FILE
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DEADLINE_S
         while not latest.exists() and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.05)
         assert latest.exists(), (tmp_path / "log.txt").read_text()[-3000:]
@@ -278,7 +282,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(tmp_path, 
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)  # rank 1 dies mid-run
         killed_at = latest.read_text().strip()
-        assert job.wait(timeout=240) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+        assert job.wait(timeout=DEADLINE_S) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     finally:
         if job.poll() is None:
             job.kill()
@@ -367,6 +371,7 @@ def _sharded_step_is_whole(step_dir: Path, config: Path) -> None:
         assert torch.equal(tensor, ours[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc for worker pids")
 def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
     """An FSDP job saving at every step; one of its two workers is killed with SIGKILL at a
@@ -386,7 +391,7 @@ def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
     try:
         seen = ""
         for _kill in range(5):
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + DEADLINE_S
             while time.monotonic() < deadline and job.poll() is None:
                 now = latest.read_text().strip() if latest.exists() else ""
                 if now and now != seen:  # the (restarted) job is saving again
@@ -396,7 +401,7 @@ def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
             time.sleep(rng.uniform(0.0, 0.3))
             # Between a restart's exits and spawns torchrun may have no workers for a moment:
             # wait for them rather than pick from an empty list.
-            workers, wait_until = [], time.monotonic() + 30
+            workers, wait_until = [], time.monotonic() + DEADLINE_S
             while not workers and time.monotonic() < wait_until and job.poll() is None:
                 workers = [c for c in _children(job.pid) if Path(f"/proc/{c}").exists()]
                 time.sleep(0 if workers else 0.05)
@@ -413,7 +418,7 @@ def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
 # --- several nodes, and errors -----------------------------------------------------------------
 
 
-def _two_nodes(config: Path, sets_per_node: list[list[str]], timeout: float = 240):
+def _two_nodes(config: Path, sets_per_node: list[list[str]], timeout: float = DEADLINE_S):
     """Two torchrun "nodes" on localhost (--nnodes 2, one process each, c10d rendezvous); the
     second runs the `glassformer` console script instead of -m glassformer."""
     port = free_port()
@@ -447,6 +452,7 @@ def _two_nodes(config: Path, sets_per_node: list[list[str]], timeout: float = 24
     return [(job.returncode, out, err) for job, (out, err) in zip(jobs, outputs, strict=True)]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_equal_one_process(tmp_path, corpus):
     config = write_config(tmp_path, corpus, strategy="ddp")
     reference = single_losses(config, out_dir=str(tmp_path / "single"), strategy="auto")
@@ -456,6 +462,7 @@ def test_two_nodes_on_localhost_equal_one_process(tmp_path, corpus):
     assert_close(saved_losses(tmp_path / "run"), reference)
 
 
+@pytest.mark.slow
 def test_mismatched_configs_fail_at_start_naming_the_key(tmp_path, corpus):
     config = write_config(tmp_path, corpus, strategy="ddp")
     start = time.monotonic()
@@ -467,9 +474,10 @@ def test_mismatched_configs_fail_at_start_naming_the_key(tmp_path, corpus):
     assert not (tmp_path / "run" / LATEST_FILE).exists()  # nothing was trained
 
 
+@pytest.mark.slow
 def test_errors_name_the_rank(tmp_path, corpus):
     config = write_config(tmp_path, corpus, strategy="ddp", batch_size=3)
-    result = torchrun(2, *train_args(config), timeout=120)
+    result = torchrun(2, *train_args(config))
     assert result.returncode != 0
     assert "error on rank 1 of 2: train.batch_size=3 does not split over 2 processes" in (
         result.stderr
@@ -479,6 +487,7 @@ def test_errors_name_the_rank(tmp_path, corpus):
 # --- fine-tuning on DDP --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lora_finetune_on_two_ddp_processes_equals_one(tiny_llama, tiny_data, tmp_path):  # noqa: F811
     """Chat rows learn different numbers of tokens: the loss weighting is what keeps the two
     processes' gradient equal to one process's."""
@@ -487,7 +496,7 @@ def test_lora_finetune_on_two_ddp_processes_equals_one(tiny_llama, tiny_data, tm
               "--lora-dropout", "0", "--steps", "3", "--no-progress", "--threads", "1"]  # fmt: skip
     single = subprocess.run(
         [sys.executable, "-m", "glassformer", "finetune", *common, "--out", str(tmp_path / "one")],
-        capture_output=True, text=True, timeout=240, env=run_env(),
+        capture_output=True, text=True, timeout=DEADLINE_S, env=run_env(),
     )  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
     two = torchrun(2, "finetune", *common, "--out", str(tmp_path / "two"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import DEADLINE_S
 from serving import free_port
 from test_distributed import (
     _children,
@@ -107,7 +108,7 @@ def _start_job(tmp_path: Path, corpus: Path) -> tuple[subprocess.Popen, dict[int
     log.close()
     try:
         latest = tmp_path / "run" / "latest"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + DEADLINE_S
         while not latest.exists() and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.05)
         assert latest.exists(), (tmp_path / "agent.txt").read_text()[-3000:]

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from processes import default_sigint
+from processes import DEADLINE_S, default_sigint
 from trees import tree
 
 from glassformer.train.checkpoint import load, resolve_checkpoint
@@ -38,7 +38,6 @@ from glassformer.train.guards import read_resume_state
 TRIALS = 20
 MAX_STEPS = 60  # each trial advances one or two steps; the rest is trained after the last kill
 KILL_WITHIN_S = 0.015  # about two saves of this model on a local disk
-TRIAL_TIMEOUT_S = 30.0
 
 
 def start_training(config: Path, *flags: str) -> subprocess.Popen:
@@ -78,7 +77,7 @@ def kill_during_a_save(proc: subprocess.Popen, run: Path, delay_s: float) -> boo
     Returns whether the save's temporary directory was still there (killed before the rename
     that publishes it)."""
     before = save_dirs(run)
-    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    deadline = time.monotonic() + DEADLINE_S
     while True:
         started = save_dirs(run) - before if (run / "latest").exists() else set()
         if started:
@@ -135,8 +134,8 @@ def test_kill_9_while_saving_always_leaves_a_loadable_checkpoint_and_exact_resum
         assert mid_write >= 1, "no kill landed while a save was being written"
         finish = start_training(configs["killed"], "--resume")
         procs.append(finish)
-        assert finish.wait(timeout=120) == 0, finish.stdout.read()
-        assert procs[0].wait(timeout=120) == 0, procs[0].stdout.read()
+        assert finish.wait(timeout=DEADLINE_S) == 0, finish.stdout.read()
+        assert procs[0].wait(timeout=DEADLINE_S) == 0, procs[0].stdout.read()
     weights, losses = final_state(run)
     reference_weights, reference_losses = final_state(tmp_path / "straight")
     assert weights.keys() == reference_weights.keys()
@@ -178,7 +177,7 @@ def kill_while_writing(proc: subprocess.Popen, dest: Path, stage: str, delay_s: 
     """SIGKILL `proc` `delay_s` after a hidden folder of `stage` appears beside `dest` ("new":
     the write began; "del": the swap is done and the old folder is being deleted); True if a
     hidden folder was still there when the kill landed."""
-    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    deadline = time.monotonic() + DEADLINE_S
     while not hidden_beside(dest, stage):
         if proc.poll() is not None:
             return False  # it finished between two looks: a complete write
@@ -300,8 +299,8 @@ def test_kill_9_during_finetune_saves_keeps_a_whole_checkpoint_and_adapter(
             assert tree(base) == base_before
         assert mid_write >= 1, "no kill landed while a save was being written"
         finish = start_cli(*flags, "--out", str(run), "--resume")
-        assert finish.wait(timeout=120) == 0, finish.communicate()[0]
-        assert reference.wait(timeout=120) == 0, reference.communicate()[0]
+        assert finish.wait(timeout=DEADLINE_S) == 0, finish.communicate()[0]
+        assert reference.wait(timeout=DEADLINE_S) == 0, reference.communicate()[0]
     finally:
         for proc in (reference,):
             if proc.poll() is None:
@@ -338,7 +337,7 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
             if trial % 4 == 3:  # any moment of the process: imports, building, training
                 time.sleep(rng.uniform(0.0, 2.5))
             else:  # once the trainer holds the run: building, evaluating, training, saving
-                deadline = time.monotonic() + TRIAL_TIMEOUT_S
+                deadline = time.monotonic() + DEADLINE_S
                 while not (run / ".lock").exists() and proc.poll() is None:
                     assert time.monotonic() < deadline, "the trainer never took its lock"
                     time.sleep(0.001)
@@ -381,7 +380,7 @@ def newest_step(run: Path) -> int:
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + TRIAL_TIMEOUT_S
+    deadline = time.monotonic() + DEADLINE_S
     while not condition():
         assert proc.poll() is None, f"the run ended before {what}:\n{proc.communicate()[0]}"
         assert time.monotonic() < deadline, f"{what} did not come in time"
@@ -450,8 +449,8 @@ def test_ctrl_c_or_sigterm_at_any_moment_of_a_lora_finetune_loses_nothing(
                 assert published[name] == tree(step_dir)[name], f"trial {trial}: {name}"
         assert 0 < newest < FINETUNE_SIGNAL_STEPS, newest
         finish = start_cli(*flags, "--out", str(run), "--resume")
-        assert finish.wait(timeout=120) == 0, finish.communicate()[0]
-        assert reference.wait(timeout=120) == 0, reference.communicate()[0]
+        assert finish.wait(timeout=DEADLINE_S) == 0, finish.communicate()[0]
+        assert reference.wait(timeout=DEADLINE_S) == 0, reference.communicate()[0]
     finally:
         if reference.poll() is None:
             reference.kill()

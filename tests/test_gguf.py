@@ -30,6 +30,7 @@ import regex
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from processes import DEADLINE_S
 
 from glassformer.chat import ChatSession
 from glassformer.cli import main
@@ -536,7 +537,7 @@ class _Lines:
             with self._lock:
                 self.text += chunk.decode("utf-8", errors="replace")
 
-    def wait_for(self, needle: str, after: int = 0, timeout: float = 60.0) -> int:
+    def wait_for(self, needle: str, after: int = 0, timeout: float = DEADLINE_S) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -570,7 +571,7 @@ def test_cli_chat_streams_replies_and_ctrl_c_stops_only_the_reply():
         process.stdin.write(b"/reset\nWhat is 2+2?\n/exit\n")
         process.stdin.flush()
         stats = out.wait_for("stop: end_of_turn]", after=stopped)
-        assert process.wait(timeout=60) == 0
+        assert process.wait(timeout=DEADLINE_S) == 0
     finally:
         process.kill()
     assert "[stopped]" in out.text[start:stopped]

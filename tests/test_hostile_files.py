@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from processes import DEADLINE_S
 from safetensors.torch import load_file, save_file
 
 import glassformer.memory
@@ -258,7 +259,7 @@ def test_hostile_sizes_under_an_address_space_cap(tmp_path: Path) -> None:
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(step), str(folder), str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=DEADLINE_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[:3] == [

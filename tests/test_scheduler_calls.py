@@ -8,7 +8,9 @@ import asyncio
 import threading
 
 import pytest
-from test_server_scheduler import greedy, make_scheduler, serve, tiny_model
+from conftest import tiny_model
+from processes import DEADLINE_S
+from test_server_scheduler import greedy, make_scheduler, serve
 
 import glassformer as gf
 from glassformer.infer.sampling import NO_EOS
@@ -16,7 +18,7 @@ from glassformer.server.scheduler import Stopped
 
 
 def test_calls_run_on_the_engine_thread_between_steps_and_leave_the_rows_alone() -> None:
-    model = tiny_model()
+    model = tiny_model(max_seq_len=64)
     scheduler = make_scheduler(model)
     engine = scheduler.engine
     stepping = threading.Event()
@@ -53,8 +55,8 @@ def test_calls_run_on_the_engine_thread_between_steps_and_leave_the_rows_alone()
         served, (results, futures) = asyncio.run(both())
         assert results == [0, 1, 4]
         with pytest.raises(ValueError, match="bad lab input"):
-            futures[3].result(timeout=5)
-        assert futures[4].result(timeout=5) == 16
+            futures[3].result(timeout=DEADLINE_S)
+        assert futures[4].result(timeout=DEADLINE_S) == 16
         assert seen == [("glassformer-engine", False)] * 5
     finally:
         scheduler.stop()

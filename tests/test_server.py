@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from processes import DEADLINE_S
 from serving import start_server, stop_server
 
 import glassformer as gf
@@ -454,7 +455,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     with httpx.stream("POST", f"{server}/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLINE_S
     while httpx.get(f"{server}/health").json()["running_rows"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert httpx.get(f"{server}/health").json()["running_rows"] == 0

@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from processes import DEADLINE_S
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
@@ -85,7 +86,7 @@ def test_metrics_count_what_the_official_client_sent(server):
     prompted = sum(u.prompt_tokens for u in usages)
 
     # The HTTP counter is written once the response has gone out: wait for the last one.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + DEADLINE_S
     while True:
         response = scrape(server)
         table = samples(text_string_to_metric_families(response.text))

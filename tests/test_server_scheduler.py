@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from conftest import tiny_model
+from processes import DEADLINE_S
 
 import glassformer as gf
 from glassformer.infer.prefill import PREFILL_CHUNK
@@ -23,19 +25,6 @@ from glassformer.server.scheduler import (
     Stopped,
     Tokens,
 )
-
-
-def tiny_model() -> torch.nn.Module:
-    cfg = gf.ModelConfig(
-        vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
-        position="rope", norm="rms", ffn="swiglu",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = gf.build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8.0)
-    return model.eval()
 
 
 def make_scheduler(
@@ -80,7 +69,7 @@ async def serve(scheduler: Scheduler, jobs: list[tuple[list[int], SamplingParams
 
 @pytest.fixture
 def model():
-    return tiny_model()
+    return tiny_model(max_seq_len=64)
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 2, PREFILL_CHUNK])
@@ -302,7 +291,7 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(model, monkeypa
     scheduler.start()
     try:
         events = asyncio.run(run())
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + DEADLINE_S
         while (engine.n_held or scheduler.running) and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from glassformer.cli import main
-from glassformer.config import ModelConfig
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import SamplingParams
 from glassformer.infer.thinking import Segments, opens_segment
@@ -19,10 +19,7 @@ START, END = VOCAB - 2, VOCAB - 1  # the markers' ids in these tests
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64,
-                      position="rope", norm="rms", ffn="swiglu", init_std=0.3)  # fmt: skip
-    model = build_model(cfg).eval()
+    model = tiny_model(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64, init_std=0.3, scale=1)
     with torch.no_grad():  # a model that never closes the segment itself: the budget must
         model.lm_head.weight[END] = 0.0
         model.lm_head.weight[START] = 0.0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from processes import default_sigint
+from processes import DEADLINE_S, default_sigint
 
 from glassformer import ModelConfig
 from glassformer.cli import main
@@ -272,10 +272,10 @@ def _start_training(config: Path, *flags: str) -> subprocess.Popen:
 
 
 def _wait_for_checkpoint(run: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + DEADLINE_S
     while not (run / "latest").exists():
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 60 s"
+        assert time.monotonic() < deadline, f"no checkpoint within {DEADLINE_S:g} s"
         time.sleep(0.02)
 
 
@@ -306,7 +306,7 @@ def test_lock_is_released_on_ctrl_c_and_on_errors(config: Path, capsys) -> None:
     proc = _start_training(config)
     _wait_for_checkpoint(run, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=DEADLINE_S)
     assert proc.returncode == 130, err
     assert not (run / ".lock").exists()
     assert load(run)[0] is not None  # what it saved is intact
