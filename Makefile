@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-no-kernels lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,16 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest
+
+# The suite again with the C kernels off (GLASSFORMER_KERNELS=off: torch's F.linear and decode
+# step everywhere), as on a machine without a C compiler, AVX2 or an x86 CPU: the kernel tests
+# skip, each listed with its reason (-rs), and everything else must pass. Left out: the
+# multi-process training tests (torchrun, kill -9 and Ctrl-C while training), which train with
+# autograd, never reach the decode kernels, and are the suite's longest files (about 6 minutes).
+TRAINING_PROCESS_TESTS := tests/test_distributed.py tests/test_distributed_failures.py \
+	tests/test_durability.py
+test-no-kernels: setup
+	GLASSFORMER_KERNELS=off $(PY) -m pytest -rfEs $(addprefix --ignore=,$(TRAINING_PROCESS_TESTS))
 
 format: setup
 	$(VENV)/bin/ruff format .
