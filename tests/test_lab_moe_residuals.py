@@ -13,7 +13,6 @@ import torch
 
 from glassformer import numpy_ref
 from glassformer.config import ModelConfig
-from glassformer.lab import base as lab
 from glassformer.lab.exp_moe import (
     DENSE,
     DENSE_TOTAL,
@@ -21,7 +20,6 @@ from glassformer.lab.exp_moe import (
     N_EXPERTS,
     TOP_K,
     Timer,
-    combined_spread,
     expert_load,
     model_configs,
 )
@@ -170,12 +168,6 @@ def test_expert_load_is_each_experts_share() -> None:
     assert shares[0] == pytest.approx([0.5, 0.0, 0.25, 0.25])
     assert sum(shares[1]) == pytest.approx(1.0)
     assert aux == pytest.approx([float(m.aux_loss) for m in layers])
-
-
-def test_combined_spread_is_what_exceeds_spread_weighs_a_difference_against() -> None:
-    a, b = lab.over_seeds([1.0, 1.2, 0.9]), lab.over_seeds([2.0, 2.5])
-    assert combined_spread(a, b) == pytest.approx(lab.exceeds_spread("", a, b).target)
-    assert combined_spread(a, b) == pytest.approx(math.hypot(a.spread, b.spread))
 
 
 def test_timer_train_step_is_one_optimizer_step_and_generation_times_are_positive() -> None:
