@@ -50,6 +50,7 @@ from glassformer.server.protocol import (
     EmbeddingRequest,
     SamplingFields,
     TokenizeRequest,
+    engine_stopped,
     parse_json,
     validate,
 )
@@ -438,12 +439,7 @@ class API:
                 headers={"Retry-After": "1"},
             ) from None
         except Stopped:
-            raise APIError(
-                503,
-                "the engine has stopped (the server is shutting down): retry on a running server",
-                kind="server_error",
-                code="engine_stopped",
-            ) from None
+            raise engine_stopped() from None
         return work
 
     async def _respond(self, request: Request, body: SamplingFields, work: Work, reply: Reply):

@@ -18,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from glassformer import numpy_ref
-from glassformer.server.protocol import APIError, parse_json, validate
+from glassformer.server.protocol import APIError, engine_stopped, parse_json, validate
 from glassformer.server.scheduler import Stopped
 
 FLOAT64_MAX = np.finfo(np.float64).max  # 1.8e308
@@ -52,12 +52,7 @@ async def on_engine_thread(request: Request, work: Callable[[], Any]) -> Any:
     try:
         return await asyncio.wrap_future(request.app.state.scheduler.call(work))
     except Stopped:
-        raise APIError(
-            503,
-            "the engine has stopped (the server is shutting down): retry on a running server",
-            kind="server_error",
-            code="engine_stopped",
-        ) from None
+        raise engine_stopped() from None
 
 
 async def read_body(request: Request, model: type[BaseModel]) -> Any:

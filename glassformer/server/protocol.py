@@ -49,6 +49,17 @@ class APIError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
+def engine_stopped() -> APIError:
+    """The 503 for work handed to an engine thread that has stopped: /v1's requests and the
+    lab's forwards say the same."""
+    return APIError(
+        503,
+        "the engine has stopped (the server is shutting down): retry on a running server",
+        kind="server_error",
+        code="engine_stopped",
+    )
+
+
 def parse_json(raw: bytes) -> Any:
     """The request body as JSON, or a 400 that says where it is broken."""
     try:
