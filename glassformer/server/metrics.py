@@ -28,6 +28,28 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)  #
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000)  # tokens
 
+COUNTERS = {
+    "prompt_tokens": "Prompt tokens received.",
+    "cached_prompt_tokens": (
+        "Prompt tokens reused from a parked conversation (not prefilled again)."
+    ),
+    "generation_tokens": "Tokens generated.",
+}
+
+HISTOGRAMS = {  # name: (about, bucket upper bounds)
+    "time_to_first_token_seconds": ("Seconds from arrival to a row's first token.", TTFT_BUCKETS),
+    "time_per_output_token_seconds": (
+        "Seconds between a row's tokens (inter-token).",
+        TOKEN_BUCKETS,
+    ),
+    "e2e_request_latency_seconds": (
+        "Seconds from arrival to the last token, per request.",
+        LATENCY_BUCKETS,
+    ),
+    "request_prompt_tokens": ("Prompt tokens of each finished request.", COUNT_BUCKETS),
+    "request_generation_tokens": ("Tokens generated for each finished request.", COUNT_BUCKETS),
+}
+
 GAUGES = {
     "running_rows": "Rows decoding in the engine.",
     "queued_rows": "Rows waiting for a slot.",
@@ -50,47 +72,14 @@ class Metrics:
             ("endpoint", "code"),
             registry=registry,
         )
-        self.prompt_tokens = Counter(
-            "glassformer_prompt_tokens", "Prompt tokens received.", registry=registry
-        )
-        self.cached_prompt_tokens = Counter(
-            "glassformer_cached_prompt_tokens",
-            "Prompt tokens reused from a parked conversation (not prefilled again).",
-            registry=registry,
-        )
-        self.generated_tokens = Counter(
-            "glassformer_generation_tokens", "Tokens generated.", registry=registry
-        )
-        self.ttft = _histogram(
-            "time_to_first_token_seconds",
-            "Seconds from arrival to a row's first token.",
-            TTFT_BUCKETS,
-            registry,
-        )
-        self.per_token = _histogram(
-            "time_per_output_token_seconds",
-            "Seconds between a row's tokens (inter-token).",
-            TOKEN_BUCKETS,
-            registry,
-        )
-        self.latency = _histogram(
-            "e2e_request_latency_seconds",
-            "Seconds from arrival to the last token, per request.",
-            LATENCY_BUCKETS,
-            registry,
-        )
-        self.request_prompt_tokens = _histogram(
-            "request_prompt_tokens",
-            "Prompt tokens of each finished request.",
-            COUNT_BUCKETS,
-            registry,
-        )
-        self.request_generation_tokens = _histogram(
-            "request_generation_tokens",
-            "Tokens generated for each finished request.",
-            COUNT_BUCKETS,
-            registry,
-        )
+        self.counters = {
+            name: Counter(f"glassformer_{name}", about, registry=registry)
+            for name, about in COUNTERS.items()
+        }
+        self.histograms = {
+            name: Histogram(f"glassformer_{name}", about, buckets=buckets, registry=registry)
+            for name, (about, buckets) in HISTOGRAMS.items()
+        }
         self.gauges = {
             name: Gauge(f"glassformer_{name}", about, registry=registry)
             for name, about in GAUGES.items()
@@ -100,23 +89,23 @@ class Metrics:
         self.requests.labels(endpoint=endpoint, code=str(status)).inc()
 
     def first_token(self, seconds: float, prompt_tokens: int, cached: int) -> None:
-        self.ttft.observe(seconds)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_prompt_tokens.inc(cached)
+        self.histograms["time_to_first_token_seconds"].observe(seconds)
+        self.counters["prompt_tokens"].inc(prompt_tokens)
+        self.counters["cached_prompt_tokens"].inc(cached)
 
     def tokens(self, n: int, seconds_each: float | None) -> None:
         """n new tokens of one row; seconds_each: the time per token since its previous ones
         (None for the first token, whose time is the TTFT)."""
-        self.generated_tokens.inc(n)
+        self.counters["generation_tokens"].inc(n)
         if seconds_each is not None:
             for _ in range(n):
-                self.per_token.observe(seconds_each)
+                self.histograms["time_per_output_token_seconds"].observe(seconds_each)
 
     def request_finished(self, seconds: float, prompt_tokens: int, generated_tokens: int) -> None:
         """A request whose every choice finished: its latency and its sizes."""
-        self.latency.observe(seconds)
-        self.request_prompt_tokens.observe(prompt_tokens)
-        self.request_generation_tokens.observe(generated_tokens)
+        self.histograms["e2e_request_latency_seconds"].observe(seconds)
+        self.histograms["request_prompt_tokens"].observe(prompt_tokens)
+        self.histograms["request_generation_tokens"].observe(generated_tokens)
 
     def set_gauges(self, **values: int) -> None:
         for name, value in values.items():
@@ -126,9 +115,3 @@ class Metrics:
         """The body and content type of a scrape whose Accept header is `accept`."""
         encode, content_type = choose_encoder(accept or "")
         return encode(self.registry), content_type
-
-
-def _histogram(
-    name: str, about: str, buckets: tuple[float, ...], registry: CollectorRegistry
-) -> Histogram:
-    return Histogram(f"glassformer_{name}", about, buckets=buckets, registry=registry)
