@@ -99,18 +99,26 @@ def _seeds(rec: dict) -> str:
     return ", ".join(str(s) for s in seeds) if isinstance(seeds, list) else str(rec["seed"])
 
 
+def _opening(rec: dict, title: str, source: str) -> list[str]:
+    """A section's anchor and numbered heading, then the claim quoted with its source."""
+    claim = "\n".join(f"> {line}" for line in rec["claim"].splitlines())
+    heading = f"## {rec['number']}. {title}"
+    return [f'<a id="{_anchor(rec)}"></a>', heading, "", claim, ">", f"> {source}", ""]
+
+
+def _figure(rec: dict, out_dir: Path, report_dir: Path) -> list[str]:
+    """The record's figure as a Markdown image linked from the report's folder, if it has one."""
+    if not rec["figure"]:
+        return []
+    link = os.path.relpath(out_dir / rec["figure"], report_dir)
+    return [f"![{rec['name']}]({Path(link).as_posix()})", ""]
+
+
 def section(rec: dict, out_dir: Path, report_dir: Path) -> str:
     checks = verified_checks(rec)
-    claim = "\n".join(f"> {line}" for line in rec["claim"].splitlines())
     machine = rec["machine"]
     parts = [
-        f'<a id="{_anchor(rec)}"></a>',
-        f"## {rec['number']}. {rec['title']} (`{rec['name']}`)",
-        "",
-        f"{claim}",
-        ">",
-        f"> — {rec['source']}",
-        "",
+        *_opening(rec, f"{rec['title']} (`{rec['name']}`)", f"— {rec['source']}"),
         f"**Verdict: {verdict_label(rec, checks)}.** {rec['why']}",
         "",
         f"Command: `{rec['command']}` (mode {rec['mode']}, seed {rec['seed']}; run {rec['started']}"
@@ -128,10 +136,7 @@ def section(rec: dict, out_dir: Path, report_dir: Path) -> str:
         f"{' (precondition)' if c.role == 'precondition' else ''}: {c.describe()}"
         for c in checks
     ]
-    parts.append("")
-    if rec["figure"]:
-        link = os.path.relpath(out_dir / rec["figure"], report_dir)
-        parts += [f"![{rec['name']}]({Path(link).as_posix()})", ""]
+    parts += ["", *_figure(rec, out_dir, report_dir)]
     return "\n".join(parts)
 
 
@@ -319,16 +324,9 @@ def section_zh(rec: dict, out_dir: Path, report_dir: Path) -> str:
     checks = verified_checks(rec)
     words = Glossary(rec)
     about = _about(rec)
-    claim = "\n".join(f"> {line}" for line in rec["claim"].splitlines())
     machine = rec["machine"]
     parts = [
-        f'<a id="{_anchor(rec)}"></a>',
-        f"## {rec['number']}. {about['title_zh']}（`{rec['name']}`）",
-        "",
-        claim,
-        ">",
-        f"> —— {rec['source']}",
-        "",
+        *_opening(rec, f"{about['title_zh']}（`{rec['name']}`）", f"—— {rec['source']}"),
         f"**结论：{verdict_label_zh(rec, checks)}。** {why_zh(checks, words)}",
         "",
     ]
@@ -349,10 +347,7 @@ def section_zh(rec: dict, out_dir: Path, report_dir: Path) -> str:
         f"{words.check(c)}"
         for c in checks
     ]
-    parts.append("")
-    if rec["figure"]:
-        link = os.path.relpath(out_dir / rec["figure"], report_dir)
-        parts += [f"![{rec['name']}]({Path(link).as_posix()})", ""]
+    parts += ["", *_figure(rec, out_dir, report_dir)]
     return "\n".join(parts)
 
 
