@@ -13,6 +13,7 @@ from glassformer.cli.common import (
     add_decode_flags,
     add_sampling_flags,
     add_thinking_flags,
+    decode_engine,
     load_for_decode,
     sampling_kwargs,
     thinking_options,
@@ -27,7 +28,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
     the conversation, /exit or Ctrl-D quits, Ctrl-C stops a reply.
     """
     from glassformer.chat import ChatSession, run_chat
-    from glassformer.infer.engine import Engine
     from glassformer.infer.sampling import SamplingParams, check_logit_bias_ids
 
     options = DecodeOptions.from_args(args)
@@ -38,8 +38,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     # Bytes on stdin that are not UTF-8 become U+FFFD instead of ending the chat.
     if isinstance(sys.stdin, io.TextIOWrapper):
         sys.stdin.reconfigure(errors="replace")
-    fast = not options.plain  # the CLI owns the model: its weights may move (huge_pages)
-    engine = Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
+    engine = decode_engine(model, tokenizer, options)
     session = ChatSession(
         engine,
         tokenizer,

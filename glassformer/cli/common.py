@@ -18,6 +18,7 @@ from torch import nn
 from glassformer.devices import DEVICES, resolve_device
 
 if TYPE_CHECKING:
+    from glassformer.infer.engine import Engine
     from glassformer.tokenizers import Tokenizer
 
 
@@ -419,6 +420,15 @@ def load_for_decode(
         model_name, why, quantize=options.quantize, adapter=options.adapter
     )
     return prepare_for_decode(model, device, options), tokenizer
+
+
+def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions) -> Engine:
+    """The engine a decoding command runs on. The CLI owns the model, so unless --plain the
+    engine may move its weights (the fused step, huge pages)."""
+    from glassformer.infer.engine import Engine
+
+    fast = not options.plain
+    return Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
 
 
 def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOptions) -> nn.Module:

@@ -15,6 +15,7 @@ from glassformer.cli.common import (
     add_decode_flags,
     add_sampling_flags,
     add_thinking_flags,
+    decode_engine,
     load_for_decode,
     positive_int,
     sampling_kwargs,
@@ -30,7 +31,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     are generated together, each a row of the engine at its own position, and printed numbered
     when all are done.
     """
-    from glassformer.infer.engine import Engine
     from glassformer.infer.sampling import check_logit_bias_ids
 
     options = DecodeOptions.from_args(args, compile=args.compile)
@@ -39,8 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.show_top and (len(args.prompt) > 1 or args.compile):
         raise ValueError("--show-top follows one prompt on the engine: drop --compile and give one")
     args.thinking, args.prompt_suffix = thinking_options(args, tokenizer, args.model)
-    fast = not options.plain  # the CLI owns the model: its weights may move (huge_pages)
-    engine = Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
+    engine = decode_engine(model, tokenizer, options)
     if args.show_top:
         _generate_show_top(args, engine, tokenizer)
     elif len(args.prompt) > 1:
