@@ -203,21 +203,14 @@ class CharTokenizer:
             raise ValueError("CharTokenizer.from_text got an empty text: pass the training text")
         return cls(sorted(set(text)))
 
+    # A vocabulary of characters has no special tokens.
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return None
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return None
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # add_special_tokens: as the other tokenizers take it; a char vocabulary has none to add
@@ -264,6 +257,10 @@ class BPETokenizer:
     eos_token: the special token that ends a text; "auto" takes the first of EOS_SPELLINGS
     among the special tokens (so a tokenizer trained with "</s>" stops generation there).
     """
+
+    # Only an end-of-text token: no BOS is prepended and padding is the batcher's job.
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
 
     def __init__(
         self, hf_tokenizer: HFTokenizer, eos_token: str | None = AUTO, source: Path | None = None
@@ -323,14 +320,6 @@ class BPETokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return None
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return None
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
