@@ -57,6 +57,21 @@ def tiny_model(*, seed: int = 0, scale: float = 8.0, **fields) -> torch.nn.Modul
 GPT2 = dict(position="learned", norm="layer", ffn="gelu", n_kv_heads=None)
 
 
+def left_padded(
+    prompts: list[torch.Tensor], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned in a (B, width) batch, as batched generation pads them: the ids
+    (0 in the pads), the padding mask (True on real tokens) and the position ids, counted from
+    each row's first real token."""
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    padding_mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = p
+        padding_mask[b, width - len(p) :] = True
+    position_ids = (padding_mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, padding_mask, position_ids
+
+
 # --- the C kernels ----------------------------------------------------------------------------
 
 # What keeps the kernels off here (GLASSFORMER_KERNELS=off, a CPU without AVX2/FMA, no C

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import left_padded
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from glassformer.config import PRESETS, ConfigError, ModelConfig
@@ -152,12 +153,7 @@ def test_left_padded_prefill_and_decode_equal_each_row_alone(position: str) -> N
     lengths, width, n_new = [7, 3], 7, 4
     prompts = [torch.randint(1, VOCAB, (n,)) for n in lengths]
     continuations = torch.randint(1, VOCAB, (2, n_new))
-    ids = torch.zeros(2, width, dtype=torch.long)
-    padding_mask = torch.zeros(2, width, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = p
-        padding_mask[b, width - len(p) :] = True
-    position_ids = (padding_mask.cumsum(-1) - 1).clamp(min=0)
+    ids, padding_mask, position_ids = left_padded(prompts, width)
     cache = model.new_cache(2)
     with torch.no_grad():
         prefill = model(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import left_padded, tiny_model
 
 import glassformer as gf
 from glassformer.models.gpt import GPT
@@ -134,12 +134,7 @@ def test_left_padded_batch_with_the_ring_equals_each_row_alone() -> None:
     lengths, width, n_new = [8, 2], 8, 10
     prompts = [torch.randint(1, VOCAB, (n,)) for n in lengths]
     continuations = torch.randint(1, VOCAB, (2, n_new))
-    ids = torch.zeros(2, width, dtype=torch.long)
-    padding_mask = torch.zeros(2, width, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = p
-        padding_mask[b, width - len(p) :] = True
-    position_ids = (padding_mask.cumsum(-1) - 1).clamp(min=0)
+    ids, padding_mask, position_ids = left_padded(prompts, width)
     cache = model.new_cache(2)
     with torch.no_grad():
         model(
