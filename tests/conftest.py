@@ -115,6 +115,37 @@ def hamlet_corpus(folder: Path) -> Path:
     return corpus
 
 
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> str:
+    """Two plays' worth of text in a folder: the real corpus, small enough for fast tests."""
+    from glassformer.data import shakespeare_plays
+
+    folder = tmp_path_factory.mktemp("corpus")
+    plays = shakespeare_plays("modern")
+    for name in ("hamlet", "macbeth"):
+        key = next(k for k in plays if name in k)
+        (folder / f"{name}.txt").write_text(plays[key][:60_000], encoding="utf-8")
+    return str(folder)
+
+
+def char_run(out_dir, corpus: str, model: dict, **train):
+    """The RunConfig of a 20-step character-level run of `model` on `corpus` (e.g.
+    small_corpus), evaluated and saved every 10 steps; `train` values override [train]'s."""
+    from glassformer.train.config import RunConfig
+
+    return RunConfig.from_dict(
+        {
+            "model": model,
+            "data": {"corpus": corpus, "tokenizer": "char"},
+            "train": {
+                "out_dir": str(out_dir), "max_steps": 20, "batch_size": 8, "warmup_steps": 4,
+                "learning_rate": 3e-3, "eval_interval": 10, "eval_batches": 2,
+                "checkpoint_interval": 10, **train,
+            },
+        }
+    )  # fmt: skip
+
+
 def write_tiny_config(folder: Path, name: str = "run", max_seq_len: int = 16, **train) -> Path:
     """The path of a TOML config for a tiny GPT trained on hamlet_corpus(folder), out_dir
     folder/name; `train` values override [train]'s."""

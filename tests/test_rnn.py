@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import char_run
 
 from glassformer import ModelConfig, build_model
 from glassformer.config import ConfigError
-from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
 from glassformer.infer.sampling import SamplingParams, sample
 from glassformer.models.rnn import RNNLM, RNNCell
@@ -193,29 +193,9 @@ def test_only_right_padding_is_accepted():
 # --- training with the shared trainer ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("corpus")
-    plays = shakespeare_plays("modern")
-    for name in ("hamlet", "macbeth"):
-        key = next(k for k in plays if name in k)
-        (folder / f"{name}.txt").write_text(plays[key][:60_000], encoding="utf-8")
-    return str(folder)
-
-
 def rnn_run(out_dir, corpus: str, model: dict | None = None, **train) -> RunConfig:
-    return RunConfig.from_dict(
-        {
-            "model": {"family": "rnn", "cell": "lstm", "d_model": 64, "n_layers": 1,
-                      "max_seq_len": 32, **(model or {})},
-            "data": {"corpus": corpus, "tokenizer": "char"},
-            "train": {
-                "out_dir": str(out_dir), "max_steps": 20, "batch_size": 8, "warmup_steps": 4,
-                "learning_rate": 1e-2, "eval_interval": 10, "eval_batches": 2,
-                "checkpoint_interval": 10, **train,
-            },
-        }
-    )  # fmt: skip
+    lstm = {"family": "rnn", "cell": "lstm", "d_model": 64, "n_layers": 1, "max_seq_len": 32}
+    return char_run(out_dir, corpus, lstm | (model or {}), **{"learning_rate": 1e-2, **train})
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import char_run
 
-from glassformer.data import shakespeare_plays
 from glassformer.train.checkpoint import list_checkpoints
 from glassformer.train.config import RunConfig, TrainConfig, load_run_config, parse_override
 from glassformer.train.tasks import unigram_entropy
@@ -19,29 +19,8 @@ TINY_MODEL = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory) -> str:
-    """Two plays' worth of text in a folder: the real corpus, small enough for fast tests."""
-    folder = tmp_path_factory.mktemp("corpus")
-    plays = shakespeare_plays("modern")
-    for name in ("hamlet", "macbeth"):
-        key = next(k for k in plays if name in k)
-        (folder / f"{name}.txt").write_text(plays[key][:60_000], encoding="utf-8")
-    return str(folder)
-
-
 def tiny_run(out_dir, corpus: str, **train) -> RunConfig:
-    return RunConfig.from_dict(
-        {
-            "model": dict(TINY_MODEL),
-            "data": {"corpus": corpus, "tokenizer": "char"},
-            "train": {
-                "out_dir": str(out_dir), "max_steps": 20, "batch_size": 8, "warmup_steps": 4,
-                "learning_rate": 3e-3, "eval_interval": 10, "eval_batches": 2,
-                "checkpoint_interval": 10, **train,
-            },
-        }
-    )  # fmt: skip
+    return char_run(out_dir, corpus, dict(TINY_MODEL), **train)
 
 
 def test_resume_equals_uninterrupted(tmp_path, small_corpus):
