@@ -53,6 +53,18 @@ def tiny_model(*, seed: int = 0, scale: float = 8.0, **fields) -> torch.nn.Modul
     return model.eval()
 
 
+def tiny_llama_config(vocab_size: int, **fields):
+    """A tiny Hugging Face LlamaConfig, the reference side of parity tests: width 32, 2 layers,
+    4 query heads sharing 2 key/value heads, 64 positions; `fields` override any field."""
+    import transformers
+
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaConfig(vocab_size=vocab_size, **(sizes | fields))
+
+
 # GPT-2's components, for tiny_model(**GPT2, ...): learned positions, LayerNorm, GELU, MHA.
 GPT2 = dict(position="learned", norm="layer", ffn="gelu", n_kv_heads=None)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_llama_config
 from safetensors.torch import load_file, save_file
 
 import glassformer as gf
@@ -25,11 +26,7 @@ def _save(config: transformers.PretrainedConfig, folder: Path) -> Path:
 
 @pytest.fixture
 def llama_folder(tmp_path: Path) -> Path:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return _save(config, tmp_path / "llama")
+    return _save(tiny_llama_config(VOCAB), tmp_path / "llama")
 
 
 @pytest.fixture

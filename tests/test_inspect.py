@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import tiny_llama_config
 
 import glassformer as gf
 from glassformer.cli import main
@@ -173,11 +174,7 @@ def test_capture_works_on_decode_optimized_and_int8_models():
 
 
 def test_capture_equals_transformers_output_attentions(tmp_path):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=None, eos_token_id=None, initializer_range=0.2,
-    )  # fmt: skip
+    config = tiny_llama_config(VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.2)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)

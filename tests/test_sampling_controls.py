@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 import transformers
-from conftest import needs_kernels
+from conftest import needs_kernels, tiny_llama_config
 from serving import start_server, stop_server
 from test_server import tiny_chat_model
 
@@ -35,11 +35,7 @@ MIN_TOKENS = 6
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(transformers model, the same weights loaded by glassformer): a tiny random Llama."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=None, eos_token_id=None, initializer_range=0.2,
-    )  # fmt: skip
+    config = tiny_llama_config(VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.2)
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("llama")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
