@@ -84,6 +84,15 @@ def left_padded(
     return ids, padding_mask, position_ids
 
 
+def finish_gguf(writer) -> None:
+    """Write a gguf.GGUFWriter's file in the order llama.cpp lays it out (header, metadata,
+    tensors), and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 # --- the C kernels ----------------------------------------------------------------------------
 
 # What keeps the kernels off here (GLASSFORMER_KERNELS=off, a CPU without AVX2/FMA, no C

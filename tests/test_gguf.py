@@ -29,6 +29,7 @@ import pytest
 import regex
 import torch
 import transformers
+from conftest import finish_gguf
 from gguf import GGMLQuantizationType as Q
 from processes import DEADLINE_S
 
@@ -173,10 +174,7 @@ def write_gguf(
             writer.add_tensor(names[hf_name], data)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import finish_gguf
 from processes import DEADLINE_S
 from safetensors.torch import load_file, save_file
 
@@ -121,10 +122,7 @@ def write_gguf(
             _put(writer, key, value)
     for name, values in (gguf_tensors() if tensors is None else tensors).items():
         writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import finish_gguf, tiny_model
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
@@ -246,10 +246,7 @@ def write_q8_0_gguf(path: Path, model: nn.Module) -> Path:
             writer.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
         else:
             writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
