@@ -173,6 +173,16 @@ def test_capture_works_on_decode_optimized_and_int8_models():
     assert (cap.attention[1] - ref.attention[1]).abs().max() < 0.05
 
 
+def _assert_capture_equals_hf(model, hf, ids, n_layers: int, rtol: float) -> None:
+    """capture() records, layer by layer, the weights transformers returns as attentions."""
+    with torch.no_grad():
+        expected = hf(ids, output_attentions=True).attentions
+        with capture(model) as cap:
+            model(ids)
+    for layer in range(n_layers):
+        torch.testing.assert_close(cap.attention[layer], expected[layer], atol=1e-5, rtol=rtol)
+
+
 def test_capture_equals_transformers_output_attentions(tmp_path):
     config = tiny_llama_config(VOCAB, bos_token_id=None, eos_token_id=None, initializer_range=0.2)
     torch.manual_seed(0)
@@ -181,12 +191,7 @@ def test_capture_equals_transformers_output_attentions(tmp_path):
     model, _ = gf.from_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (1, 11))
     hf.config._attn_implementation = "eager"  # the only HF path that returns weights
-    with torch.no_grad():
-        expected = hf(ids, output_attentions=True).attentions
-        with capture(model) as cap:
-            model(ids)
-    for layer in range(2):
-        torch.testing.assert_close(cap.attention[layer], expected[layer], atol=1e-5, rtol=1e-5)
+    _assert_capture_equals_hf(model, hf, ids, n_layers=2, rtol=1e-5)
 
 
 def test_top_attended_closed_form():
@@ -338,9 +343,4 @@ def test_minilm_capture_equals_transformers():
     model, tokenizer = gf.from_pretrained("minilm")
     ids = torch.tensor([tokenizer.encode("it was too tired")])
     hf = transformers.BertModel.from_pretrained(resolve("minilm"), attn_implementation="eager")
-    with torch.no_grad():
-        expected = hf(ids, output_attentions=True).attentions
-        with capture(model) as cap:
-            model(ids)
-    for layer in range(6):
-        torch.testing.assert_close(cap.attention[layer], expected[layer], atol=1e-5, rtol=1e-4)
+    _assert_capture_equals_hf(model, hf, ids, n_layers=6, rtol=1e-4)
