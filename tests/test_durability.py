@@ -40,17 +40,20 @@ MAX_STEPS = 60  # each trial advances one or two steps; the rest is trained afte
 KILL_WITHIN_S = 0.015  # about two saves of this model on a local disk
 
 
-def start_training(config: Path, *flags: str) -> subprocess.Popen:
+def start_cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "glassformer", "train", "--config", str(config)]
     return subprocess.Popen(
-        [*command, "--no-progress", *flags],
+        [sys.executable, "-m", "glassformer", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         preexec_fn=default_sigint,
     )
+
+
+def start_training(config: Path, *flags: str) -> subprocess.Popen:
+    return start_cli("train", "--config", str(config), "--no-progress", *flags)
 
 
 @contextlib.contextmanager
@@ -62,7 +65,7 @@ def reaped(procs: list[subprocess.Popen]):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.communicate()
 
 
 def save_dirs(run: Path) -> set[str]:
@@ -152,18 +155,6 @@ def test_kill_9_while_saving_always_leaves_a_loadable_checkpoint_and_exact_resum
 
 FOLDER_TRIALS = 20
 FOLDER_KILL_WITHIN_S = 0.1  # a tiny model's folder write, fsyncs included, takes 15-80 ms here
-
-
-def start_cli(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "glassformer", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        preexec_fn=default_sigint,
-    )
 
 
 def hidden_beside(dest: Path, stage: str = "") -> set[str]:
@@ -333,7 +324,7 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
     for trial in range(SIGNAL_TRIALS):
         signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
         proc = start_training(config, *(["--resume"] if (run / "latest").exists() else []))
-        try:
+        with reaped([proc]):
             if trial % 4 == 3:  # any moment of the process: imports, building, training
                 time.sleep(rng.uniform(0.0, 2.5))
             else:  # once the trainer holds the run: building, evaluating, training, saving
@@ -346,10 +337,6 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
             proc.send_signal(signum)
             output = proc.communicate(timeout=STOPPED_WITHIN_S)[0]
             stopped_in.append(time.monotonic() - sent)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
         # Our handler: 128 + signum; a signal during Python's own start-up: killed by it.
         assert proc.returncode in (128 + signum, -signum), (proc.returncode, output)
         if proc.returncode == 128 + signum:
@@ -421,15 +408,11 @@ def test_ctrl_c_or_sigterm_at_any_moment_of_a_lora_finetune_loses_nothing(
         for trial, moment in enumerate(MOMENTS):
             signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
             proc = start_cli(*flags, "--out", str(run), "--resume")
-            try:
+            with reaped([proc]):
                 signal_at(proc, run, moment, signum, rng)
                 sent = time.monotonic()
                 output = proc.communicate(timeout=STOPPED_WITHIN_S)[0]
                 stopped_in.append(time.monotonic() - sent)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
             # Our handler: 128 + signum; SIGTERM before the handler is set: killed by it.
             assert proc.returncode in (128 + signum, -signum), (trial, proc.returncode, output)
             assert "Traceback" not in output, output
