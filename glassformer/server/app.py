@@ -88,6 +88,7 @@ class ServerOptions:
     request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens one engine turn prefills (None: all)
     max_body_bytes: int = 16 * 2**20  # a larger request body gets a 413, unparsed
+    huge_pages: bool = False  # move the model's large tensors into 2 MB pages (Engine's option)
 
 
 def served_name(model_arg: str) -> str:
@@ -106,6 +107,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         max_rows=2 * options.max_batch,
         max_seq_len=slot_len,
         tokenizer=served.tokenizer,
+        huge_pages=options.huge_pages,
     )
     scheduler = Scheduler(
         engine,
