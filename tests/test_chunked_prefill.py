@@ -86,7 +86,7 @@ def test_each_step_decodes_the_running_row_and_prefills_at_most_the_budget():
     running = engine.add([4, 4, 9], greedy(20))
     engine.step()  # its prefill: its first token
     shapes = record_forwards(model)
-    prompt = [i % 40 for i in range(3, 43)]
+    prompt = [i % model.cfg.vocab_size for i in range(3, 43)]
     joining = engine.add(prompt, greedy(4))
     got = []
     for _ in range(5):
