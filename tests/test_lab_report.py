@@ -16,7 +16,9 @@ from glassformer.lab.base import RunContext, approx, at_least, converged, get, p
 from glassformer.lab.report import (
     README_BEGIN,
     README_END,
+    compute_line,
     load_records,
+    not_run,
     readme_summary,
     section_zh,
     update_readme,
@@ -139,3 +141,18 @@ def test_the_readme_summary_is_the_committed_results() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
     assert block == readme_summary(load_records(ROOT / "docs" / "lab"))
+
+
+def test_the_report_names_the_claims_not_run_yet(tmp_path: Path) -> None:
+    import tomllib
+
+    import glassformer.lab
+
+    run_one(get("gqa-cache"), RunContext(out_dir=tmp_path, tiny=True, threads=1))
+    records = load_records(tmp_path)
+    toml = Path(glassformer.lab.__file__).with_name("claims.toml").read_text("utf-8")
+    table = tomllib.loads(toml)
+    expected = sorted((n for n in table if n != "gqa-cache"), key=lambda n: table[n]["number"])
+    assert not_run(records) == expected
+    assert f"Not run yet: {len(expected)} claims ({', '.join(expected)})" in compute_line(records)
+    assert not_run([{"name": name} for name in table]) == []

@@ -159,13 +159,27 @@ def summary(records: list[dict], link: str = "") -> str:
     return markdown_table(rows)
 
 
+def not_run(records: list[dict]) -> list[str]:
+    """The claims of lab/claims.toml without a result in the folder, in their order."""
+    have = {r["name"] for r in records}
+    every = sorted(claims().items(), key=lambda item: item[1]["number"])
+    return [name for name, _ in every if name not in have]
+
+
 def compute_line(records: list[dict]) -> str:
     c = compute(records)
+    missing = not_run(records)
+    waiting = (
+        f" Not run yet: {len(missing)} claims ({', '.join(missing)}): "
+        "`glassformer lab run --all --full --resume` adds them."
+        if missing
+        else ""
+    )
     return (
         f"{len(records)} claims: "
         + ", ".join(f"{n} {v}" for v, n in tally(records).items())
         + f". Mode {', '.join(c['modes'])}; {c['seconds'] / 60:.0f} minutes of compute in all, "
-        f"on {c['threads']} torch threads of {c['cpus']} CPUs (torch {c['torch']})."
+        f"on {c['threads']} torch threads of {c['cpus']} CPUs (torch {c['torch']})." + waiting
     )
 
 
@@ -200,7 +214,8 @@ def readme_summary(records: list[dict]) -> str:
         f"({', '.join(c['modes'])} mode): **{counts['holds']} hold, {counts['holds partly']} "
         f"hold partly, {counts['does not hold here']} do not hold here, "
         f"{counts['inconclusive']} inconclusive** ([docs/claims.md](docs/claims.md), "
-        "[中文](docs/claims.zh.md))."
+        "[中文](docs/claims.zh.md))"
+        + (f"; {len(not_run(records))} claims not run yet." if not_run(records) else ".")
     )
 
 
@@ -365,6 +380,12 @@ def write_report_zh(
         f"计算共 {c['seconds'] / 60:.0f} 分钟，{c['cpus']} 个 CPU 上 {c['threads']} 个 torch 线程"
         f"（torch {c['torch']}）。"
     )
+    missing = not_run(records)
+    if missing:
+        line += (
+            f"尚未运行：{len(missing)} 条论断（{'、'.join(missing)}），"
+            "`glassformer lab run --all --full --resume` 会补上。"
+        )
     rows = []
     for r in records:
         label = verdict_label_zh(r, verified_checks(r))
