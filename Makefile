@@ -36,8 +36,14 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (pytest-xdist), one test file per worker at a time: the suite's tests run
+# torch on 1 thread each, so a 2-core machine runs two files side by side.
+# `make test PYTEST_JOBS=0` runs everything in this one process.
+PYTEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -n $(PYTEST_JOBS) --dist loadfile
+
 test: lint
-	$(PY) -m pytest
+	$(PYTEST)
 
 # The suite again with the C kernels off (GLASSFORMER_KERNELS=off: torch's F.linear and decode
 # step everywhere), as on a machine without a C compiler, AVX2 or an x86 CPU: the kernel tests
@@ -47,7 +53,7 @@ test: lint
 TRAINING_PROCESS_TESTS := tests/test_distributed.py tests/test_distributed_failures.py \
 	tests/test_durability.py
 test-no-kernels: setup
-	GLASSFORMER_KERNELS=off $(PY) -m pytest -rfEs $(addprefix --ignore=,$(TRAINING_PROCESS_TESTS))
+	GLASSFORMER_KERNELS=off $(PYTEST) -rfEs $(addprefix --ignore=,$(TRAINING_PROCESS_TESTS))
 
 format: setup
 	$(VENV)/bin/ruff format .
