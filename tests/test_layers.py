@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "memory",  # will it fit: calc's formulas as a guard for interop and train
             "tokenize",  # the token counter: vocabularies through interop
             "chat",  # a conversation on the engine: the CLI, the lab and the server use it
+            "rag",  # retrieval on a vector database, then the engine answers (uses chat)
         },
     ),
     ("faces", {"cli", "server", "lab", "__main__", ""}),

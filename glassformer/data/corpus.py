@@ -53,21 +53,20 @@ def _read_works(spelling: str) -> tuple[tuple[str, str], ...]:
     return works
 
 
-def read_text_file(path: str | Path) -> str:
-    """A user's corpus file as text. A binary or non-UTF-8 file is one ValueError naming it,
-    not a decode error deep inside the tokenizer."""
+def read_text_file(path: str | Path, what: str = "data.corpus file") -> str:
+    """A user's corpus file as text. A binary or non-UTF-8 file is one ValueError naming it
+    (as `what` PATH), not a decode error deep inside the tokenizer."""
     data = Path(path).read_bytes()
     nul = data.find(b"\0")
     if nul >= 0:
         raise ValueError(
-            f"data.corpus file {path} looks binary (a NUL byte at offset {nul}): pass UTF-8 text"
-            " files (.txt)"
+            f"{what} {path} looks binary (a NUL byte at offset {nul}): pass UTF-8 text files (.txt)"
         )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(
-            f"data.corpus file {path} is not UTF-8 text (byte {data[err.start]:#04x} at offset"
+            f"{what} {path} is not UTF-8 text (byte {data[err.start]:#04x} at offset"
             f" {err.start}): convert it first, e.g. iconv -f latin1 -t utf-8"
         ) from None
 
