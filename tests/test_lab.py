@@ -44,6 +44,7 @@ EXPECTED = {
     "data-vs-params", "lora-targets", "cat-ranked-first", "lawyer-assistant", "attention-sinks",
     "inference-cost", "flash-attention-memory", "gqa-decode-throughput", "layernorm-vs-batchnorm",
     "cross-chunk-lost", "hard-truncation", "batch-vs-length", "long-context-memory",
+    "rag-retrieval", "rag-encoder",
 }  # fmt: skip
 # Experiments whose tiny mode loads no real weights: fast enough for the default run.
 FAST = ["attention-example", "no-position-permutation", "gqa-cache", "parameter-tables",
@@ -60,7 +61,7 @@ SLOW = ["kv-cache-size", "tokens-not-characters", "it-animal", "induction-heads"
         "lost-in-the-middle", "context-lengths", "embedding-distances", "polysemy",
         "previous-token-heads", "usage-billing", "streaming-ttft", "cat-ranked-first",
         "lawyer-assistant", "attention-sinks", "inference-cost", "layernorm-vs-batchnorm",
-        "long-context-memory"]  # fmt: skip
+        "long-context-memory", "rag-retrieval", "rag-encoder"]  # fmt: skip
 
 
 def test_discovery_finds_every_exp_module() -> None:

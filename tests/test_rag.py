@@ -335,3 +335,52 @@ def test_a_question_longer_than_the_budget_is_one_line(corpus, tmp_path, encoder
     assert done.returncode == 2
     assert "leaves no room for sources in --context-tokens 100" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- the evaluation (rag/evaluate.py) --------------------------------------------------------
+
+
+def test_the_evaluation_hides_invented_facts_whole_and_nothing_else_changes():
+    from glassformer.data.corpus import shakespeare_plays
+    from glassformer.rag.evaluate import build_corpus, invent_facts
+
+    facts = invent_facts(24, seed=0)
+    assert facts == invent_facts(24, seed=0) and len({f.question for f in facts}) == 24
+    everything = " ".join(shakespeare_works("modern").values()).lower()
+    for fact in facts:
+        assert fact.answered_by(f"It is {fact.answer.upper()}!") and fact.answer in fact.sentence
+        invented = [w for w in fact.sentence.split() if w[0].isupper() and w not in ("The",)]
+        assert invented and all(w.strip(".").lower() not in everything for w in invented[:1])
+    corpus = build_corpus(facts, 200_000)
+    plays = list(shakespeare_plays("modern").values())
+    original = "".join(plays)[:200_000]
+    stripped = "".join(d.text for d in corpus.documents)
+    for fact in facts:
+        stripped = stripped.replace(fact.sentence + "\n", "", 1)
+    assert stripped == original
+    for fact, (doc, offset) in zip(facts, corpus.places, strict=True):
+        assert corpus.documents[doc].text[offset:].startswith(fact.sentence + "\n")
+
+
+def test_windows_around_a_fact_hold_it_and_decoder_vectors_ignore_padding():
+    import random
+
+    from glassformer.rag.evaluate import mean_pooled_vectors, window_around
+
+    text = "word " * 500 + "The capital of Vapysk is Thaimix. " + "word " * 500
+    spans = [(i, i + 4) for i in range(0, len(text), 5)]  # a stand-in tokenizer: 5 chars each
+    at = text.index("The capital")
+    for seed in range(20):
+        first, last = window_around(list(range(len(spans))), spans, at, 100, random.Random(seed))
+        assert last - first == 100 and spans[first][0] <= at < spans[last - 1][1]
+    torch.manual_seed(0)
+    from glassformer.config import ModelConfig
+    from glassformer.models import build_model
+
+    model = build_model(ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
+    sequences = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    together = mean_pooled_vectors(model, sequences, batch=2)
+    for row, ids in enumerate(sequences):
+        with torch.no_grad():
+            alone = model.hidden_states(torch.tensor([ids]))[0].mean(dim=0)
+        np.testing.assert_allclose(together[row], (alone / alone.norm()).numpy(), atol=1e-5)

@@ -4,10 +4,10 @@ documents -> chunks (documents.py) -> an encoder's vectors (encoder.py) -> a vec
 chat template within a token budget -> the engine (answer.py). docs/rag.md is the guide.
 """
 
-from glassformer.rag.answer import Answer, ask, ask_stuffed
+from glassformer.rag.answer import Answer, ask, ask_stuffed, ask_text
 from glassformer.rag.documents import Chunk, Document, chunk_document, read_sources
 from glassformer.rag.encoder import Encoder
-from glassformer.rag.index import IndexReport, index_sources
+from glassformer.rag.index import IndexReport, index_documents, index_sources
 from glassformer.rag.retrieve import Hit, fuse, search
 from glassformer.rag.store import Store, StoreError, StoreInfo
 
@@ -23,8 +23,10 @@ __all__ = [
     "StoreInfo",
     "ask",
     "ask_stuffed",
+    "ask_text",
     "chunk_document",
     "fuse",
+    "index_documents",
     "index_sources",
     "read_sources",
     "search",

@@ -115,9 +115,13 @@ def generate_answer(
     sampling: SamplingParams,
     write: Callable[[str], object],
 ):
-    """One chat turn (system, user) streamed through `write`; the Reply."""
+    """One chat turn (system, user) streamed through `write`; the Reply. The engine's row is
+    released after it, so one engine answers any number of questions."""
     session = ChatSession(engine, tokenizer, system=system, sampling=sampling)
-    return session.send(user, write=write)
+    try:
+        return session.send(user, write=write)
+    finally:
+        session.reset()
 
 
 def ask(
@@ -150,6 +154,20 @@ def ask_stuffed(
     started = time.perf_counter()
     user = stuffed_context(question, store, tokenizer, context_tokens)
     return _answer(engine, tokenizer, STUFF_SYSTEM, user, [], sampling, write, started)
+
+
+def ask_text(
+    engine: Engine,
+    tokenizer,
+    question: str,
+    text: str,
+    *,
+    sampling: SamplingParams,
+    write: Callable[[str], object] = lambda _: None,
+) -> Answer:
+    """Answer from `text` given whole, as the stuffed baseline gives its text."""
+    user = f"{text}\n\nQuestion: {question}"
+    return _answer(engine, tokenizer, STUFF_SYSTEM, user, [], sampling, write, time.perf_counter())
 
 
 def _answer(engine, tokenizer, system, user, used, sampling, write, started) -> Answer:

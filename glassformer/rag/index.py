@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from glassformer.rag.documents import Skipped, chunk_document, read_sources
+from glassformer.rag.documents import Document, Skipped, chunk_document, read_sources
 from glassformer.rag.encoder import Encoder
 from glassformer.rag.store import Store, StoreInfo
 
@@ -41,19 +41,49 @@ def index_sources(
     write_batch: int = WRITE_BATCH,
     progress: Callable[[int, int], Callable[[int], object]] | None = None,
 ) -> IndexReport:
-    """Index `sources` into the store at `location`. progress(total, done) is called once with
-    the number of chunks to embed (and those already stored) and returns a function that is
-    told the chunks embedded after each batch (a progress bar's update)."""
-    started = time.perf_counter()
+    """Index `sources` (files, folders, corpus names) into the store at `location`. progress(
+    total, done) is called once with the number of chunks to embed (and those already stored)
+    and returns a function that is told the chunks embedded after each batch (a progress bar's
+    update)."""
     if not sources:
         raise ValueError("rag index needs at least one file, folder or corpus to read")
-    info = StoreInfo(encoder.name, encoder.dim, chunk_tokens, overlap)
-    store = Store.create_or_open(location, info, sources)
     skipped: list[Skipped] = []
     documents = list(read_sources(sources, skipped))
     if not documents:
         named = "; ".join(f"{s.source}: {s.reason}" for s in skipped) or "nothing"
         raise ValueError(f"no text to index in {', '.join(sources)} ({named})")
+    report = index_documents(
+        documents,
+        location,
+        encoder,
+        chunk_tokens=chunk_tokens,
+        overlap=overlap,
+        batch_size=batch_size,
+        write_batch=write_batch,
+        progress=progress,
+        sources=sources,
+    )
+    report.skipped = skipped
+    return report
+
+
+def index_documents(
+    documents: Sequence[Document],
+    location: str,
+    encoder: Encoder,
+    *,
+    chunk_tokens: int = 128,
+    overlap: int = 32,
+    batch_size: int = 32,
+    write_batch: int = WRITE_BATCH,
+    progress: Callable[[int, int], Callable[[int], object]] | None = None,
+    sources: Sequence[str] = (),
+) -> IndexReport:
+    """Index documents already read (see index_sources); `sources` are the paths they came
+    from, which the store may not be or hold."""
+    started = time.perf_counter()
+    info = StoreInfo(encoder.name, encoder.dim, chunk_tokens, overlap)
+    store = Store.create_or_open(location, info, sources)
     chunks = {}
     for document in documents:
         for chunk in chunk_document(document, encoder.tokenizer, chunk_tokens, overlap):
@@ -74,5 +104,4 @@ def index_sources(
         len(todo),
         store.count(),
         time.perf_counter() - started,
-        skipped,
     )
