@@ -102,6 +102,24 @@ def check_cache_fits(model: nn.Module, max_rows: int, slot_len: int, max_batch: 
         )
 
 
+def attach_rag_store(served, location: str, embed_model: str | None) -> None:
+    """Open the store for /rag/search and the lab's RAG view. Its questions are embedded by
+    --embed-model, which must be the store's encoder; without --embed-model the store's own
+    encoder is loaded, and served for /v1/embeddings too."""
+    from glassformer.rag import Encoder, Store
+    from glassformer.server.app import served_name
+
+    store = Store.open(location)
+    if served.embed_model is None:
+        encoder = Encoder.load(store.info.embed_model)
+        served.embed_model, served.embed_tokenizer = encoder.model, encoder.tokenizer
+        served.embed_name = served_name(encoder.name)
+    else:
+        encoder = Encoder(served.embed_model, served.embed_tokenizer, embed_model)
+    store.check_encoder(encoder.name, encoder.dim)
+    served.rag_store, served.rag_encoder = store, encoder
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """serve a model over an OpenAI-compatible HTTP API (and the browser lab at /)
 
@@ -132,6 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             )
         served.embed_model, served.embed_tokenizer = embed_model, embed_tokenizer
         served.embed_name = served_name(args.embed_model)
+    if args.rag_store:
+        attach_rag_store(served, args.rag_store, args.embed_model)
     server_options = ServerOptions(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -163,6 +183,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--embed-model", help="an encoder for /v1/embeddings, e.g. minilm (default: none)"
+    )
+    p.add_argument(
+        "--rag-store",
+        help="a store built by `glassformer rag index`: POST /rag/search and the lab's RAG view "
+        "(its encoder is loaded unless --embed-model names it)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (default 8000)")

@@ -54,6 +54,7 @@ from glassformer.server.protocol import (
     parse_json,
     validate,
 )
+from glassformer.server.rag import router as rag_router
 from glassformer.server.responses import Reply
 from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
@@ -75,6 +76,8 @@ class Served:
     embed_model: nn.Module | None = None
     embed_tokenizer: Any = None
     embed_name: str | None = None
+    rag_store: Any = None  # rag.Store (serve --rag-store), searched with rag_encoder
+    rag_encoder: Any = None  # rag.Encoder over embed_model
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.include_router(rag_router)  # /rag/search and /lab/api/rag (serve --rag-store)
     app.include_router(lab_router)  # the browser lab: /lab/api/* and the page at /
     mount_static(app)
     return app

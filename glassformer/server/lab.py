@@ -1,6 +1,6 @@
 """The lab in a browser (seed 002 练习 1 and 2): the JSON endpoints behind the page at `/`.
 
-The page (glassformer/server/static/, plain JS, no build step) has five views; each asks one
+The page (glassformer/server/static/, plain JS, no build step) has six views; each asks one
 endpoint here, which calls the library's own code, so what the page shows is what the library
 computes:
 
@@ -9,6 +9,8 @@ computes:
     attention   /lab/api/attention                      inspect.attention_view's weights
     猫/累/它     /lab/api/worked_example                 numpy_ref.attention, as worked_example
     tokens      /lab/api/tokenize                       glassformer.tokenize
+    RAG         /lab/api/rag (server/rag.py), then /v1/chat/completions twice: with the
+                retrieved sources, and stuffed (serve --rag-store)
 
 The models come from `request.app.state.served` (model, tokenizer, name, embed_model,
 embed_tokenizer, embed_name); the app factory includes `router` and calls `mount_static(app)`.
@@ -101,6 +103,20 @@ def info(request: Request) -> dict:
             getattr(served, "embed_name", None),
         ),
         "vocabularies": available_vocabularies(),
+        "rag": _describe_store(getattr(served, "rag_store", None)),
+    }
+
+
+def _describe_store(store: Any) -> dict | None:
+    if store is None:
+        return None
+    info = store.info
+    return {
+        "store": store.location,
+        "chunks": store.count(),
+        "embed_model": info.embed_model,
+        "chunk_tokens": info.chunk_tokens,
+        "overlap": info.overlap,
     }
 
 

@@ -2,7 +2,7 @@
 // comes from the server: /v1/chat/completions for chat, /lab/api/* (glassformer/server/lab.py)
 // for the rest, which call the library's own sampler, attention capture, numpy reference and
 // tokenizers. This file, loaded last, wires the tabs: GET /lab/api/info names the loaded models,
-// and each view (chat.js, sampling.js, attention.js, worked.js, tokens.js) loads the first time
+// and each view (chat.js, sampling.js, attention.js, worked.js, tokens.js, rag.js) loads the first time
 // its tab opens.
 "use strict";
 
@@ -49,6 +49,7 @@ async function start() {
   setUpAttention();
   setUpWorked();
   setUpTokens();
+  setUpRag();
 
   $("#api-key").addEventListener("change", (event) => {
     sessionStorage.setItem("glassformer-api-key", event.target.value);
@@ -72,6 +73,11 @@ async function start() {
   };
   onOpen.worked = () => resetWorked();
   onOpen.tokens = () => refreshTokens();
+  if (state.info.rag) {
+    $("#tab-rag").hidden = false;
+    const r = state.info.rag;
+    $("#rag-store").textContent = `${r.store}: ${r.chunks.toLocaleString()} chunks of ${r.chunk_tokens} tokens (${r.embed_model})`;
+  }
   const first = location.hash.slice(1);
   openView($(`#tab-${first}`) ? first : "chat");
   document.body.dataset.ready = "true";
