@@ -136,8 +136,10 @@ def token_spans(tokenizer, text: str, with_words: bool = False):
             f"{type(tokenizer).__name__}: use an embedding model such as --embed-model minilm"
         )
     encoding = hf.encode(text, add_special_tokens=False)
-    kept = [i for i, (a, b) in enumerate(encoding.offsets) if b > a]
-    spans = [encoding.offsets[i] for i in kept]
+    offsets = encoding.offsets  # each read of the attribute builds the whole list: read once
+    kept = [i for i, (a, b) in enumerate(offsets) if b > a]
+    spans = [offsets[i] for i in kept]
     if not with_words:
         return spans
-    return spans, [encoding.word_ids[i] for i in kept]
+    words = encoding.word_ids
+    return spans, [words[i] for i in kept]
