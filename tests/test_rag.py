@@ -212,9 +212,9 @@ def test_stores_that_cannot_answer_are_one_line_errors(corpus, tmp_path):
     assert not (corpus / "kb").exists()
 
 
-def test_kill_9_during_index_leaves_a_store_that_opens_and_a_rerun_finishes_it(corpus, tmp_path):
+def test_a_reader_during_index_and_a_kill_9_then_a_rerun_that_finishes_it(corpus, tmp_path):
     hamlet = shakespeare_works("modern")["hamlet"]
-    (corpus / "plays" / "hamlet.txt").write_text(hamlet[:40_000])
+    (corpus / "plays" / "hamlet.txt").write_text(hamlet[:60_000])
     store = tmp_path / "kb"
     argv = [
         "rag",
@@ -239,6 +239,9 @@ def test_kill_9_during_index_leaves_a_store_that_opens_and_a_rerun_finishes_it(c
     while not (data.is_dir() and len(list(data.iterdir())) >= 2):  # two writes landed
         assert child.poll() is None and time.monotonic() < deadline, "index ended too early"
         time.sleep(0.05)
+    reader = cli("rag", "search", "--store", str(store), "capital of Zorbania", "--json")
+    assert reader.returncode == 0, reader.stderr  # a second process reads while one writes
+    assert child.poll() is None, "index ended before the reader finished: grow the corpus"
     child.send_signal(signal.SIGKILL)
     child.wait()
     partial = Store.open(str(store)).count()

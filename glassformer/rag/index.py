@@ -95,6 +95,8 @@ def index_documents(
         batch = todo[start : start + write_batch]
         vectors = encoder.encode([c.text for c in batch], batch_size, update)
         store.add(batch, vectors)
+        if not store.has_keyword_index():  # from the first write on, readers can search it
+            store.build_keyword_index()  # (rows written later are searched without it)
     if todo or not store.has_keyword_index():
         store.build_indexes()
     return IndexReport(

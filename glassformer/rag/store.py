@@ -207,13 +207,18 @@ class Store:
     def build_indexes(self) -> None:
         """BM25 keyword index over the text, and the vector index once the table is large
         (ANN_MIN_ROWS). Rebuilt whole, so they cover every chunk."""
-        from lancedb.index import FTS, IvfHnswSq
+        from lancedb.index import IvfHnswSq
 
-        self.table.create_index("text", config=FTS(), replace=True)
+        self.build_keyword_index()
         if self.count() >= ANN_MIN_ROWS:
             self.table.create_index(
                 "vector", config=IvfHnswSq(distance_type="cosine"), replace=True
             )
+
+    def build_keyword_index(self) -> None:
+        from lancedb.index import FTS
+
+        self.table.create_index("text", config=FTS(), replace=True)
 
     # --- reading ------------------------------------------------------------------------
 
