@@ -391,7 +391,6 @@ TABLES = {
     "kv-cache": Table("kv_cache.json", kv_cache),
     "quantization": Table("quantization.json", quantization),
     "training": Table("train_throughput.json", training),
-    "training-fp32": Table("train_throughput.json", lambda r: training(r, modes=("fp32",))),
     "training-processes": Table("train_processes.json", training_processes),
     "serve-load": Table("serve.json", serve_load),
     "serve-load-8": Table("serve.json", lambda r: serve_load(r, clients=(8,))),

@@ -134,6 +134,18 @@ def test_the_chinese_report_counts_and_the_readme_block(tmp_path: Path) -> None:
     body = readme.read_text()
     assert body.startswith("# x\n") and body.endswith(f"{README_END}\nrest\n")
     assert readme_summary(load_records(out)) in body and "STALE" not in body
+    readme.write_text(
+        f"{README_BEGIN}\n{README_END}\n"
+        "<!-- LAB TABLE: gqa-cache -->\nOLD\n<!-- END LAB TABLE -->\n"
+        "<!-- LAB TABLE: sampling -->\n<!-- END LAB TABLE -->\nend\n"
+    )
+    update_readme(load_records(out), readme)
+    body = readme.read_text()
+    rec = load_records(out)[0]
+    first = body.split("<!-- LAB TABLE: gqa-cache -->\n", 1)[1].split("<!-- END LAB TABLE -->")[0]
+    header = "| " + " | ".join(rec["rows"][0]) + " |"
+    assert first.startswith(header) and "OLD" not in first and rec["verdict"] in first
+    assert "`sampling` has no published result yet" in body and body.endswith("end\n")
 
 
 def test_the_readme_summary_is_the_committed_results() -> None:

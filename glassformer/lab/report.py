@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,23 @@ def readme_summary(records: list[dict]) -> str:
     )
 
 
+# An experiment's table in the README: "<!-- LAB TABLE: NAME -->" ... TABLE_END, filled with its
+# rows and verdict from the same records (or a line saying it has not run yet).
+TABLE_BEGIN = re.compile(r"<!-- LAB TABLE: ([a-z0-9-]+) -->")
+TABLE_END = "<!-- END LAB TABLE -->"
+
+
+def readme_table(records: list[dict], name: str) -> str:
+    rec = next((r for r in records if r["name"] == name), None)
+    if rec is None:
+        return f"`{name}` has no published result yet: `glassformer lab run {name}` runs it."
+    link = f"[docs/claims.md](docs/claims.md#{_anchor(rec)})"
+    return f"{markdown_table(rec['rows'])}\n\n**{verdict_label(rec)}** ({rec['mode']} mode): {link}"
+
+
 def update_readme(records: list[dict], readme: str | Path = "README.md") -> Path | None:
-    """Rewrite the block between README_BEGIN and README_END; None when the README has none."""
+    """Rewrite the block between README_BEGIN and README_END, and every LAB TABLE block; None
+    when the README has no summary block."""
     readme = Path(readme)
     if not readme.is_file():
         return None
@@ -231,6 +247,13 @@ def update_readme(records: list[dict], readme: str | Path = "README.md") -> Path
     _, after = rest.split(README_END, 1)
     block = f"{README_BEGIN}\n{readme_summary(records)}\n{README_END}"
     new = before + block + after
+    pieces, at = [], 0
+    for match in TABLE_BEGIN.finditer(new):
+        end = new.index(TABLE_END, match.end())
+        table = readme_table(records, match.group(1))
+        pieces += [new[at : match.end()], f"\n{table}\n"]
+        at = end
+    new = "".join(pieces) + new[at:]
     if new != text:
         atomic_write_text(readme, new)
     return readme
