@@ -216,11 +216,13 @@ def test_eight_concurrent_requests_equal_each_served_alone(server, reference):
         assert text == expected
 
 
-def slowest_health_during(server: str, send) -> tuple[float, httpx.Response]:
-    """The longest /health round trip while `send()` runs in another thread, and its reply."""
+def slowest_health_during(server: str, send) -> tuple[float, httpx.Response, float]:
+    """The longest /health round trip while `send()` runs in another thread, its reply, and
+    how long send() took."""
     latencies = []
     done = threading.Event()
     reply = []
+    began = time.perf_counter()
     sender = threading.Thread(target=lambda: (reply.append(send()), done.set()))
     sender.start()
     with httpx.Client(timeout=30) as poller:
@@ -230,7 +232,7 @@ def slowest_health_during(server: str, send) -> tuple[float, httpx.Response]:
             latencies.append(time.perf_counter() - start)
             time.sleep(0.01)
     sender.join()
-    return max(latencies), reply[0]
+    return max(latencies), reply[0], time.perf_counter() - began
 
 
 @pytest.mark.slow
@@ -244,13 +246,17 @@ def test_a_ten_megabyte_prompt_does_not_stall_health(server, route):
         body["prompt"] = text
     else:
         body["messages"] = [{"role": "user", "content": text}]
-    slowest, reply = slowest_health_during(
+    slowest, reply, took = slowest_health_during(
         server, lambda: httpx.post(f"{server}/v1/{route}", json=body, timeout=120)
     )
     assert reply.status_code == 400, reply.text  # longer than the context
-    # 16-190 ms now (the GIL hands the loop a turn every 5 ms; building the 2M-id list holds it
-    # longest), 6.2 s before; 0.5 s leaves room for a loaded 2-core machine.
-    assert slowest < 0.5, f"/health took {slowest * 1000:.0f} ms during the big request"
+    # 16-190 ms on an idle machine (the GIL hands the loop a turn every 5 ms; building the 2M-id
+    # list holds it longest). With the work on the loop, /health waited 6.2 s: the whole of the
+    # parsing and tokenizing. The bound scales with the request, so a busy machine (1.2 s once,
+    # with the lab running) does not fail it, and a blocked loop still does.
+    assert slowest < max(0.5, took / 4), (
+        f"/health took {slowest * 1000:.0f} ms during the {took:.1f} s big request"
+    )
 
 
 def test_streaming_chat_sends_the_same_text_then_usage_and_done(server):
