@@ -166,8 +166,10 @@ def test_indexing_again_adds_only_new_chunks(corpus, tmp_path, encoder):
     first = index_sources([str(corpus)], store, encoder, chunk_tokens=32, overlap=8)
     again = index_sources([str(corpus)], store, encoder, chunk_tokens=32, overlap=8)
     assert again.added == 0 and again.total == first.total
+    reader = Store.open(store, refresh_s=0)  # open before the new chunk is written
     (corpus / "more.txt").write_text("Quillmoor's glass towers were built in the year 1312.")
     more = index_sources([str(corpus)], store, encoder, chunk_tokens=32, overlap=8)
+    assert reader.count() == first.total + 1  # a reader that stays open sees the new version
     assert (more.added, more.total) == (1, first.total + 1)
     ids = Store.open(store).table.to_arrow()["id"].to_pylist()
     assert len(ids) == len(set(ids))

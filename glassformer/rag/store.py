@@ -97,14 +97,18 @@ class Store:
     # --- opening ------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, location: str) -> Store:
-        """An existing store with at least one chunk, else a StoreError saying how to build it."""
+    def open(cls, location: str, refresh_s: float = 5.0) -> Store:
+        """An existing store with at least one chunk, else a StoreError saying how to build it.
+        A reader that stays open (a server) sees what another process writes within refresh_s
+        seconds: LanceDB checks for a newer version of the table at most that often."""
+        from datetime import timedelta
+
         import lancedb
 
         build = f"build it with `glassformer rag index FILES --store {location}`"
         if not is_uri(location) and not Path(location).is_dir():
             raise StoreError(f"--store {location} does not exist: {build}")
-        db = lancedb.connect(location)
+        db = lancedb.connect(location, read_consistency_interval=timedelta(seconds=refresh_s))
         if TABLE not in db.list_tables().tables:
             raise StoreError(f"--store {location} holds no chunks table: {build}")
         table = db.open_table(TABLE)
