@@ -32,6 +32,7 @@ TABLE = "chunks"
 # vectors) whose candidates are re-ranked with the full vectors (REFINE x k of them).
 ANN_MIN_ROWS = 10_000
 NPROBES, REFINE = 20, 10
+CHUNK_COLUMNS = ("id", "source", "chunk", "start", "end", "text", "tokens")  # a hit's fields
 _META = "glassformer."
 
 
@@ -235,7 +236,7 @@ class Store:
     def dense(self, vector: np.ndarray, k: int) -> list[tuple[dict, float]]:
         """The k chunks nearest to a unit `vector` by cosine similarity, best first."""
         query = self.table.search(vector.astype(np.float32), vector_column_name="vector")
-        query = query.distance_type("cosine").limit(k)
+        query = query.distance_type("cosine").limit(k).select(list(CHUNK_COLUMNS))  # no vectors
         if self.has_vector_index():
             query = query.nprobes(NPROBES).refine_factor(REFINE)
         rows = query.to_arrow().to_pylist()
@@ -252,8 +253,9 @@ class Store:
                 f"run the same `glassformer rag index ... --store {self.location}` again"
             )
         rows = self.table.search(text, query_type="fts", fts_columns="text").limit(k)
+        rows = rows.select(list(CHUNK_COLUMNS))
         return [(_chunk(r), r["_score"]) for r in rows.to_arrow().to_pylist()]
 
 
 def _chunk(row: dict) -> dict:
-    return {k: row[k] for k in ("id", "source", "chunk", "start", "end", "text", "tokens")}
+    return {k: row[k] for k in CHUNK_COLUMNS}
