@@ -157,6 +157,41 @@ def huge_pages(result: dict) -> list[str]:
     return markdown(["what", "4 KB pages", "2 MB pages", "ratio"], rows)
 
 
+# --- benchmarks/rag.py -----------------------------------------------------------------------
+
+
+def rag_indexing(result: dict) -> list[str]:
+    r = result["indexing"]
+    ours, theirs = r["glassformer_chunks_per_s"], r["sentence_transformers_chunks_per_s"]
+    rows = [
+        ["glassformer `Encoder.encode`", f"{ours:.1f}", f"{r['ratio']:.2f}x"],
+        ["sentence-transformers `encode`", f"{theirs:.1f}", "1.00x"],
+        ["`rag index` end to end (chunk, embed, write, index)",
+         f"{r['index_documents_chunks_per_s']:.1f}", ""],
+    ]  # fmt: skip
+    head = [f"{r['chunks']:,} chunks of 128 tokens, all-MiniLM-L6-v2", "chunks/s", "ratio"]
+    note = f"The two encoders' vectors differ by at most {r['max_abs_difference']:.1e}."
+    return [*markdown(head, rows, "-::"), "", note]
+
+
+def rag_search(result: dict) -> list[str]:
+    rows = [
+        [
+            f"{r['chunks']:,}",
+            r["index"],
+            f"{r['store_p50_ms']:.2f} / {r['store_p99_ms']:.2f}",
+            f"{r['numpy_p50_ms']:.2f} / {r['numpy_p99_ms']:.2f}",
+            f"{r['numpy_p50_ms'] / r['store_p50_ms']:.2f}x",
+            f"{r['recall_at_10']:.3f}",
+            f"{r['disk_bytes_per_chunk']:,.0f}",
+        ]
+        for r in result["search"]
+    ]
+    head = ["chunks", "store's search", "store p50 / p99 ms", "numpy exact p50 / p99 ms",
+            "store speed-up at p50", "recall@10", "bytes on disk per chunk"]  # fmt: skip
+    return markdown(head, rows, "--:::::")
+
+
 def prefill_matmul(result: dict) -> list[str]:
     """Each matrix at two prompt lengths side by side, errors at the longer; then whole prefill."""
     small, large = sorted({r["tokens"] for r in result["matrices"]})
@@ -396,6 +431,8 @@ TABLES = {
     "serve-load-8": Table("serve.json", lambda r: serve_load(r, clients=(8,))),
     "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
+    "rag-indexing": Table("rag.json", rag_indexing),
+    "rag-search": Table("rag.json", rag_search),
     "finetune-quality-short": Table(
         "finetune_quality.json", lambda r: finetune_quality(r, ("copy", "lora-qv", "full"))
     ),
