@@ -46,7 +46,7 @@ def run(ctx: lab.RunContext) -> lab.Result:
     )
 
     say = ctx.say
-    n_questions = ctx.pick(120, 32, 2)
+    n_questions = ctx.pick(48, 32, 2)  # full: 48 x 16k prompt tokens, about 15 min on 2 cores
     corpus_chars = ctx.pick(500_000, 500_000, 6_000)
     rag_tokens = ctx.pick(2000, 2000, 300)
     sizes = ctx.pick((2000, 4000, 8000), (2000, 4000, 8000), (150, 300))
