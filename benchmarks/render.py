@@ -192,6 +192,47 @@ def rag_search(result: dict) -> list[str]:
     return markdown(head, rows, "--:::::")
 
 
+# --- benchmarks/structured.py ------------------------------------------------------------------
+
+
+def structured_engines(result: dict) -> list[str]:
+    rows = [
+        [
+            f"{r['engine']}" + (" (glassformer's)" if r["engine"] == "llguidance" else ""),
+            f"{r['setup_s']:.2f}",
+            f"{r['compiled']} of {r['schemas']}",
+            f"{r['accepted']} of {r['schemas']}",
+            f"{r['compile_ms_median']:.1f} / {r['compile_ms_max']:.0f}",
+            f"{r['mask_us_median']:.0f} / {r['mask_us_p99']:.0f}",
+        ]
+        for r in result["engines"]
+    ]
+    head = ["engine", "vocabulary setup s", "schemas compiled", "valid outputs accepted",
+            "compile ms median / max", "mask us per token median / p99"]  # fmt: skip
+    return markdown(head, rows, "-:::::")
+
+
+def structured_decode(result: dict) -> list[str]:
+    rows = [
+        [
+            str(r["batch"]),
+            str(r["tokens_per_row"]),
+            f"{r['free_tokens_per_s']:.1f}",
+            f"{r['schema_tokens_per_s']:.1f}",
+            f"{r['ratio']:.2f}x",
+        ]
+        for r in result["decode"]
+    ]
+    head = ["batch", "tokens per row", "free tok/s", "JSON schema tok/s", "ratio"]
+    m = result["machine"]
+    note = (
+        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, "
+        f"{m['threads']} thread, torch {m['torch']}; median of {result['runs']} runs, "
+        "alternating)."
+    )
+    return [*markdown(head, rows, ":::::"), "", note]
+
+
 def prefill_matmul(result: dict) -> list[str]:
     """Each matrix at two prompt lengths side by side, errors at the longer; then whole prefill."""
     small, large = sorted({r["tokens"] for r in result["matrices"]})
@@ -433,6 +474,8 @@ TABLES = {
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),
+    "structured-engines": Table("structured.json", structured_engines),
+    "structured-decode": Table("structured.json", structured_decode),
     "finetune-quality-short": Table(
         "finetune_quality.json", lambda r: finetune_quality(r, ("copy", "lora-qv", "full"))
     ),

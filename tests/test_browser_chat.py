@@ -201,3 +201,27 @@ def test_second_turn_shows_the_prompt_tokens_the_server_reused(page):
     assert shown == cached
     assert usages[0]["prompt_tokens"] <= cached[1] < usages[1]["prompt_tokens"]
     assert f"{cached[1]} of {usages[1]['prompt_tokens']}" in rows[1].inner_text()
+
+
+def test_a_json_mode_reply_is_json(page, server):
+    """The reply format under the message: JSON object, then a schema typed in; each reply
+    parses, and the schema's is valid under it (jsonschema)."""
+    import jsonschema
+
+    _new_conversation(page)
+    page.select_option("#chat-format", "json_object")
+    assert page.is_hidden("#chat-schema")
+    _send(page, "Give the name and age of a cat.", 100)
+    _wait_done(page)
+    assert isinstance(json.loads(page.inner_text(".message.assistant .text")), dict)
+    assert page.query_selector(".message.assistant .mark.json") is not None
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}  # fmt: skip
+    page.select_option("#chat-format", "json_schema")
+    page.fill("#chat-schema", json.dumps(schema))
+    _send(page, "Pick a colour.", 40)
+    _wait_done(page, turn=2)
+    jsonschema.validate(
+        json.loads(page.inner_text(".message.assistant:nth-of-type(4) .text")), schema
+    )
+    page.select_option("#chat-format", "text")

@@ -136,7 +136,7 @@ def test_openai_fields_that_cannot_change_the_output_are_accepted_and_named(serv
 @pytest.mark.parametrize(
     ("field", "value"),
     [("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"),
-     ("tools", [{"type": "function", "function": {"name": "f"}}])],
+     ("web_search_options", {"search_context_size": "low"})],
 )  # fmt: skip
 def test_an_unimplemented_field_that_changes_the_output_is_still_a_400(server, field, value):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -423,8 +423,10 @@ def test_n_choices_with_a_seed_are_each_reproducible(server):
         ({"model": "tinychat", "messages": []}, 400, "messages"),
         ({"model": "tinychat", "messages": [{"role": "user", "content": 5}]}, 400,
          "messages.0.content"),
-        ({"model": "tinychat", "messages": [{"role": "tool", "content": "x"}]}, 400,
+        ({"model": "tinychat", "messages": [{"role": "function", "content": "x"}]}, 400,
          "messages.0.role"),
+        ({"model": "tinychat", "messages": [{"role": "tool", "content": "x"}]}, 400,
+         "messages.0"),  # a tool result needs the tool_call_id it answers
         ({"model": "tinychat", "messages": [{"role": "user", "content": "x"}], "n": 1.5}, 400,
          "n"),
         ({"model": "tinychat", "messages": [{"role": "user", "content": "x"}],

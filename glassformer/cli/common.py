@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -214,6 +215,26 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
         "the token, 100 all but forces it (OpenAI's logit_bias); repeat the flag or separate "
         "entries with commas, e.g. 13=-100,50256=5",
     )
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument(
+        "--json-schema",
+        type=json_schema_arg,
+        metavar="FILE|JSON",
+        help="the reply is JSON valid under this JSON Schema (a file, or the schema itself, e.g. "
+        '\'{"type": "object"}\'): each token is sampled among those that keep it valid',
+    )
+    constrain.add_argument(
+        "--regex",
+        metavar="PATTERN",
+        help="the whole reply matches this regular expression, e.g. '(yes|no)'",
+    )
+    constrain.add_argument(
+        "--grammar",
+        type=grammar_file,
+        metavar="FILE",
+        help="the reply follows this Lark grammar (llguidance's dialect: start: ..., regex "
+        "terminals between slashes; see docs/structured.md)",
+    )
 
 
 def add_thinking_flags(p: argparse.ArgumentParser) -> None:
@@ -274,7 +295,33 @@ def sampling_kwargs(args: argparse.Namespace, eos_token_id: int | None) -> dict:
         "eos_token_id": eos_token_id,
         "min_tokens": args.min_tokens,
         "logit_bias": [pair for entries in args.logit_bias for pair in entries],
+        "json_schema": getattr(args, "json_schema", None),
+        "regex": getattr(args, "regex", None),
+        "grammar": getattr(args, "grammar", None),
     }
+
+
+def json_schema_arg(value: str) -> str:
+    """--json-schema: the schema's JSON text, given inline or as a file (checked later, by
+    SamplingParams, with the grammar engine's own message)."""
+    if value.lstrip().startswith("{"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a JSON object nor a file: give a schema such as "
+            '\'{"type": "object"}\' or the path of a .json file holding one'
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def grammar_file(value: str) -> str:
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"no grammar file {value!r}: give the path of a Lark grammar (start: ...)"
+        )
+    return path.read_text(encoding="utf-8")
 
 
 def add_adapter_flag(p: argparse.ArgumentParser) -> None:

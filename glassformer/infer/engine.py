@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from glassformer import kernels
+from glassformer.infer.constrain import Grammars, RowGrammar
 from glassformer.infer.fused import FusedStep
 from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.infer.loops import Loops
@@ -112,6 +113,7 @@ class Engine(Loops):
             min(max_seq_len or self.max_seq_len, self.max_seq_len),
         )
         self.tokenizer = tokenizer
+        self.grammars: Grammars | None = None  # constrained rows' compiler, made on first use
         self.cache = None
         self.rows: list[Row] = []  # by slot: live rows, then pending ones, then parked ones
         self.n_live = 0
@@ -275,10 +277,27 @@ class Engine(Loops):
         prompt = checked_prompt(self.model, prompt_ids)
         eos = resolve_eos(params.eos_token_id, self.model.cfg)
         check_logit_bias_ids(params.logit_bias, self.model.cfg.vocab_size)  # before a slot
-        row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context)
+        grammar = self._grammar(params)
+        row = Row(prompt, params, eos, self.model.device, self.tokenizer, on_full_context, grammar)
         row.stats = self.new_stats(len(prompt))
         row.keep_cache = keep_cache
         return row
+
+    def _grammar(self, params: SamplingParams) -> RowGrammar | None:
+        """The row's own matcher for its constraint (json_schema, regex or grammar), compiled
+        over this engine's vocabulary once per constraint (infer/constrain.py)."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{constraint.kind}= needs the vocabulary's text: create the Engine with "
+                "tokenizer=..."
+            )
+        if self.grammars is None:
+            eos = self.tokenizer.eos_token_id
+            self.grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size, eos)
+        return self.grammars.matcher(constraint)
 
     def _first_token(self, row: Row, logits: Tensor) -> None:
         """Sample a prefilled row's first token from its logits (1, V)."""

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
+from glassformer.infer.constrain import RowGrammar
 from glassformer.infer.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -154,8 +155,10 @@ class Row:
         device: torch.device,
         tokenizer=None,
         on_full_context: str = "stop",
+        grammar: RowGrammar | None = None,
     ) -> None:
         self.prompt, self.params, self.eos_token_id = prompt, params, eos_token_id
+        self.grammar = grammar  # the answer's constraint (infer/constrain.py), or None
         self.generator = make_generator(params.seed, device)
         self.on_full_context = on_full_context
         self.context = list(prompt)
@@ -241,7 +244,21 @@ class Row:
             logits = penalize_counts(
                 logits, generated, params.presence_penalty, params.frequency_penalty
             )
+        if self.grammar is not None and not self.thinking:
+            logits = self._constrain(logits)
         return logits
+
+    def _constrain(self, logits: Tensor) -> Tensor:
+        """The grammar's mask: only tokens that keep the answer on its grammar, the row's end
+        tokens once the answer is complete, and (before the answer starts) the thinking
+        start marker, so a thinking model may still think first."""
+        also = tuple(self._end_ids(logits.shape[-1], logits.device).tolist())
+        masked = self.grammar.mask(logits, also)
+        segments = self.segments
+        if segments is not None and not segments.answering:
+            start = segments.start
+            masked[..., start] = logits[..., start]
+        return masked
 
     def _end_ids(self, vocab_size: int, device: torch.device) -> Tensor:
         """The ids that would end this row: its end-of-sequence id and stop token ids (those
@@ -270,26 +287,32 @@ class Row:
         stats.batch_size = max(stats.batch_size, rows_in_step)
         params = self.params
         piece = self.decoder.push(token) if self.decoder is not None else ""
-        self._route(token, piece, now)
+        kind = self._route(token, piece, now)
+        ends = token == self.eos_token_id or token in params.stop_token_ids
+        if self.grammar is not None and kind == "answer" and not ends:
+            self.grammar.advance(token)
         if token == self.eos_token_id:
             self.stop("eos")
-        elif token in params.stop_token_ids or self.stop_strings.stopped:
+        elif ends or self.stop_strings.stopped:
             self.stop("stop")
+        elif self.grammar is not None and self.grammar.stopped:
+            self.stop("stop")  # the answer is complete: nothing may follow it
         elif len(self.tokens) >= params.max_new_tokens:
             self.stop("max_new_tokens")
 
-    def _route(self, token: int, piece: str, now: float) -> None:
+    def _route(self, token: int, piece: str, now: float) -> str:
         """Thinking or answer: count the token and put its text where it belongs (the markers'
-        own text goes to neither)."""
+        own text goes to neither); returns the kind ("answer", "thinking" or "marker")."""
         kind = self.segments.push(token) if self.segments is not None else "answer"
         if kind == "answer":
             self.text += self.stop_strings.push_token(piece, len(self.tokens))
-            return
+            return kind
         self.stats.thinking_tokens += 1
         self.stats.thinking_time_s = now - self.t_start
         if kind == "thinking":
             self.thought += 1
             self.reasoning += piece
+        return kind
 
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stats.stop_reason = reason

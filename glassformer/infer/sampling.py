@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from glassformer.infer.constrain import Constraint, check_constraint, constraint_from
 
 
 def _check_temperature(temperature: float) -> None:
@@ -245,6 +248,11 @@ class SamplingParams:
     infer/thinking.py): the row then tells thinking tokens from answer tokens.
     thinking_budget: at most this many tokens inside a thinking segment; when they are spent
     the row emits the end marker itself and the model goes on to answer (None: no limit).
+    json_schema / regex / grammar: at most one; the answer must match it (infer/constrain.py):
+    a JSON Schema (a dict or JSON text, stored as JSON text), a regex the whole answer matches,
+    or a Lark grammar (llguidance's dialect). Each step's logits are masked to the tokens it
+    allows after the penalties and before temperature and the cuts; the row stops ("stop")
+    when the answer is complete. A thinking segment is not constrained, the answer after it is.
     """
 
     temperature: float = 1.0
@@ -264,6 +272,9 @@ class SamplingParams:
     thinking_budget: int | None = None
     min_tokens: int = 0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    json_schema: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature)
@@ -298,6 +309,16 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
+        constraint = constraint_from(self.json_schema, self.regex, self.grammar)
+        if constraint is not None:
+            check_constraint(constraint)
+            if constraint.kind == "json_schema":  # as JSON text, so the params stay hashable
+                object.__setattr__(self, "json_schema", constraint.source)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the answer must match (infer/constrain.py), or None."""
+        return constraint_from(self.json_schema, self.regex, self.grammar)
 
     @property
     def is_greedy(self) -> bool:

@@ -191,6 +191,9 @@ class SpeculativeDecoder(Engine):
             ("logprobs", None),
             ("min_tokens", 0),
             ("logit_bias", ()),
+            ("json_schema", None),
+            ("regex", None),
+            ("grammar", None),
         ):
             value = getattr(params, name, off)
             if value != off:

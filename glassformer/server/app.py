@@ -32,6 +32,7 @@ from torch import nn
 
 import glassformer
 from glassformer.detokenize import TokenBytes
+from glassformer.infer.constrain import ConstraintError, check_constraint, constraint_from
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.prefill import PREFILL_CHUNK
@@ -58,6 +59,13 @@ from glassformer.server.rag import router as rag_router
 from glassformer.server.responses import Reply
 from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
+from glassformer.server.tools import (
+    ToolError,
+    conversation,
+    message_dict,
+    response_format_schema,
+    tool_use,
+)
 from glassformer.templates import ConversationTooLong, end_of_turn_ids
 
 log = logging.getLogger("glassformer.server")
@@ -290,10 +298,15 @@ class API:
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in body.messages
-        ]
+        try:
+            use = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as err:
+            raise APIError(400, str(err), err.param, code="invalid_tools") from None
+        if use is not None and body.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "give tools or a response_format, not both", "response_format")
+        messages, tool_kwargs = conversation(
+            [message_dict(m) for m in body.messages], use, tokenizer.chat_template
+        )
         no_think = body.chat_template_kwargs is not None and not (
             body.chat_template_kwargs.enable_thinking
         )
@@ -309,7 +322,7 @@ class API:
         if budget is None:
             budget = self.thinking_budget  # the server's default
             no_think = budget == 0
-        template_kwargs = {"enable_thinking": False} if no_think else None
+        template_kwargs = ({"enable_thinking": False} if no_think else {}) | tool_kwargs
 
         def encode() -> list[int]:
             ids = tokenizer.encode_chat(messages, template_kwargs=template_kwargs)
@@ -328,8 +341,11 @@ class API:
             param,
             n_top,
             thinking_budget=budget,
+            grammar=use.grammar() if use is not None else None,
         )
-        reply = Reply(self, "chat.completion", "chatcmpl", body, prompt, n_top, work.arrived)
+        reply = Reply(
+            self, "chat.completion", "chatcmpl", body, prompt, n_top, work.arrived, use is not None
+        )
         return await self._respond(request, body, work, reply)
 
     def _check_model(self, name: str) -> None:
@@ -371,8 +387,10 @@ class API:
         limit_param: str,
         n_top: int | None,
         thinking_budget: int | None = None,
+        grammar: str | None = None,
     ) -> Work:
-        """The request's rows: one prompt, one SamplingParams per choice (seed + i)."""
+        """The request's rows: one prompt, one SamplingParams per choice (seed + i); grammar:
+        the tool calls' (server/tools.py), else response_format's schema, if any."""
         room = self.slot_len - len(prompt)
         if room < 1:
             raise APIError(
@@ -410,10 +428,20 @@ class API:
                 "min_tokens",
                 code="invalid_value",
             )
+        try:
+            schema = None if grammar else response_format_schema(body.response_format)
+            constraint = constraint_from(schema, None, grammar)
+            if constraint is not None:
+                check_constraint(constraint)  # a 400 in milliseconds, before any row
+        except (ToolError, ConstraintError) as err:
+            param = "tools" if grammar else "response_format"
+            raise APIError(400, str(err), param, code="invalid_schema") from None
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
             params = SamplingParams(
+                json_schema=schema,
+                grammar=grammar,
                 temperature=body.temperature,
                 top_p=body.top_p if body.top_p < 1 else None,
                 top_k=body.top_k,

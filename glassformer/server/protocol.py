@@ -3,7 +3,7 @@ validated before anything reaches the engine, and the OpenAI-style error object 
 that does not fit.
 
 Every request model forbids fields it does not know, so a parameter this server does not
-implement (tools, echo, prediction, ...) is a 400 that names it, never silently
+implement (echo, prediction, audio, ...) is a 400 that names it, never silently
 ignored. The fields of OpenAI's schema that cannot change the output here (store, metadata,
 user, ...) are accepted, type-checked, and listed back as ignored (Ignorable). Values are
 checked strictly (a temperature of "0.7" or an n of 1.5 is refused, not cast).
@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from glassformer import json_input
 from glassformer.infer.sampling import normalize_logit_bias
@@ -131,7 +138,7 @@ class Ignorable(Strict):
     metadata: dict[str, str] | None = None  # tags for stored completions
     service_tier: str | None = None  # OpenAI's processing tier: this server has one
     prompt_cache_key: str | None = None  # a routing hint: the prefix cache here needs none
-    parallel_tool_calls: bool | None = None  # tools are not implemented (a 400), so no effect
+    parallel_tool_calls: bool | None = None  # read by a chat request with tools (server/tools.py)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -196,6 +203,9 @@ class SamplingFields(Ignorable):
     # (the route checks it against max_tokens); OpenAI's logit_bias, biases in [-100, 100].
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[int, float] | None = None
+    # Structured output (server/tools.py): {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"name": ..., "schema": {...}, "strict": true}}; checked by the route.
+    response_format: dict[str, Any] | None = None
 
     _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
     _check_bias = field_validator("logit_bias", mode="before")(lambda cls, v: _logit_bias(v))
@@ -221,14 +231,28 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's result answering one of its calls
+    # (OpenAI's form: {"id", "type": "function", "function": {"name", "arguments"}}).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text(cls, value: Any) -> str:
+    def _text(cls, value: Any) -> str | None:
         """A string, or a list of text parts (joined); images and audio are refused."""
+        if value is None:
+            return None
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value:
@@ -241,6 +265,29 @@ class ChatMessage(Strict):
                 texts.append(part["text"])
             return "".join(texts)
         raise ValueError("give the message text as a string (or a list of text parts)")
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, value: str) -> str:
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ValueError("a tool call's arguments must be JSON text") from None
+        return value
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+ChatMessage.model_rebuild()
 
 
 class ChatTemplateKwargs(Strict):
@@ -258,6 +305,14 @@ class ChatRequest(SamplingFields):
     # once, as chat_template_kwargs={"enable_thinking": false} does.
     thinking_budget: int | None = Field(None, ge=0)
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # OpenAI's function calling (server/tools.py checks them and builds the grammar)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        ignored = super().ignored_fields
+        return [f for f in ignored if not (f == "parallel_tool_calls" and self.tools)]
 
     @property
     def token_limit(self) -> int | None:

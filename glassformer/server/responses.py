@@ -20,6 +20,7 @@ from glassformer.infer.thinking import Segments, ThinkingMarkers
 from glassformer.server.metrics import Metrics
 from glassformer.server.protocol import APIError, SamplingFields
 from glassformer.server.scheduler import Failed, Tokens
+from glassformer.server.tools import ToolCallStream
 
 
 class Server(Protocol):
@@ -50,6 +51,7 @@ class Reply:
         prompt: list[int],
         n_top: int | None,
         arrived: float | None = None,
+        tools: bool = False,
     ) -> None:
         self.api, self.kind, self.body, self.prompt, self.n_top = api, kind, body, prompt, n_top
         self.arrived = time.perf_counter() if arrived is None else arrived  # for the latency
@@ -79,6 +81,10 @@ class Reply:
         # A stop token (the server's end-of-turn ids, or the request's stop_token_ids) ends the
         # text without showing in it, as vLLM's stop_token_ids do.
         self.stop_ids = {*api.stop_ids, *(body.stop_token_ids or ())}
+        # With tools, each answer is read for <tool_call> blocks (server/tools.py): the text
+        # outside them is the content, each block a tool call.
+        self.calls = [ToolCallStream() for _ in range(body.n)] if tools else None
+        self.content = [""] * body.n
 
     @property
     def done(self) -> bool:
@@ -135,7 +141,9 @@ class Reply:
         return piece
 
     def _finish_reason(self, i: int) -> str:
-        return "stop" if self.rows[i].stop_reason in ("eos", "stop") else "length"
+        if self.rows[i].stop_reason not in ("eos", "stop"):
+            return "length"  # cut by max_tokens: a schema's JSON may be incomplete
+        return "tool_calls" if self.calls and self.calls[i].calls else "stop"
 
     # --- wire formats -------------------------------------------------------------------------
 
@@ -169,7 +177,7 @@ class Reply:
     def _chunk(self, i, text, logprobs, finish_reason, include_usage) -> dict:
         choice: dict[str, Any] = {"index": i}
         if self.chat:
-            choice["delta"] = {"content": text} if text or not finish_reason else {}
+            choice["delta"] = self._delta(i, text, finish_reason)
             reasoning = self._take_reasoning(i)
             if reasoning:  # the thinking as it comes, beside the content (vLLM, DeepSeek)
                 choice["delta"] = {"reasoning_content": reasoning, **choice["delta"]}
@@ -178,6 +186,17 @@ class Reply:
         choice["logprobs"] = self._logprobs(logprobs) if logprobs else None
         choice["finish_reason"] = finish_reason
         return self._with_usage({**self._header(True), "choices": [choice]}, include_usage)
+
+    def _delta(self, i: int, text: str, finish_reason: str | None) -> dict:
+        """A chat chunk's delta: the new content, and with tools the tool-call deltas."""
+        deltas: list[dict] = []
+        if self.calls is not None:
+            text, deltas = self.calls[i].push(text)
+            if finish_reason:
+                text += self.calls[i].finish()[0]
+            self.content[i] += text
+        delta = {"content": text} if text or not (finish_reason or deltas) else {}
+        return delta | ({"tool_calls": deltas} if deltas else {})
 
     def _with_usage(self, chunk: dict, include_usage: bool) -> dict:
         return {**chunk, "usage": None} if include_usage else chunk
@@ -207,7 +226,13 @@ class Reply:
         for i in range(self.body.n):
             logprobs = self._logprobs(self.logprobs[i]) if self.n_top is not None else None
             choice: dict[str, Any] = {"index": i}
-            if self.chat:
+            if self.chat and self.calls is not None:
+                calls = self.calls[i].tool_calls()
+                content = self.content[i] or (None if calls else "")
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": self.texts[i]}
                 if self.segments[i] is not None:
                     choice["message"]["reasoning_content"] = self.reasoning[i].strip() or None

@@ -37,6 +37,27 @@ async function readEvents(response, onData) {
   }
 }
 
+// The reply format chosen under the message: free text, any JSON object, or JSON valid under
+// the schema typed in (OpenAI's response_format; the server masks each step's tokens to it).
+function responseFormat() {
+  const kind = $("#chat-format").value;
+  if (kind === "text") return undefined;
+  if (kind === "json_object") return { type: "json_object" };
+  let schema;
+  try {
+    schema = JSON.parse($("#chat-schema").value);
+  } catch (error) {
+    throw new Error(`the JSON Schema is not valid JSON: ${error.message}`);
+  }
+  return { type: "json_schema", json_schema: { name: "reply", schema, strict: true } };
+}
+
+function showSchemaBox() {
+  const hidden = $("#chat-format").value !== "json_schema";
+  $("#chat-schema").hidden = hidden;
+  $("label[for=chat-schema]").hidden = hidden;
+}
+
 // One streamed reply: its text (shown as it grows), finish_reason, usage and timing.
 async function streamChat(messages, signal, show) {
   const response = await fetch("/v1/chat/completions", {
@@ -50,6 +71,7 @@ async function streamChat(messages, signal, show) {
       stream_options: { include_usage: true },  // the last chunk carries usage
       temperature: Number($("#chat-temperature").value),
       max_tokens: Number($("#chat-max-tokens").value),
+      response_format: responseFormat(),
     }),
   });
   if (!response.ok) {
@@ -109,6 +131,8 @@ async function sendChat(event) {
     if (reply.finish === "length") {
       markReply(node, "length", `cut at max tokens (${maxTokens})`,
         "finish_reason: length. The reply reached max tokens; raise it for a longer one.");
+    } else if ($("#chat-format").value !== "text") {
+      markReply(node, "json", "JSON", "The reply was constrained to JSON (response_format).");
     }
     addTurnRow(conversation, sent, reply, started);
   } catch (error) {
@@ -201,4 +225,5 @@ function setUpChat() {
   $("#chat-reset").addEventListener("click", resetChat);
   $("#chat-stop").addEventListener("click", stopChat);
   $("#chat-input").addEventListener("keydown", chatKeys);
+  $("#chat-format").addEventListener("change", showSchemaBox);
 }

@@ -1,0 +1,321 @@
+"""Structured output at speed (glassformer/infer/constrain.py, docs/structured.md).
+
+1. The grammar engines, on SmolLM2's vocabulary (49,152 byte-level BPE tokens) and the
+   34 JSON Schemas of tests/data/json_schemas.json: llguidance (glassformer's choice),
+   xgrammar and outlines-core, each driven from glassformer's own token bytes. Per engine: the
+   vocabulary's setup time, how many schemas compile, the compile time per schema, and the
+   time of one step's token mask, replayed over real outputs (SmolLM2's greedy answers to the
+   suite, valid under jsonschema), with how many of those outputs the engine accepts token
+   by token. Every engine is given glassformer's whitespace rule (at most 24 characters of
+   JSON whitespace between two tokens).
+2. Decoding SmolLM2-135M-Instruct with a JSON Schema against decoding without one, at batch 1
+   and batch 8: the same prompt, the constrained rows' token count forced on the free rows
+   (end of sequence ignored), alternating timed runs, median of --runs. Target: >= 0.9x.
+
+    pip install -e '.[bench]'                 # xgrammar and outlines-core, the other engines
+    python benchmarks/structured.py --threads 2
+    python benchmarks/structured.py --runs 3 --json benchmarks/results/structured.json  # docs'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import record  # benchmarks/record.py
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SUITE = json.loads((Path(__file__).parent.parent / "tests/data/json_schemas.json").read_text())
+# JSON whitespace as glassformer allows it (constrain.JSON_OPTIONS), for outlines-core's regexes.
+WHITESPACE = r"[\n\r\t ]{0,24}"
+# The decode benchmark's schema: ten records, about 200 tokens of JSON.
+RECORDS = {
+    "type": "array",
+    "minItems": 10,
+    "maxItems": 10,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "maxLength": 20},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def chat_prompt(tokenizer, text: str, schema: dict) -> list[int]:
+    system = "Answer with JSON only, matching this schema: " + json.dumps(schema)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
+def reference_outputs(engine, tokenizer) -> list[list[int]]:
+    """SmolLM2's greedy answer to each schema of the suite (constrained by llguidance), as
+    token ids; each is checked with jsonschema."""
+    import glassformer as gf
+
+    outputs = []
+    for start in range(0, len(SUITE), 8):
+        group = SUITE[start : start + 8]
+        params = [
+            gf.SamplingParams(temperature=0.0, max_new_tokens=200, json_schema=c["schema"])
+            for c in group
+        ]
+        rows = engine.add_many(
+            [chat_prompt(tokenizer, c["prompt"], c["schema"]) for c in group], params
+        )
+        while not all(row.finished for row in rows):
+            engine.step()
+        for case, row in zip(group, rows, strict=True):
+            ids = [t for t in row.tokens if t != tokenizer.eos_token_id]
+            jsonschema.validate(json.loads(tokenizer.decode(ids)), case["schema"])
+            outputs.append(ids)
+    return outputs
+
+
+# --- the engines, each behind the same three calls: setup, compile, replay ---------------------
+
+
+class Llguidance:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        from glassformer.infer.constrain import grammar_vocabulary
+
+        self.vocab = grammar_vocabulary(tokenizer, vocab_size, tokenizer.eos_token_id)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: dict):
+        import llguidance as llg
+
+        from glassformer.infer.constrain import JSON_OPTIONS
+
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        matcher = llg.LLMatcher(self.vocab, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def replay(self, matcher, ids: list[int]) -> tuple[list[float], bool]:
+        times = []
+        for token in ids:
+            start = time.perf_counter()
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size]
+            times.append(time.perf_counter() - start)
+            if not allowed[token] or not matcher.consume_token(token):
+                return times, False
+        return times, True
+
+
+class Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        from glassformer.detokenize import TokenBytes
+
+        spell = TokenBytes(tokenizer)
+        vocab = [spell(i) for i in range(vocab_size)]
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: dict):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema)))
+
+    def replay(self, matcher, ids: list[int]) -> tuple[list[float], bool]:
+        times = []
+        for token in ids:
+            start = time.perf_counter()
+            matcher.fill_next_token_bitmask(self.bitmask)
+            allowed = (self.bitmask[0, token // 32] >> (token % 32)) & 1
+            times.append(time.perf_counter() - start)
+            if not allowed or not matcher.accept_token(token):
+                return times, False
+        return times, True
+
+
+class OutlinesCore:
+    """outlines-core compiles a schema to a regex, then the regex over the whole vocabulary into
+    a token automaton (its index); tokens that are not UTF-8 by themselves (part of a character)
+    have no text for its vocabulary and are never allowed."""
+
+    name = "outlines-core"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import outlines_core as oc
+
+        from glassformer.detokenize import TokenBytes
+
+        spell, eos = TokenBytes(tokenizer), tokenizer.eos_token_id
+        mapping: dict[str, list[int]] = {}
+        for i in range(vocab_size):
+            try:
+                text = spell(i).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if i != eos:
+                mapping.setdefault(text, []).append(i)
+        self.vocab = oc.Vocabulary(eos, mapping)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: dict):
+        import outlines_core as oc
+
+        # Its default whitespace is "[ ]?" (one optional space), which refuses the newlines
+        # and indentation models write; given llguidance's policy, the comparison is fair.
+        regex = oc.json_schema.build_regex_from_schema(json.dumps(schema), WHITESPACE)
+        return oc.Guide(oc.Index(regex, self.vocab))
+
+    def replay(self, guide, ids: list[int]) -> tuple[list[float], bool]:
+        times = []
+        mask = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+        for token in ids:
+            start = time.perf_counter()
+            guide.write_mask_into(mask.data_ptr(), mask.numel(), mask.element_size())
+            allowed = (int(mask[token // 32]) >> (token % 32)) & 1
+            times.append(time.perf_counter() - start)
+            if not allowed:
+                return times, False
+            guide.advance(token, return_tokens=False)
+        return times, True
+
+
+def compare_engines(tokenizer, vocab_size: int, outputs: list[list[int]]) -> list[dict]:
+    rows = []
+    for kind in (Llguidance, Xgrammar, OutlinesCore):
+        try:
+            start = time.perf_counter()
+            engine = kind(tokenizer, vocab_size)
+            setup = time.perf_counter() - start
+        except ImportError as err:
+            print(f"{kind.name}: not installed ({err}); pip install -e '.[bench]'")
+            continue
+        compile_ms, mask_us, compiled, accepted, failures = [], [], 0, 0, []
+        for case, ids in zip(SUITE, outputs, strict=True):
+            try:
+                start = time.perf_counter()
+                matcher = engine.compile(case["schema"])
+                compile_ms.append(1000 * (time.perf_counter() - start))
+            except Exception as err:  # each engine's own error types
+                failures.append(f"{case['name']}: {str(err).splitlines()[0][:80]}")
+                continue
+            compiled += 1
+            times, ok = engine.replay(matcher, ids)
+            mask_us += [1e6 * t for t in times]
+            accepted += ok
+            if not ok:
+                failures.append(f"{case['name']}: rejects a valid output")
+        row = {
+            "engine": kind.name,
+            "setup_s": setup,
+            "schemas": len(SUITE),
+            "compiled": compiled,
+            "accepted": accepted,
+            "compile_ms_median": statistics.median(compile_ms),
+            "compile_ms_max": max(compile_ms),
+            "mask_us_median": statistics.median(mask_us),
+            "mask_us_p99": float(np.percentile(mask_us, 99)),
+            "failures": failures,
+        }
+        rows.append(row)
+        print(
+            f"{kind.name:>14}: setup {setup:.2f} s, compiled {compiled}/{len(SUITE)}, accepted "
+            f"{accepted}, compile median {row['compile_ms_median']:.1f} ms (max "
+            f"{row['compile_ms_max']:.0f}), mask median {row['mask_us_median']:.0f} us (p99 "
+            f"{row['mask_us_p99']:.0f})"
+        )
+        for failure in failures:
+            print(f"{'':>16}{failure}")
+    return rows
+
+
+# --- decoding with and without a schema ---------------------------------------------------------
+
+
+def decode_speed(engine, tokenizer, batch: int, runs: int) -> dict:
+    import glassformer as gf
+    from glassformer.infer.sampling import NO_EOS
+
+    prompt = chat_prompt(tokenizer, "List ten people with their age and city.", RECORDS)
+
+    def run(constrained: bool, n_tokens: int | None) -> tuple[float, list[int]]:
+        if constrained:
+            params = gf.SamplingParams(temperature=0.0, max_new_tokens=400, json_schema=RECORDS)
+        else:
+            params = gf.SamplingParams(
+                temperature=0.0, max_new_tokens=n_tokens, eos_token_id=NO_EOS
+            )
+        start = time.perf_counter()
+        rows = engine.add_many([prompt] * batch, [params] * batch)
+        while not all(row.finished for row in rows):
+            engine.step()
+        return time.perf_counter() - start, [len(row.tokens) for row in rows]
+
+    _, counts = run(True, None)  # warm-up; the free rows then generate as many tokens
+    n_tokens = max(counts)
+    times = {"json_schema": [], "free": []}
+    for _ in range(runs):
+        seconds, counts = run(True, None)
+        assert min(counts) == n_tokens, counts  # greedy: every run the same answer
+        times["json_schema"].append(batch * n_tokens / seconds)
+        seconds, _ = run(False, n_tokens)
+        times["free"].append(batch * n_tokens / seconds)
+    constrained, free = (statistics.median(times[k]) for k in ("json_schema", "free"))
+    print(
+        f"batch {batch}: {n_tokens} tokens per row; free {free:.1f} tok/s, json schema "
+        f"{constrained:.1f} tok/s, ratio {constrained / free:.2f}x"
+    )
+    return {
+        "batch": batch,
+        "tokens_per_row": n_tokens,
+        "free_tokens_per_s": free,
+        "schema_tokens_per_s": constrained,
+        "ratio": constrained / free,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import glassformer as gf
+    from glassformer.infer.constrain import Grammars, constraint_from
+
+    model, tokenizer = gf.from_pretrained("smollm2")
+    vocab_size = model.cfg.vocab_size
+    engine = gf.Engine(model, tokenizer=tokenizer, max_rows=8)
+    start = time.perf_counter()
+    Grammars(tokenizer, vocab_size, tokenizer.eos_token_id).matcher(constraint_from(RECORDS))
+    first_compile = time.perf_counter() - start
+    print(f"glassformer: the vocabulary and the decode schema compiled in {first_compile:.2f} s")
+    outputs = reference_outputs(engine, tokenizer)
+    engines = compare_engines(tokenizer, vocab_size, outputs)
+    speed = [decode_speed(engine, tokenizer, batch, args.runs) for batch in (1, 8)]
+    if args.json:
+        fields = {"runs": args.runs, "first_compile_s": first_compile, "engines": engines}
+        record.write(args.json, args.threads, fields | {"decode": speed})
+
+
+if __name__ == "__main__":
+    main()
