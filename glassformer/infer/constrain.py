@@ -16,6 +16,7 @@ vocabulary) is described token by token as its exact bytes (detokenize.TokenByte
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -111,9 +112,12 @@ def grammar_text(constraint: Constraint) -> str:
     return llg.LLMatcher.grammar_from_lark(constraint.source)
 
 
+@functools.lru_cache(maxsize=64)
 def check_constraint(constraint: Constraint) -> None:
     """Compile the constraint without a vocabulary: a bad schema, regex or grammar is a
-    ConstraintError naming the engine's reason (in milliseconds, before any row is made)."""
+    ConstraintError naming the engine's reason (in milliseconds, before any row is made).
+    Remembered per constraint, so the SamplingParams of a request's n choices, or of a batch's
+    rows, validate one schema once (a failure is not remembered: it raises every time)."""
     llg = _llguidance()
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text(constraint))
     if is_error:
