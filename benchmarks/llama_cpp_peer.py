@@ -1,15 +1,49 @@
-"""llama.cpp as a benchmark peer, through llama-cpp-python (`pip install -e .[bench]`): the
-shipped SmolLM2 Q4_1 GGUF file, llama.cpp's own requantizations of it (llama_model_quantize,
-with allow_requantize) into F32, BF16, Q8_0, Q4_0 or Q4_K_M in a temporary folder, and a runner
-that times its greedy generation from the same token ids as glassformer's (benchmarks/decode.py,
-benchmarks/quantization.py). Without llama-cpp-python, no files: the benchmarks run without
-these rows."""
+"""llama.cpp as a benchmark peer, in two forms.
+
+- Its own binaries (llama-server, llama-bench, llama-quantize), built by
+  benchmarks/build_llama_cpp.sh into build/llama.cpp/bin (or found in $LLAMA_CPP_BIN): the
+  servers' side-by-sides start `llama-server` on a GGUF file (benchmarks/servers.py).
+- llama-cpp-python (`pip install -e .[bench]`): the shipped SmolLM2 Q4_1 GGUF file, llama.cpp's
+  own requantizations of it (llama_model_quantize, with allow_requantize) into F32, BF16, Q8_0,
+  Q4_0 or Q4_K_M in a temporary folder, and a runner that times its greedy generation from the
+  same token ids as glassformer's (benchmarks/decode.py, benchmarks/quantization.py).
+
+Without either, no peer: the benchmarks run without these rows."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
+
+BUILD = Path(__file__).resolve().parent.parent / "build" / "llama.cpp" / "bin"
+
+
+def llama_cpp_binary(name: str) -> Path | None:
+    """The llama.cpp binary `name` (llama-server, ...): in $LLAMA_CPP_BIN, else where
+    benchmarks/build_llama_cpp.sh puts it, else on PATH; None when there is none."""
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    for candidate in ([Path(folder) / name] if folder else []) + [BUILD / name]:
+        if candidate.is_file():
+            return candidate
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def llama_cpp_version() -> str | None:
+    """Which llama.cpp: the llama-cpp-python sdist it was built from (build_llama_cpp.sh's
+    VERSION file) and llama-server's own `--version` line; None without llama-server."""
+    binary = llama_cpp_binary("llama-server")
+    if binary is None:
+        return None
+    result = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "version" in line]
+    sdist = binary.parent / "VERSION"
+    source = f"llama-cpp-python {sdist.read_text().strip()} sdist, " if sdist.is_file() else ""
+    return source + (lines[0].strip() if lines else "version unknown")
 
 
 class LlamaCpp:

@@ -233,6 +233,35 @@ def structured_decode(result: dict) -> list[str]:
     return [*markdown(head, rows, ":::::"), "", note]
 
 
+def structured_servers(result: dict) -> list[str]:
+    """The schema suite and the decode schema through glassformer serve and llama-server."""
+    servers = result["servers"]
+    speed = {(r["server"], r["clients"]): r for r in servers["speed"]}
+    rows = []
+    for name, suite in servers["suite"].items():
+        cells = [name, f"{suite['valid']} / {suite['invalid']} / {suite['length']} / "
+                 f"{suite['refused']}"]  # fmt: skip
+        for clients in sorted({c for _, c in speed}):
+            r = speed[name, clients]
+            cells.append(f"{r['tok_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s")
+        rows.append(cells)
+    ours, peer = servers["suite"]
+    ratios = ["glassformer / llama-server", ""]
+    for clients in sorted({c for _, c in speed}):
+        ratios.append(f"{speed[ours, clients]['tok_s'] / speed[peer, clients]['tok_s']:.2f}x")
+    rows.append(ratios)
+    head = ["server", "34 schemas: valid / invalid / cut / refused"]
+    head += [f"{c} client{'s' if c > 1 else ''}" for c in sorted({c for _, c in speed})]
+    m = result["machine"]
+    threads = f"{m['threads']} thread{'s' if m['threads'] > 1 else ''}"
+    note = (
+        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, "
+        f"{threads} per server, llama.cpp from {servers['llama_cpp']}; "
+        f"median of {result['runs']} runs, the servers alternating)."
+    )
+    return [*markdown(head, rows, "-" + ":" * (len(head) - 1)), "", note]
+
+
 def prefill_matmul(result: dict) -> list[str]:
     """Each matrix at two prompt lengths side by side, errors at the longer; then whole prefill."""
     small, large = sorted({r["tokens"] for r in result["matrices"]})
@@ -476,6 +505,8 @@ TABLES = {
     "rag-search": Table("rag.json", rag_search),
     "structured-engines": Table("structured.json", structured_engines),
     "structured-decode": Table("structured.json", structured_decode),
+    "structured-servers": Table("structured_servers.json", structured_servers),
+    "structured-decode-short": Table("structured.json", lambda r: structured_decode(r)[:-2]),
     "finetune-quality-short": Table(
         "finetune_quality.json", lambda r: finetune_quality(r, ("copy", "lora-qv", "full"))
     ),

@@ -11,19 +11,32 @@
 2. Decoding SmolLM2-135M-Instruct with a JSON Schema against decoding without one, at batch 1
    and batch 8: the same prompt, the constrained rows' token count forced on the free rows
    (end of sequence ignored), alternating timed runs, median of --runs. Target: >= 0.9x.
+3. Through the servers, side by side: `glassformer serve --quantize int4` and llama.cpp's own
+   `llama-server` (benchmarks/build_llama_cpp.sh), both on the shipped SmolLM2 Q4_1 GGUF file
+   with --threads threads and 8 slots, driven by the official `openai` client with
+   `response_format: {"type": "json_schema", ...}` at temperature 0: for each of the 34 schemas
+   (8 requests at a time) whether the reply is valid JSON that validates, invalid, cut at
+   max_tokens, or refused with an error; then the decode schema streamed by 1 and by 8
+   concurrent clients (prompt reuse off on both), aggregate tokens/s and the median time to
+   first token, the servers alternating, median of --runs. Skipped without llama-server.
 
     pip install -e '.[bench]'                 # xgrammar and outlines-core, the other engines
+    bash benchmarks/build_llama_cpp.sh        # llama-server, the peer of part 3
     python benchmarks/structured.py --threads 2
     python benchmarks/structured.py --runs 3 --json benchmarks/results/structured.json  # docs'
+    python benchmarks/structured.py --servers-only --runs 3 --json \
+        benchmarks/results/structured_servers.json                                       # docs'
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
@@ -51,6 +64,9 @@ RECORDS = {
         "additionalProperties": False,
     },
 }
+
+
+RECORDS_PROMPT = "List ten people with their age and city."
 
 
 def chat_prompt(tokenizer, text: str, schema: dict) -> list[int]:
@@ -254,7 +270,7 @@ def decode_speed(engine, tokenizer, batch: int, runs: int) -> dict:
     import glassformer as gf
     from glassformer.infer.sampling import NO_EOS
 
-    prompt = chat_prompt(tokenizer, "List ten people with their age and city.", RECORDS)
+    prompt = chat_prompt(tokenizer, RECORDS_PROMPT, RECORDS)
 
     def run(constrained: bool, n_tokens: int | None) -> tuple[float, list[int]]:
         if constrained:
@@ -292,13 +308,197 @@ def decode_speed(engine, tokenizer, batch: int, runs: int) -> dict:
     }
 
 
+# --- through the servers: glassformer serve and llama-server -----------------------------------
+
+
+def classify(reply: str | None, finish: str | None, schema: dict) -> str:
+    """valid (complete and it validates), invalid (complete, but not JSON or not valid under the
+    schema), or length (cut at max_tokens)."""
+    if finish == "length":
+        return "length"
+    try:
+        jsonschema.validate(json.loads(reply or ""), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return "invalid"
+    return "valid"
+
+
+def response_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def messages(text: str, schema: dict) -> list[dict]:
+    system = "Answer with JSON only, matching this schema: " + json.dumps(schema)
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
+@dataclass
+class Served:
+    """A server under test: its url, the model name it serves, and fields only it takes."""
+
+    url: str
+    extra: dict
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none")
+        self.model = client.models.list().data[0].id
+
+
+async def suite_through(server: Served) -> dict:
+    """Each schema of the suite through one server, 8 requests at a time: counts of valid,
+    invalid, length and refused (an error status, with the first message kept)."""
+    import openai
+
+    limit = asyncio.Semaphore(8)
+
+    async def one(client, case) -> tuple[str, str]:
+        async with limit:
+            try:
+                reply = await client.chat.completions.create(
+                    model=server.model, messages=messages(case["prompt"], case["schema"]),
+                    response_format=response_format(case["name"], case["schema"]),
+                    temperature=0, max_tokens=200, extra_body=server.extra,
+                )  # fmt: skip
+            except openai.APIStatusError as err:
+                return "refused", f"{case['name']}: {err.status_code} {str(err.message)[:90]}"
+            choice = reply.choices[0]
+            verdict = classify(choice.message.content, choice.finish_reason, case["schema"])
+            if verdict == "valid":
+                return verdict, ""
+            return verdict, f"{case['name']}: {verdict}: {str(choice.message.content)[:80]!r}"
+
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="none", timeout=600
+    ) as client:
+        results = await asyncio.gather(*(one(client, case) for case in SUITE))
+    counts = {k: sum(r == k for r, _ in results) for k in ("valid", "invalid", "length", "refused")}
+    return counts | {"errors": [message for _, message in results if message]}
+
+
+async def schema_stream(server: Served, batch: int) -> dict:
+    """`batch` concurrent streams of the decode schema: aggregate tokens/s (completion tokens
+    from each stream's usage over the wall time), median time to first token, valid replies."""
+    import openai
+
+    async def one(client) -> tuple[float, int, str]:
+        start, first, text, tokens = time.perf_counter(), None, [], 0
+        stream = await client.chat.completions.create(
+            model=server.model, messages=messages(RECORDS_PROMPT, RECORDS),
+            response_format=response_format("records", RECORDS), temperature=0, max_tokens=400,
+            stream=True, stream_options={"include_usage": True}, extra_body=server.extra,
+        )  # fmt: skip
+        finish = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return (
+            (first or time.perf_counter()) - start,
+            tokens,
+            classify("".join(text), finish, RECORDS),
+        )
+
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="none", timeout=600
+    ) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(client) for _ in range(batch)))
+        wall = time.perf_counter() - start
+    return {
+        "tok_s": sum(n for _, n, _ in results) / wall,
+        "ttft_s": statistics.median(t for t, _, _ in results),
+        "tokens": sum(n for _, n, _ in results),
+        "valid": sum(v == "valid" for _, _, v in results),
+    }
+
+
+def servers_side_by_side(threads: int, runs: int) -> dict | None:
+    from contextlib import ExitStack
+
+    from llama_cpp_peer import llama_cpp_binary, llama_cpp_version
+    from servers import glassformer_server, llama_server
+
+    from glassformer.interop.pretrained import resolve
+
+    if llama_cpp_binary("llama-server") is None:
+        print("llama-server: not built (bash benchmarks/build_llama_cpp.sh); servers skipped")
+        return None
+    gguf = resolve("smollm2")
+    with ExitStack() as stack:
+        ours = [
+            "--model",
+            str(gguf),
+            "--quantize",
+            "int4",
+            "--max-batch",
+            "8",
+            "--prefix-cache-mb",
+            "0",
+        ]
+        url = stack.enter_context(glassformer_server(ours, threads))
+        peer = stack.enter_context(llama_server(gguf, threads, parallel=8))
+        # cache_prompt: llama-server's prompt reuse across requests, off (as glassformer's is)
+        servers = {
+            "glassformer serve int4": Served(url, {}),
+            "llama-server Q4_1": Served(peer, {"cache_prompt": False}),
+        }
+        suites = {}
+        for name, server in servers.items():
+            suites[name] = asyncio.run(suite_through(server))
+            counts = suites[name]
+            print(
+                f"{name:>22}: {counts['valid']} valid, {counts['invalid']} invalid, "
+                f"{counts['length']} cut at max_tokens, {counts['refused']} refused of {len(SUITE)}"
+            )
+            for message in counts["errors"]:
+                print(f"{'':>24}{message}")
+        speed = []
+        for batch in (1, 8):
+            for server in servers.values():
+                asyncio.run(schema_stream(server, batch))  # warm-up
+            samples = {name: [] for name in servers}
+            for _ in range(runs):
+                for name, server in servers.items():
+                    samples[name].append(asyncio.run(schema_stream(server, batch)))
+            for name, results in samples.items():
+                row = {
+                    "server": name,
+                    "clients": batch,
+                    "tok_s": statistics.median(r["tok_s"] for r in results),
+                    "ttft_s": statistics.median(r["ttft_s"] for r in results),
+                    "tokens_per_run": results[0]["tokens"],
+                    "valid": min(r["valid"] for r in results),
+                }
+                speed.append(row)
+                print(
+                    f"{name:>22}, {batch} client(s): {row['tok_s']:.1f} tok/s, TTFT "
+                    f"{row['ttft_s']:.2f} s, {row['valid']}/{batch} valid"
+                )
+    return {"llama_cpp": llama_cpp_version(), "suite": suites, "speed": speed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--servers-only", action="store_true", help="only part 3: the servers side by side"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.servers_only:
+        servers = servers_side_by_side(args.threads, args.runs)
+        if args.json and servers:
+            record.write(args.json, args.threads, {"runs": args.runs, "servers": servers})
+        return
     import glassformer as gf
     from glassformer.infer.constrain import Grammars, constraint_from
 
@@ -312,9 +512,11 @@ def main() -> None:
     outputs = reference_outputs(engine, tokenizer)
     engines = compare_engines(tokenizer, vocab_size, outputs)
     speed = [decode_speed(engine, tokenizer, batch, args.runs) for batch in (1, 8)]
+    del engine, model  # the servers load their own
+    servers = servers_side_by_side(args.threads, args.runs)
     if args.json:
         fields = {"runs": args.runs, "first_compile_s": first_compile, "engines": engines}
-        record.write(args.json, args.threads, fields | {"decode": speed})
+        record.write(args.json, args.threads, fields | {"decode": speed, "servers": servers})
 
 
 if __name__ == "__main__":
