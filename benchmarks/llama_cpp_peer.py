@@ -46,6 +46,20 @@ def llama_cpp_version() -> str | None:
     return source + (lines[0].strip() if lines else "version unknown")
 
 
+def quantized_with_binary(source: Path, kind: str, target: Path, threads: int) -> Path:
+    """`source` requantized by llama.cpp's own llama-quantize into `kind` (F32, BF16, Q8_0,
+    Q4_0, Q4_1, ...; --allow-requantize, since the shipped file is already Q4_1: F32 and BF16
+    then hold its dequantized values, Q8_0 those values rounded to 8 bits), at `target`."""
+    binary = llama_cpp_binary("llama-quantize")
+    if binary is None:
+        raise FileNotFoundError("no llama-quantize: run bash benchmarks/build_llama_cpp.sh")
+    command = [binary, "--allow-requantize", source, target, kind, str(threads)]
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama-quantize to {kind} failed: {result.stderr[-1000:]}")
+    return target
+
+
 class LlamaCpp:
     """llama.cpp through llama-cpp-python on one GGUF file, fed the same token ids, greedy,
     batch 1."""

@@ -133,3 +133,55 @@ def test_gguf_4bit_blocks_are_kept_bit_for_bit_and_wider_matrices_become_int8(tm
                 step = got.scales.repeat_interleave(32, dim=1)
                 assert ((got.dequantize() - want).abs() <= step * 0.5001).all()  # + float rounding
     assert kept == {Q.Q4_0, Q.Q4_1, Q.Q4_K}  # each 4-bit type was read, qkv's rows unpermuted
+
+
+def test_the_file_precision_is_the_one_that_keeps_its_numbers(tmp_path, vocab):  # noqa: F811
+    """stored_precision (the CLI's default on the CPU) picks int4 for 4-bit blocks with a Q8_0
+    head, int8 for an all-Q8_0 file, and float for anything a kernel would round; what it picks
+    runs the numbers the gguf package's own dequantization gives."""
+    from gguf import GGMLQuantizationType as Q
+
+    from glassformer.interop.gguf import load_gguf
+    from glassformer.interop.pretrained import from_pretrained, stored_precision
+
+    hf = tiny_hf_model(hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    blocks = 7 * hf.config.num_hidden_layers  # q, k, v, o, gate, up, down; the table first
+    files = {
+        "int4": [Q.Q8_0] + [Q.Q4_0, Q.Q4_1] * (blocks // 2),
+        "int8": [Q.Q8_0],
+        None: [Q.Q8_0] + [Q.Q4_1] * (blocks - 1) + [Q.F16],  # one matrix above 4 bits
+    }
+    for want, qtypes in files.items():
+        path = write_gguf(tmp_path / f"{want}.gguf", hf, vocab, qtypes=qtypes)
+        assert stored_precision(path) == want, qtypes
+        exact, _ = load_gguf(path)  # float32 through gguf.quants.dequantize
+        own, _ = from_pretrained(path, quantize="file")
+        kinds = {type(m) for m in own.blocks.modules()}
+        assert (Int4Linear in kinds, Int8Linear in kinds) == (want == "int4", want == "int8")
+        for name, module in own.named_modules():
+            weight = exact.get_submodule(name).weight if hasattr(module, "dequantize") else None
+            if isinstance(module, Int4Linear):
+                assert torch.equal(module.dequantize(), weight), name  # the blocks, bit for bit
+            elif isinstance(module, Int8Linear):  # Q8_0 regrouped by 32: fp16 scales in fp32
+                torch.testing.assert_close(module.dequantize(), weight, atol=1e-6, rtol=0)
+    assert stored_precision(write_gguf(tmp_path / "f32.gguf", hf, vocab)) is None
+
+
+def test_decoding_commands_run_the_file_precision_unless_told(tmp_path, vocab):  # noqa: F811
+    from gguf import GGMLQuantizationType as Q
+
+    from glassformer.cli.common import DecodeOptions, load_for_decode, precision_name
+
+    hf = tiny_hf_model(hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    qtypes = [Q.Q8_0] + [Q.Q4_1] * 7 * hf.config.num_hidden_layers
+    path = str(write_gguf(tmp_path / "q4_1.gguf", hf, vocab, qtypes=qtypes))
+    runs = {
+        DecodeOptions(threads=1): "int4",  # generate, chat, serve, rag ask by default
+        DecodeOptions(threads=1, dtype="fp32"): "fp32",  # the file's weights dequantized
+        DecodeOptions(threads=1, dtype="bf16"): "bf16",
+        DecodeOptions(threads=1, quantize="int8"): "int8",
+        DecodeOptions(threads=1, plain=True): "fp32",  # the model as built, for comparison
+    }
+    for options, want in runs.items():
+        model, _ = load_for_decode(path, options, "the test needs one")
+        assert precision_name(model) == want, options

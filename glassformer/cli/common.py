@@ -347,14 +347,17 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=("fp32", "bf16"),
-        default="fp32",
-        help="weights and activations in fp32 (default) or bf16 (half the bytes per token)",
+        help="weights and activations in fp32 or bf16 (half the bytes per token); a quantized "
+        "GGUF file's weights dequantized. Default: the file's own precision on the CPU (a GGUF "
+        "file of 4-bit blocks with a Q8_0 head runs on its blocks as --quantize int4, one all "
+        "Q8_0 as --quantize int8: the file's numbers exactly), else fp32",
     )
     p.add_argument(
         "--quantize",
         choices=("int8", "int4"),
         help="int8: weight-only int8, a scale per 64 weights (about 3.7x fewer bytes than fp32); "
-        "int4: a scale and a min per 32 weights, llama.cpp's Q4_1 form (about 5x fewer)",
+        "int4: a scale and a min per 32 weights, llama.cpp's Q4_1 form (about 5x fewer); a "
+        "GGUF file's own blocks are kept where they have that form",
     )
     p.add_argument(
         "--plain",
@@ -369,7 +372,7 @@ class DecodeOptions:
     """How generate and chat run the model: where, in which precision, on which kernels."""
 
     device: str = "auto"
-    dtype: str = "fp32"
+    dtype: str | None = None  # None: the file's own precision (resolve_precision)
     quantize: str | None = None
     plain: bool = False
     compile: bool = False
@@ -400,7 +403,7 @@ def decode_device(options: DecodeOptions) -> torch.device:
     """Where generation runs, after checking that the flags fit together. The decode kernels
     (infer/optimize.py, int8 weights, the compiled step) are C code for CPU tensors: with
     --quantize or --compile, auto means the CPU, and a GPU named outright is an error."""
-    if options.quantize and options.dtype != "fp32":
+    if options.quantize and options.dtype == "bf16":
         raise ValueError(
             f"--quantize {options.quantize} keeps activations in fp32: drop --dtype {options.dtype}"
         )
@@ -460,13 +463,34 @@ def load_merged(model_name: str, adapter: str):
 def load_for_decode(
     model_name: str, options: DecodeOptions, why: str
 ) -> tuple[nn.Module, Tokenizer]:
-    """Check the flags, set threads, then load --model with its tokenizer, ready to decode."""
+    """Check the flags, set threads, then load --model with its tokenizer, ready to decode
+    (in the precision resolve_precision picks when neither --dtype nor --quantize is given)."""
     device = decode_device(options)
+    options = resolve_precision(model_name, options, device)
     set_threads(options.threads)
     model, tokenizer = load_with_tokenizer(
         model_name, why, quantize=options.quantize, adapter=options.adapter
     )
     return prepare_for_decode(model, device, options), tokenizer
+
+
+def resolve_precision(model_name: str, options: DecodeOptions, device: torch.device):
+    """The options with the precision a decoding command runs in: --dtype or --quantize as
+    given; neither, on the CPU without --adapter or --plain, the file's own (a GGUF file's
+    4-bit or 8-bit blocks as they are, interop.pretrained.stored_precision: what llama.cpp runs
+    too, the same numbers in a fifth of fp32's bytes); otherwise fp32. A merged adapter changes
+    the weights (rounding them would lose part of its update) and --plain runs the model as
+    built, so both stay fp32."""
+    from dataclasses import replace
+
+    from glassformer.interop.pretrained import stored_precision
+
+    if options.quantize or options.dtype:
+        return replace(options, dtype=options.dtype or "fp32")
+    own = None
+    if device.type == "cpu" and not (options.adapter or options.plain):
+        own = stored_precision(model_name)
+    return replace(options, dtype="fp32", quantize=own)
 
 
 def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions) -> Engine:
@@ -476,6 +500,20 @@ def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions
 
     fast = not options.plain
     return Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
+
+
+def precision_name(model: nn.Module) -> str:
+    """What a loaded model decodes in: int4 or int8 (its blocks' Linears), else its float
+    dtype (fp32, bf16)."""
+    from glassformer.nn.quant import Int4Linear, Int8Linear
+
+    kinds = {type(module) for module in model.modules()}
+    if Int4Linear in kinds:
+        return "int4"
+    if Int8Linear in kinds:
+        return "int8"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOptions) -> nn.Module:
@@ -489,4 +527,4 @@ def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOp
         return model.to(device=device, dtype=dtype)
     from glassformer.infer.optimize import optimize_for_decode
 
-    return optimize_for_decode(model, options.dtype)
+    return optimize_for_decode(model, options.dtype or "fp32")

@@ -23,6 +23,7 @@ from glassformer.cli.common import (
     non_negative_int,
     non_negative_seconds,
     positive_int,
+    precision_name,
     tcp_port,
     thinking_options,
 )
@@ -168,8 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = app.state.scheduler.engine
     check_cache_fits(model, engine.max_rows, engine.slot_len, args.max_batch)
     print(
-        f"serving {served.name} on http://{args.host}:{args.port} (OpenAI API at /v1, "
-        f"the lab at /); Ctrl-C stops",
+        f"serving {served.name} ({precision_name(model)}) on http://{args.host}:{args.port} "
+        "(OpenAI API at /v1, the lab at /); Ctrl-C stops",
         file=sys.stderr,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

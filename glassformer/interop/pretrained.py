@@ -69,7 +69,7 @@ def _refuse_pickles(path: Path) -> None:
             safetensors_files(path)  # raises the conversion hint, naming the files
 
 
-QUANTIZE_CHOICES = (None, "int8", "int4")
+QUANTIZE_CHOICES = (None, "int8", "int4", "file")
 
 
 def from_pretrained(
@@ -88,10 +88,18 @@ def from_pretrained(
     are taken as they are, bit for bit, and its matrices stored above 4 bits (Q6_K in a
     Q4_K_M file) become int8 in groups of 32 (glassformer.interop.gguf_blocks).
 
+    quantize="file": the file's own precision, as the CLI runs by default on the CPU: "int4"
+    or "int8" where stored_precision finds the weights stored in a form those keep exactly
+    (SmolLM2's Q4_1 file), else None (float). None, the default, loads float weights (a
+    quantized file dequantized) as transformers does: what training, fine-tuning and
+    inspection need.
+
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
     if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r} is not known: pick None, 'int8' or 'int4'")
+        raise ValueError(f"quantize={quantize!r} is not known: pick None, 'int8', 'int4' or 'file'")
+    if quantize == "file":
+        quantize = stored_precision(name_or_path)
     model, tokenizer = _load_float(name_or_path, dtype)
     if quantize == "int8":
         from glassformer.nn.quant import DEFAULT_GROUP_SIZE, quantize_int8
@@ -108,6 +116,38 @@ def from_pretrained(
             model = keep_file_blocks(model, path)
         model = quantize_int4(model)
     return model, tokenizer
+
+
+def stored_precision(name_or_path: str | Path) -> str | None:
+    """The quantize= that runs a checkpoint on its stored weights as they are: "int4" for a
+    GGUF file whose blocks' matrices are all 4-bit blocks (Q4_0, Q4_1, Q4_K) and whose output
+    matrix (the embedding table, when tied) is Q8_0, as SmolLM2's Q4_1 file is; "int8" for one
+    whose matrices are all Q8_0. Either computes exactly the file's numbers (the blocks are
+    taken bit for bit, the head regrouped by 32). None for everything else: float weights, and
+    mixes whose layers no kernel keeps as stored (Q4_K_M's Q6_K, Q5, a 3-D tensor of experts),
+    which are dequantized to floats, the same numbers in more bytes."""
+    path = resolve(name_or_path)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    from glassformer.interop.gguf import read_gguf
+    from glassformer.interop.gguf_blocks import FOUR_BIT
+
+    tensors = read_gguf(path).tensors
+    matrices = {name: t.tensor_type.name for name, t in tensors.items() if len(t.shape) >= 2}
+    if not matrices:
+        return None
+    if set(matrices.values()) == {"Q8_0"}:
+        return "int8"
+    head = matrices.get("output.weight", matrices.get("token_embd.weight"))
+    blocks = [
+        kind
+        for name, kind in matrices.items()
+        if name.startswith("blk.") and len(tensors[name].shape) == 2
+    ]
+    flat = all(len(tensors[name].shape) == 2 for name in matrices)
+    if flat and head == "Q8_0" and blocks and set(blocks) <= set(FOUR_BIT):
+        return "int4"
+    return None
 
 
 def _all_matrices_q8_0(path: Path) -> bool:

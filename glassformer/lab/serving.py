@@ -1,7 +1,8 @@
 """A real `glassformer serve` process for the lab's serving claims (seed 002 「KV Cache」 and 练习
 2 第 4 步): a free loopback port, one torch thread, no prefix reuse (every request prefills its
 whole prompt, as a first request to an API does), /health polled until it answers. Beside it
-the same model and tokenizer in this process, the independent reference for what it bills. In
+the same model (at the precision the server runs, the file's own) and tokenizer in this
+process, the independent reference for what it bills. In
 tiny mode the model is a random 2-layer one with SmolLM2's tokenizer and chat template.
 """
 
@@ -94,7 +95,8 @@ def serve(ctx: RunContext, max_seq_len: int, extra_args: tuple[str, ...] = ()) -
             model_arg, description = "smollm2", "SmolLM2-135M-Instruct"
         process, url = start(model_arg, max_seq_len, extra_args)
         try:
-            model, tokenizer = from_pretrained(model_arg)
+            # the precision the server runs it in: the file's own (its 4-bit blocks)
+            model, tokenizer = from_pretrained(model_arg, quantize="file")
             name = Path(model_arg).name if ctx.tiny else model_arg
             yield Served(url, name, model, tokenizer, description)
         finally:

@@ -1,0 +1,245 @@
+"""`glassformer serve` beside llama.cpp's own `llama-server` (issue 36), on the same GGUF file
+at equal precision, driven by the official `openai` client.
+
+For each precision, one file both servers load: int4 is the shipped SmolLM2-135M Q4_1 file;
+int8 and fp32 are llama.cpp's requantizations of it (llama-quantize into Q8_0 and F32, so both
+servers read the same numbers). glassformer runs a file at its own precision by default (Q4_1
+as int4, Q8_0 as int8, F32 as fp32); llama-server runs it as it is. Both get --threads threads
+and as many slots as the largest client count (llama-server's --parallel, glassformer's
+--max-batch), each with its own prompt reuse as it comes (distinct prompts share little).
+
+Per precision, client count C and new-token count N: C streaming completions at once, distinct
+--prompt-tokens prompts (windows of Shakespeare), exactly N new tokens each (ignore_eos), the
+two servers alternating, --runs times. It prints the aggregate tokens/s (the streams' usage
+over the wall time, median of the runs), p50/p99 time to first token and p50 inter-token gap
+(pooled over the runs), and glassformer's ratio. One client's decode rate through the server
+(after its first token) is set beside the engine's in this process on the same file
+(target: >= 95%). --shared-prefix T adds a run where every prompt starts with the same T tokens:
+the prefix cache's hit (glassformer's usage.prompt_tokens_details.cached_tokens) and TTFT.
+
+    bash benchmarks/build_llama_cpp.sh                        # llama-server, llama-quantize
+    python benchmarks/serve_peer.py --threads 2
+    python benchmarks/serve_peer.py --precisions int4 --clients 1 8 --new-tokens 64 --runs 1
+    python benchmarks/serve_peer.py --threads 2 --runs 3 --json benchmarks/results/serve_peer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from itertools import pairwise
+from pathlib import Path
+
+import openai
+import record  # benchmarks/record.py
+import torch
+from llama_cpp_peer import llama_cpp_binary, llama_cpp_version, quantized_with_binary
+from servers import glassformer_server, llama_server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: with few samples p99 is the largest, the conservative reading."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def text_prompts(tokenizer, n: int, length: int, shared: int = 0) -> list[str]:
+    """n distinct prompts of about `length` tokens (windows of Shakespeare), each after the
+    same `shared` tokens when shared > 0."""
+    from glassformer.data import shakespeare_plays
+
+    text = "\n".join(shakespeare_plays("modern").values())[:400_000]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    head = tokenizer.decode(ids[-shared:]) if shared else ""
+    stride = min(997, (len(ids) - shared - length) // n)
+    return [head + tokenizer.decode(ids[i * stride : i * stride + length]) for i in range(n)]
+
+
+class Server:
+    def __init__(self, name: str, url: str, extra: dict) -> None:
+        self.name, self.url, self.extra = name, url, extra
+        models = openai.OpenAI(base_url=f"{url}/v1", api_key="none").models.list()
+        self.model = models.data[0].id
+
+
+async def stream(client, server: Server, prompt: str, new_tokens: int, extra: dict) -> dict:
+    """One streamed completion: when it was sent, when each piece of text came, its usage."""
+    sent = time.perf_counter()
+    arrivals, usage = [], None
+    response = await client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra},
+    )  # fmt: skip
+    async for chunk in response:
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
+    return {
+        "ttft": arrivals[0] - sent,
+        "gaps": [b - a for a, b in pairwise(arrivals)],
+        "tokens": usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": cached or 0,
+        "decode_tok_s": (usage.completion_tokens - 1) / (arrivals[-1] - arrivals[0]),
+    }
+
+
+async def burst(server: Server, prompts: list[str], new_tokens: int, extra: dict) -> dict:
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=900) as c:
+        start = time.perf_counter()
+        streams = await asyncio.gather(*(stream(c, server, p, new_tokens, extra) for p in prompts))
+        wall = time.perf_counter() - start
+    return {"tok_s": sum(s["tokens"] for s in streams) / wall, "streams": streams}
+
+
+def summarize(runs: list[dict]) -> dict:
+    streams = [s for run in runs for s in run["streams"]]
+    return {
+        "tok_s": statistics.median(run["tok_s"] for run in runs),
+        "p50_ttft_s": percentile([s["ttft"] for s in streams], 0.5),
+        "p99_ttft_s": percentile([s["ttft"] for s in streams], 0.99),
+        "p50_gap_ms": 1000 * percentile([g for s in streams for g in s["gaps"]], 0.5),
+        "decode_tok_s": statistics.median(s["decode_tok_s"] for s in streams),
+        "prompt_tokens": statistics.median(s["prompt_tokens"] for s in streams),
+        "cached_tokens": statistics.median(s["cached_tokens"] for s in streams),
+    }
+
+
+def engine_rate(path: Path, prompt: str, new_tokens: int, threads: int, runs: int) -> float:
+    """The engine's decode tokens/s in this process on the same file and precision (the
+    CLI's: the file's own, the fused step), the same prompt: the one-client target's basis."""
+    import glassformer as gf
+    from glassformer.cli.common import DecodeOptions, decode_engine, load_for_decode
+    from glassformer.infer.sampling import NO_EOS
+
+    options = DecodeOptions(threads=threads)
+    model, tokenizer = load_for_decode(str(path), options, "the benchmark needs one")
+    engine = decode_engine(model, tokenizer, options)
+    ids = tokenizer.encode(prompt)
+    params = gf.SamplingParams(temperature=0.0, max_new_tokens=new_tokens, eos_token_id=NO_EOS)
+    rates = []
+    for _ in range(runs + 1):  # the first warms up
+        row = engine.add(ids, params)
+        while not row.finished:
+            engine.step()
+        rates.append(row.stats.decode_tokens_per_s)
+    return statistics.median(rates[1:])
+
+
+def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
+    slots = max(args.clients)
+    rows = []
+    with ExitStack() as stack:
+        ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
+        url = stack.enter_context(glassformer_server(ours, args.threads))
+        peer = stack.enter_context(
+            llama_server(path, args.threads, parallel=slots, ctx_per_slot=args.prompt_tokens + 640)
+        )
+        servers = [
+            Server(f"glassformer serve {precision}", url, {}),
+            Server(f"llama-server {LLAMA_TYPES[precision]}", peer, {}),
+        ]
+        for server in servers:  # warm-up: first requests, the kernels' first compile
+            asyncio.run(burst(server, text_prompts(tokenizer, 2, 16), 8, server.extra))
+        cases = [(c, n, False) for n in args.new_tokens for c in args.clients]
+        if args.shared_prefix:
+            cases.append((max(args.clients), args.new_tokens[0], True))
+        for clients, new_tokens, shared in cases:
+            prefix = args.shared_prefix if shared else 0
+            prompts = text_prompts(tokenizer, clients, args.prompt_tokens, prefix)
+            samples = {server.name: [] for server in servers}
+            for _ in range(args.runs):
+                for server in servers:
+                    samples[server.name].append(
+                        asyncio.run(burst(server, prompts, new_tokens, server.extra))
+                    )
+            pair = [summarize(samples[server.name]) for server in servers]
+            for server, summary in zip(servers, pair, strict=True):
+                row = {"precision": precision, "server": server.name, "clients": clients,
+                       "new_tokens": new_tokens, "shared_prefix": prefix, **summary}  # fmt: skip
+                rows.append(row)
+            ratio = pair[0]["tok_s"] / pair[1]["tok_s"]
+            label = f"{clients:>3} clients x {new_tokens:>3}" + (
+                f", shared {prefix}" if prefix else ""
+            )
+            print(
+                f"{precision} {label}: glassformer {pair[0]['tok_s']:6.1f} tok/s (TTFT p50 "
+                f"{pair[0]['p50_ttft_s']:.2f} p99 {pair[0]['p99_ttft_s']:.2f} s, gap "
+                f"{pair[0]['p50_gap_ms']:.1f} ms, cached {pair[0]['cached_tokens']:.0f}) | "
+                f"llama-server {pair[1]['tok_s']:6.1f} (p50 {pair[1]['p50_ttft_s']:.2f} p99 "
+                f"{pair[1]['p99_ttft_s']:.2f} s, gap {pair[1]['p50_gap_ms']:.1f} ms) | "
+                f"{ratio:.2f}x",
+                flush=True,
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8", "int4"],
+                        choices=sorted(LLAMA_TYPES))  # fmt: skip
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument(
+        "--shared-prefix", type=int, default=512, metavar="TOKENS",
+        help="the shared-prefix run's common prompt head (0: no such run)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every row here (benchmarks/results/)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if llama_cpp_binary("llama-server") is None:
+        raise SystemExit("llama-server is not built: bash benchmarks/build_llama_cpp.sh")
+    from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
+    from glassformer.interop.pretrained import resolve
+
+    source = resolve("smollm2")
+    tokenizer = tokenizer_from_gguf(read_gguf(source))
+    rows, engine = [], []
+    with tempfile.TemporaryDirectory(prefix="glassformer-serve-peer-") as tmp:
+        for precision in args.precisions:
+            kind = LLAMA_TYPES[precision]
+            path = source if kind == "Q4_1" else Path(tmp) / f"smollm2-{kind}.gguf"
+            if path != source:
+                quantized_with_binary(source, kind, path, args.threads)
+            prompt = text_prompts(tokenizer, 1, args.prompt_tokens)[0]
+            for new_tokens in args.new_tokens:
+                rate = engine_rate(path, prompt, new_tokens, args.threads, args.runs)
+                engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate})
+                print(f"{precision}: the engine in process, {new_tokens} tokens: {rate:.1f} tok/s")
+            rows += compare(args, precision, path, tokenizer)
+    for entry in engine:
+        key = (entry["precision"], 1, entry["new_tokens"], 0)
+        served = [
+            r for r in rows
+            if (r["precision"], r["clients"], r["new_tokens"], r["shared_prefix"]) == key
+            and r["server"].startswith("glassformer")
+        ]  # fmt: skip
+        if served:
+            entry["served_decode_tok_s"] = served[0]["decode_tok_s"]
+            entry["served_vs_engine"] = served[0]["decode_tok_s"] / entry["tok_s"]
+            print(
+                f"{entry['precision']}, {entry['new_tokens']} tokens: one client's decode "
+                f"{served[0]['decode_tok_s']:.1f} tok/s through the server, "
+                f"{entry['served_vs_engine']:.0%} of the engine's {entry['tok_s']:.1f}"
+            )
+    if args.json:
+        settings = {"model": "SmolLM2-135M", "prompt_tokens": args.prompt_tokens, "runs": args.runs,
+                    "llama_cpp": llama_cpp_version()}  # fmt: skip
+        record.write(args.json, args.threads, settings | {"rows": rows, "engine": engine})
+
+
+if __name__ == "__main__":
+    main()
