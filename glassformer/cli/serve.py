@@ -8,6 +8,7 @@ import errno
 import os
 import socket
 import sys
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -137,7 +138,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ)
     check_address(args.host, args.port)
     options = DecodeOptions.from_args(args)
-    model, tokenizer = load_for_decode(args.model, options, "serve needs one to encode text")
+    # The engine thread runs every forward with --threads; this thread loads on one, so that
+    # no second OpenMP team outlives the loading (Scheduler's docstring says why that matters).
+    threads = args.threads or torch.get_num_threads()
+    loading = replace(options, threads=1)
+    model, tokenizer = load_for_decode(args.model, loading, "serve needs one to encode text")
     thinking, _ = thinking_options(args, tokenizer, args.model)  # checks the flags
     served = Served(model, tokenizer, served_name(args.model))
     if args.embed_model:
@@ -164,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_mb * 2**20,
         prefill_chunk=args.prefill_chunk or None,
         huge_pages=True,  # the server owns the model it loaded: its decode steps stream faster
+        threads=threads,
     )
     app = create_app(served, server_options)
     engine = app.state.scheduler.engine

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -100,6 +99,7 @@ class ServerOptions:
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens one engine turn prefills (None: all)
     max_body_bytes: int = 16 * 2**20  # a larger request body gets a 413, unparsed
     huge_pages: bool = False  # move the model's large tensors into 2 MB pages (Engine's option)
+    threads: int | None = None  # the engine thread's torch threads (None: as torch has them)
 
 
 def served_name(model_arg: str) -> str:
@@ -128,18 +128,19 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         metrics,
         options.request_timeout_s,
         options.prefill_chunk,
+        options.threads,
     )
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await run_in_threadpool(_warm_up, engine)  # before the port opens: no one waits on it
         scheduler.start()
+        # before the port opens, so no one waits on it; on the engine thread, as every forward
+        await asyncio.wrap_future(scheduler.call(partial(_warm_up, engine)))
         yield
         scheduler.stop()
 
     app = FastAPI(title="glassformer", version=glassformer.__version__, lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.scheduler = served, metrics, scheduler
-    app.state.embed_lock = api.embed_lock  # the lab's forwards of the embedding model take it too
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)  # inside Gate: counted
     app.add_middleware(Gate, api_key=options.api_key, metrics=metrics)
     app.add_exception_handler(APIError, api_error)
@@ -217,7 +218,6 @@ class API:
         self.markers = thinking_markers(tokenizer)  # None: the model does not think
         self.thinking_budget = thinking_budget  # serve --thinking-budget / --no-think (0)
         self.token_bytes = TokenBytes(tokenizer)  # logprobs and the decoders read them
-        self.embed_lock = threading.Lock()
 
     async def health(self) -> JSONResponse:
         """200 while the engine thread serves; 503 once it has stopped or died, since every
@@ -608,10 +608,13 @@ class API:
         sequences = await run_in_threadpool(tokenize)
 
         def run() -> torch.Tensor:
-            with self.embed_lock:
-                return embed(served.embed_model, sequences)
+            return embed(served.embed_model, sequences)
 
-        vectors = (await run_in_threadpool(run)).cpu().numpy().astype(np.float32)
+        try:  # on the engine thread, between two decode steps, as every forward here
+            vectors = await asyncio.wrap_future(self.scheduler.call(run))
+        except Stopped:
+            raise engine_stopped() from None
+        vectors = vectors.cpu().numpy().astype(np.float32)
         data = []
         for index, vector in enumerate(vectors):
             if body.encoding_format == "base64":

@@ -19,8 +19,10 @@ Bodies, limits and errors are /v1's (server/lab_edge.py): a 400 with OpenAI's er
 Every forward of the served model runs on the engine thread, between two decode steps
 (Scheduler.call): a capture sets weights sinks and hooks on the very modules the engine decodes
 with, so a step beside it would land in the capture (another user's prompt in the view), and a
-plain forward beside a capture would land there too. The embedding model's capture holds
-app.state.embed_lock, the lock /v1/embeddings holds around its forwards.
+plain forward beside a capture would land there too. The embedding model's forwards (its
+capture, /v1/embeddings, the RAG question) run there too: one thread runs every model, so one
+OpenMP team serves them all (a second team in a worker thread made libgomp throttle its
+spinning for every step, halving the decode rate on 2 cores).
 """
 
 from __future__ import annotations
@@ -218,11 +220,9 @@ async def attention(request: Request) -> JSONResponse:
         raise bad(f"which: no {body.which} is loaded; start the server with {flag}", "which")
     context = model.cfg.max_seq_len if embed else served_context(request)
     ids = await run_in_threadpool(_attention_ids, model, tokenizer, body.text, context)
-    work = partial(_view, model, tokenizer, body.text)
-    if embed:
-        view = await run_in_threadpool(_holding, request.app.state.embed_lock, work)
-    else:  # the engine decodes with this model: capture it between two of its steps
-        view = await on_engine_thread(request, work)
+    # Captured between two decode steps, on the engine thread, as every forward of the server
+    # (no decode step can reach the capture's hooks; one OpenMP team runs every model).
+    view = await on_engine_thread(request, partial(_view, model, tokenizer, body.text))
     # Some 300,000 numbers: checked and rendered to JSON in a worker thread (FastAPI's own
     # encoder took 0.5 s of the event loop for MiniLM's 6 x 12 x 64 x 64).
     reply = partial(_attention_reply, model, tokenizer, name, body.text, view, ids)
@@ -247,12 +247,6 @@ def _attention_reply(
             "weights": np.round(weights.cpu().numpy().astype(np.float64), 5).tolist(),
         }
     )
-
-
-def _holding(lock: Any, work: Any) -> Any:
-    """work() under `lock` (the embedding model's: /v1/embeddings holds it for its forwards)."""
-    with lock:
-        return work()
 
 
 # --- the 猫/累/它 worked example -------------------------------------------------------------

@@ -38,6 +38,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from glassformer.infer.engine import Engine, Row
 from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.infer.rows import common_prefix_length
@@ -131,7 +133,13 @@ class Scheduler:
     prefix_cache_bytes: the most keys/values parked rows may hold (their slots are the
     engine's rows beyond max_batch); request_timeout_s: how long a request may take from
     submit() to its last token, queue included (None: no limit); prefill_chunk: the most
-    prompt tokens a turn prefills (set on the engine; None: every admitted prompt whole).
+    prompt tokens a turn prefills (set on the engine; None: every admitted prompt whole);
+    threads: the engine thread's torch threads (None: the process's default).
+
+    The engine thread runs every forward of the server (call() hands it the others), so one
+    OpenMP team runs the models: libgomp counts the threads of every team in the process, and
+    once they outnumber the cores it stops spinning at barriers and sleeps instead, which
+    halved the fused decode step's rate on 2 cores when a worker thread had a team of its own.
 
     waiting, starting and running are shared with the HTTP side: written under self.wake only.
     """
@@ -145,6 +153,7 @@ class Scheduler:
         metrics: Metrics,
         request_timeout_s: float | None = None,
         prefill_chunk: int | None = PREFILL_CHUNK,
+        threads: int | None = None,
     ) -> None:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
@@ -152,6 +161,7 @@ class Scheduler:
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefix_cache_bytes, self.metrics = prefix_cache_bytes, metrics
         self.request_timeout_s = request_timeout_s
+        self.threads = threads
         self.waiting: deque[Job] = deque()
         self.starting: list[Job] = []  # taken off the queue, not yet running
         self.running: dict[int, Job] = {}  # id(row) -> job
@@ -220,6 +230,8 @@ class Scheduler:
     # --- the engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.threads:  # OpenMP's thread count is each thread's own: set it for this one
+            torch.set_num_threads(self.threads)
         try:
             while self._turn():
                 pass
