@@ -127,6 +127,69 @@ def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits, simd):
         step.many([1] * 9, 0, fused)
 
 
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
+def test_a_batch_of_rows_matches_the_batched_forward_and_each_row_alone(arch, bits, simd):
+    # rows(): the Engine's batched step, each row a token at its own position of its own slot.
+    # Against the torch modules' batched forward over the same cache rows (float rounding),
+    # and against one-row calls on a copy of the cache: exactly, the same dot products.
+    model = _model(arch)
+    if bits != 32:
+        model = quantize_int8(model, group_size=32) if bits == 8 else quantize_int4(model)
+    step, generator = FusedStep(model, max_tokens=4), torch.Generator().manual_seed(0)
+    lengths, slots = [5, 11, 2, 8], [2, 0, 3, 1]  # rows in no order of slot, apart in length
+    tokens = [7, 200, 11, 42]
+    with torch.inference_mode():
+        reference = model.new_cache(4, 48)
+        for slot, length in zip(slots, lengths, strict=True):
+            prompt = torch.randint(0, 300, (1, length), generator=generator)
+            model(prompt, torch.arange(length), cache=reference.rows(slot, slot + 1))
+        fused, alone = copy.deepcopy(reference), copy.deepcopy(reference)
+        order = sorted(range(4), key=lambda i: slots[i])  # the torch forward reads slots 0..3
+        ids = torch.tensor([[tokens[i]] for i in order])
+        positions = torch.tensor([[lengths[i]] for i in order])
+        want = model(ids, positions, cache=reference, last_token_only=True)[:, -1]  # (4, V)
+        want = want[torch.tensor(order).argsort()]  # back in the rows' order
+        got = step.rows(tokens, lengths, slots, fused)
+        one_by_one = torch.cat(
+            [step(t, n, alone, s) for t, n, s in zip(tokens, lengths, slots, strict=True)]
+        )
+    assert (got - want).abs().max() < 1e-4
+    assert torch.equal(got, one_by_one)
+    assert torch.equal(fused.k, alone.k) and torch.equal(fused.v, alone.v)
+    torch.testing.assert_close(fused.k, reference.k, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="each row needs its own slot"):
+        step.rows([1, 2], [3, 3], [0, 0], fused)
+    with pytest.raises(ValueError, match="takes 1 to 4 rows"):
+        step.rows([1] * 5, [3] * 5, [0, 1, 2, 3, 4], fused)
+
+
+def test_the_engine_decodes_a_batch_through_the_fused_rows(monkeypatch):
+    # A batch of rows goes through FusedStep.rows, never the torch forward, and each row gets
+    # the tokens it gets decoding alone.
+    model = _model("llama-gqa")
+    engine = Engine(model, max_rows=4)
+    prompts = [[3, 141, 59], [26, 5, 7, 8, 9], [1], [200, 11]]
+    alone = [engine.generate(p, 10, temperature=0.0).token_ids for p in prompts]
+    calls, torch_decodes = [], []
+    rows, forward = FusedStep.rows, model.forward
+
+    def counted_rows(self, tokens, *rest):
+        calls.append(len(tokens))
+        return rows(self, tokens, *rest)
+
+    def counted_forward(ids, *rest, **kwargs):
+        if ids.shape[0] > 1 and ids.shape[1] == 1:  # a batched one-token (decode) forward
+            torch_decodes.append(ids.shape[0])
+        return forward(ids, *rest, **kwargs)
+
+    monkeypatch.setattr(FusedStep, "rows", counted_rows)
+    monkeypatch.setattr(model, "forward", counted_forward)
+    batch = engine.generate_batch(prompts, 10, temperature=0.0)
+    assert [r.token_ids for r in batch] == alone
+    assert max(calls) == 4 and not torch_decodes
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_bf16_weights_match_their_float32_copy(arch, simd):
     # The C step reads bf16 weights and computes in float32: the exact reference is a float32

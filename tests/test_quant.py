@@ -215,7 +215,9 @@ def test_cli_quantize_flag_generates_what_the_quantized_model_does(
 
 
 def test_unknown_quantize_value_is_one_clear_line(char_checkpoint, capsys):
-    with pytest.raises(ValueError, match="quantize='int2' is not known: pick None, 'int8' or"):
+    with pytest.raises(
+        ValueError, match="quantize='int2' is not known: pick None, 'int8', 'int4' or 'file'"
+    ):
         from_pretrained(char_checkpoint, quantize="int2")
     with pytest.raises(SystemExit):  # argparse: usage and one error line, exit status 2
         main(["generate", "--model", str(char_checkpoint), "hi", "--quantize", "int2"])

@@ -9,11 +9,13 @@ its slot is free for the next `add`. With a prefill_chunk budget (infer/prefill.
 only takes the slot: each `step` then decodes the live rows and prefills at most that many
 prompt tokens, so a long prompt, or many at once, never stalls the rows already decoding.
 This is continuous batching (vLLM's scheduler in miniature): a row that joins while others
-are mid-generation gets the logits it gets alone up to float rounding, and so the same tokens
-unless two candidates lie within rounding of each other (alone it decodes through the fused C
-step, beside others through one batched torch forward: the same math summed in other orders,
-|difference| ~1e-6 of the logits' scale). `generate`, `stream` and
-`generate_batch` are thin loops over add and step (infer/loops.py); CompiledDecoder
+are mid-generation gets the logits it gets alone. Through the fused C step (infer/fused.py:
+one row, or a batch of rows each at its own position of its own slot, every weight read once
+for all of them) exactly, the same dot products in the same order; through the batched torch
+forward (models the step does not take) up to float rounding, |difference| ~1e-6 of the
+logits' scale, so the same tokens unless two candidates lie within rounding of each other.
+`generate`, `stream` and `generate_batch` are thin loops over add and step (infer/loops.py);
+CompiledDecoder
 (infer/compiled.py) is this engine with a compiled decode forward, and SpeculativeDecoder
 (infer/speculative.py) with a speculative round as its step.
 
@@ -100,7 +102,9 @@ class Engine(Loops):
         self.model = model.eval()
         if huge_pages:
             to_huge_pages(model)  # before the fused step takes the weights' addresses
-        self.fused = FusedStep.for_model(model) if fast else None
+        # the fused step takes up to max_rows rows at once (its scratch is per row: kilobytes)
+        rows = max(8, max_rows) if isinstance(max_rows, int) else 8
+        self.fused = FusedStep.for_model(model, rows) if fast else None
         use_linears = fast and kernels.FastLinears.applies(model)
         self._linears = kernels.FastLinears if use_linears else contextlib.nullcontext
         self.max_seq_len: int = model.cfg.max_seq_len
@@ -446,11 +450,18 @@ class Engine(Loops):
         return live
 
     def _decode(self, live: list[Row]) -> Tensor:
-        """One batched forward: each live row's last token at its own position (one row: the
-        fused step, when there is one for this model and cache)."""
-        if len(live) == 1 and self.fused is not None and self.fused.supports(self.cache):
-            (row,) = live
-            return self.fused(row.context[-1], row.length, self.cache, row.slot)
+        """One batched forward: each live row's last token at its own position (the fused
+        step, when there is one for this model and cache and it takes this many rows)."""
+        fused = self.fused
+        if fused is not None and fused.supports(self.cache) and len(live) <= fused.max_tokens:
+            if len(live) == 1:
+                (row,) = live
+                return fused(row.context[-1], row.length, self.cache, row.slot)
+            tokens = [row.context[-1] for row in live]
+            positions = [row.length for row in live]
+            logits = fused.rows(tokens, positions, [row.slot for row in live], self.cache)
+            if logits is not None:
+                return logits
         device = self.model.device
         ids = torch.tensor([[row.context[-1]] for row in live], device=device)  # (n, 1)
         lengths = [row.length for row in live]

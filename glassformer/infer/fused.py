@@ -4,9 +4,11 @@ Decoding one token through the torch modules costs about forty small ops per lay
 its dispatch, its allocation and its OpenMP fork/join; on SmolLM2's 30 layers that overhead is
 larger than the time to read the weights. `FusedStep` hands the model's own weights (and the
 Engine's KV cache) to glassformer/kernels/decode.c, which runs the token's every layer inside
-one parallel region and writes the logits. The Engine uses it for batch-1 decode steps of the
-models it supports (`FusedStep.for_model` says which and why not); prefill, batches and every
-other model run the torch modules, which stay the reference the tests hold this path to.
+one parallel region and writes the logits. The Engine uses it for the decode steps of the
+models it supports (`FusedStep.for_model` says which and why not), one row or a batch of up to
+`max_tokens` rows, each at its own position of its own cache row, every weight read once for
+all of them; prefill and every other model run the torch modules, which stay the reference the
+tests hold this path to.
 The step reads the weights where they are; moved into 2 MB pages first (infer/huge_pages.py,
 which the Engine does with huge_pages=True) they stream faster (fp32 steps 1.05-1.18x in
 benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs below mirror
@@ -22,6 +24,8 @@ runs the torch modules instead, which honour them.
     logits = step(token_id, position, cache, slot) # (1, V), and the cache holds the new k, v
     logits = step.many(ids, position, cache, slot) # (n, V) for up to step.max_tokens ids at
                                                    # position.. (a speculative round's check)
+    logits = step.rows(ids, positions, slots, cache)  # (n, V): row i the token ids[i] at
+                                                   # positions[i] of cache row slots[i] (a batch)
 
 Shapes: C channels, H query heads, Hkv key/value heads, D head dim, V vocab, Tmax cache length.
 """
@@ -224,17 +228,18 @@ class FusedStep:
     consecutive tokens (`many`: a speculative round's check); see the module docstring."""
 
     def __init__(self, model: nn.Module, max_tokens: int = 8) -> None:
+        """max_tokens: the most rows (or consecutive tokens) one call takes."""
         reason = unsupported(model)
         if reason:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.model, self.cfg, self.max_tokens = model, model.cfg, max_tokens
-        self._function = _library_function()
+        self._function, self._rows_function = _library_functions()
         self._build()
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> FusedStep | None:
+    def for_model(cls, model: nn.Module, max_tokens: int = 8) -> FusedStep | None:
         """The fused step, or None when the model needs the torch path (unsupported())."""
-        return None if unsupported(model) else cls(model)
+        return None if unsupported(model) else cls(model, max_tokens)
 
     # --- the structs --------------------------------------------------------------------------
 
@@ -448,6 +453,47 @@ class FusedStep:
         )
         return logits  # float32 whatever the weights: the C step computes in float32
 
+    def rows(
+        self, tokens: list[int], positions: list[int], slots: list[int], cache: KVCache
+    ) -> Tensor | None:
+        """The logits (n, V) of n rows, row i the token tokens[i] at positions[i] of cache row
+        slots[i] (which holds its positions before), each weight read once for all of them:
+        the Engine's batched decode step. Each row's logits are exactly what a one-row call
+        gives it (the same dot products, in the same order). None while the model has what
+        the C step would run past (see _fused_now): the caller runs its torch path."""
+        n = len(tokens)
+        if not 1 <= n <= self.max_tokens or not n == len(positions) == len(slots):
+            raise ValueError(
+                f"{n} tokens, {len(positions)} positions, {len(slots)} slots: the fused step "
+                f"takes 1 to {self.max_tokens} rows, one of each per row"
+            )
+        if len(set(slots)) != n or not all(0 <= s < cache.batch_size for s in slots):
+            raise ValueError(f"slots {slots}: each row needs its own slot of the cache's")
+        cfg = self.cfg
+        for token, position in zip(tokens, positions, strict=True):
+            if not 0 <= position < cache.max_seq_len:
+                raise ValueError(f"position {position} is outside the cache's {cache.max_seq_len}")
+            if self.model.pos_emb is not None and position >= cfg.max_seq_len:
+                raise ValueError(
+                    f"position {position} is past max_seq_len={cfg.max_seq_len}, the most "
+                    f"positions a model with {cfg.position} positions knows"
+                )
+            if not 0 <= token < cfg.vocab_size:
+                raise ValueError(f"token id {token} is outside the vocabulary ({cfg.vocab_size})")
+        if not self._fused_now():
+            return None
+        self._point_at(cache, 0)
+        row_stride = cache.k.stride(1)  # elements from one slot's block to the next's
+        ids = (ctypes.c_int64 * n)(*tokens)
+        at = (ctypes.c_int64 * n)(*positions)
+        offsets = (ctypes.c_int64 * n)(*(slot * row_stride for slot in slots))
+        logits = torch.empty(n, cfg.vocab_size)
+        self._rows_function(
+            ctypes.byref(self._struct), ids, n, at, offsets, logits.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return logits
+
     def _modules_step(self, tokens: list[int], position: int, cache: KVCache, slot: int) -> Tensor:
         """many() through the torch modules, for a model that now has what the C step would
         run past (hooks, a capture, an adapter): the forward the Engine runs without the step."""
@@ -466,10 +512,13 @@ def _versions(tensors: list[Tensor]) -> list[int]:
         return [-1 if t.is_inference() else t._version for t in tensors]
 
 
-def _library_function():
+def _library_functions():
+    """decode.c's decode_tokens (one cache row) and decode_rows (a row per cache row)."""
     library = kernels.library()
     check_layout(library)
-    function = library.decode_tokens
-    function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
-    function.restype = None
-    return function
+    tokens, rows = library.decode_tokens, library.decode_rows
+    tokens.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
+    rows.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, ctypes.POINTER(_I),
+                     ctypes.POINTER(_I), _P, ctypes.c_int]  # fmt: skip
+    tokens.restype = rows.restype = None
+    return tokens, rows

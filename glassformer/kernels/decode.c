@@ -6,9 +6,10 @@
  * threads split every matrix-vector product by output rows and the attention by heads, and
  * meet at a barrier between steps; the small steps (norms, RoPE, the cache write) run on one
  * thread. Nothing is allocated: the caller hands in scratch buffers and the KV cache.
- * The same call also takes a short run of consecutive tokens (a speculative round's check):
- * each weight row is then read once for all of them, and token r attends to positions
- * 0..pos+r.
+ * The same call also takes several rows at once, each a token at its own position of its own
+ * cache row (the Engine's continuous batch), or a short run of consecutive tokens of one cache
+ * row (a speculative round's check): each weight row is then read once for all of them, and
+ * row r attends to the positions 0..positions[r] of its cache row.
  *
  * Per layer, for the token x at position pos (the reference is glassformer/nn, step by step):
  *
@@ -132,13 +133,30 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
             y[o] = accumulate ? y[o] + row_dot(L, o, x, x_sums) : row_dot(L, o, x, x_sums);
         return;
     }
+    /* Several inputs: each weight row read, and turned into floats, once for all of them. */
+    const int64_t n_groups = L->in / L->group;
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < L->out; ++o)
+    for (int64_t o = 0; o < L->out; ++o) {
+        const float *scale = L->scale ? L->scale + o * n_groups : 0;
+        float dots[rows];
+        if (L->storage == Q4)
+            dot_q4_rows((const uint8_t *)L->weight + o * (L->in / 2), x, stride, scale,
+                        L->mins + o * n_groups, x_sums, L->in, rows, dots);
+        else if (L->storage == F32)
+            dot_f32_rows((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
+                         rows, dots);
+        else if (L->storage == BF16)
+            dot_bf16_rows((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
+                          L->group, rows, dots);
+        else
+            dot_int8_rows((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in,
+                          L->group, rows, dots);
         for (int64_t r = 0; r < rows; ++r) {
-            const float dot = row_dot(L, o, x + r * stride, x_sums + r * (L->in / 32));
+            const float dot = L->bias ? dots[r] + L->bias[o] : dots[r];
             float *out = y + r * L->out + o;
             *out = accumulate ? *out + dot : dot;
         }
+    }
 }
 
 /* out = norm(x) * weight (+ bias): RMSNorm, or LayerNorm (centred, biased variance). */
@@ -249,14 +267,15 @@ static inline void add_value(float *out, float p, const void *cache, int64_t at,
     for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, bf16);
 }
 
-/* One query head of token `row` over the keys 0..pos of its key/value head:
- * softmax(q . K * scale) . V. */
-static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos) {
+/* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
+ * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V. */
+static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
+                   int64_t offset) {
     const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
     const int bf16 = (int)m->cache_bf16;
     const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
     float *scores = m->scores + head * m->max_positions, *out = m->att + (row * H + head) * D;
-    const int64_t base = kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
+    const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     float best = -INFINITY;
     for (int64_t t = 0; t <= pos; ++t) {
         scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, bf16) * m->attn_scale;
@@ -282,20 +301,22 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row
 
 /* --- the step -------------------------------------------------------------------------------- */
 
-/* The tokens tokens[0..n-1] at positions pos..pos+n-1 (the cache holds 0..pos-1): one decode
- * step for n = 1, a short run of tokens (a speculative round's check) for more; writes their
- * keys and values and the logits (n, V). Token r attends to the keys 0..pos+r. */
-void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos, float *logits,
-                   int n_threads) {
+/* n rows, row r the token tokens[r] at position positions[r] of the cache row that starts
+ * offsets[r] elements after each layer's k_cache/v_cache (which holds its positions
+ * 0..positions[r]-1): writes each row's keys and values and the logits (n, V). Row r attends
+ * to the keys 0..positions[r] of its cache row, so n consecutive tokens of one cache row (the
+ * same offset, positions pos..pos+n-1) see each other as a forward over them would. */
+void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t *positions,
+                 const int64_t *offsets, float *logits, int n_threads) {
     const int64_t C = m->d_model, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t QKV = (H + 2 * Hkv) * D, F = m->d_ff;
     const int rms = (int)m->rms_norm;
     float *x = m->x, *h = m->h, *qkv = m->qkv, *ff = m->ff;
-    /* each position's RoPE rotation, every head's */
+    /* each row's RoPE rotation, every head's */
     float cosines[n * (D / 2) + 1], sines[n * (D / 2) + 1];
     for (int64_t r = 0; r < n; ++r)
         for (int64_t i = 0; m->inv_freq && i < D / 2; ++i) {
-            const float angle = (float)(pos + r) * m->inv_freq[i];
+            const float angle = (float)positions[r] * m->inv_freq[i];
             cosines[r * (D / 2) + i] = cosf(angle) * m->rope_factor;
             sines[r * (D / 2) + i] = sinf(angle) * m->rope_factor;
         }
@@ -304,7 +325,7 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
             const int64_t at = tokens[r] * C + i;
             float e = m->emb_storage == BF16 ? bf16_to_f32(((const uint16_t *)m->tok_emb)[at])
                                              : ((const float *)m->tok_emb)[at];
-            x[r * C + i] = m->pos_emb ? e + m->pos_emb[(pos + r) * C + i] : e;
+            x[r * C + i] = m->pos_emb ? e + m->pos_emb[positions[r] * C + i] : e;
         }
 #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < m->n_layers; ++l) {
@@ -324,7 +345,8 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
                 if (m->inv_freq) rope(vec, D, cosines + r * (D / 2), sines + r * (D / 2));
             }
             for (int64_t head = 0; head < Hkv; ++head) {
-                const int64_t at = head * m->cache_head_stride + (pos + r) * m->cache_pos_stride;
+                const int64_t at =
+                    offsets[r] + head * m->cache_head_stride + positions[r] * m->cache_pos_stride;
                 for (int64_t d = 0; d < D; ++d) {
                     cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_bf16);
                     cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_bf16);
@@ -333,7 +355,7 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
         }
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < H; ++head)
-            for (int64_t r = 0; r < n; ++r) attend(m, layer, head, r, pos + r);
+            for (int64_t r = 0; r < n; ++r) attend(m, layer, head, r, positions[r], offsets[r]);
         linear(&layer->out, m->att, H * D, n, x, 1, m->x_sums);
 #pragma omp single
         for (int64_t r = 0; r < n; ++r)
@@ -347,6 +369,19 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
         norm(x + r * C, h + r * C, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
 #pragma omp parallel num_threads(n_threads)
     linear(&m->head, h, C, n, logits, 0, m->x_sums);
+}
+
+/* The tokens tokens[0..n-1] at positions pos..pos+n-1 of the cache row the layers point at
+ * (which holds 0..pos-1): one decode step for n = 1, a short run of tokens (a speculative
+ * round's check) for more. */
+void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos, float *logits,
+                   int n_threads) {
+    int64_t positions[n], offsets[n];
+    for (int64_t r = 0; r < n; ++r) {
+        positions[r] = pos + r;
+        offsets[r] = 0;
+    }
+    decode_rows(m, tokens, n, positions, offsets, logits, n_threads);
 }
 
 

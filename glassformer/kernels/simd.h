@@ -39,10 +39,14 @@ static inline vec load_bf16(const uint16_t *w) {
 static inline vec load_int8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
-/* int4 (a group of 32 weights in 16 bytes): x . q over the group, q = the nibbles as floats */
-static inline vec q4_group(__m128i low, __m128i high, const float *x) {
-    vec acc = vec_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), vec_load(x), vec_zero());
-    return vec_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), vec_load(x + 16), acc);
+/* int4 (a group of 32 weights in 16 bytes): the nibbles as floats, then x . q over the group */
+#define Q4_VECS 2
+static inline void q4_unpack(__m128i low, __m128i high, vec w[Q4_VECS]) {
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+}
+static inline vec q4_dot(const vec w[Q4_VECS], const float *x) {
+    return vec_fma(w[1], vec_load(x + 16), vec_fma(w[0], vec_load(x), vec_zero()));
 }
 #else
 #define LANES 8
@@ -80,13 +84,16 @@ static inline vec load_bf16(const uint16_t *w) {
 static inline vec load_int8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
-static inline vec q4_half(__m128i nibbles, const float *x) { /* 16 nibbles, 8 at a time */
-    vec a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
-    vec b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8)));
-    return vec_fma(b, vec_load(x + 8), vec_fma(a, vec_load(x), vec_zero()));
+#define Q4_VECS 4 /* 16 nibbles, 8 at a time */
+static inline void q4_unpack(__m128i low, __m128i high, vec w[Q4_VECS]) {
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
 }
-static inline vec q4_group(__m128i low, __m128i high, const float *x) {
-    return vec_add(q4_half(low, x), q4_half(high, x + 16));
+static inline vec q4_dot(const vec w[Q4_VECS], const float *x) {
+    return vec_add(vec_fma(w[1], vec_load(x + 8), vec_fma(w[0], vec_load(x), vec_zero())),
+                   vec_fma(w[3], vec_load(x + 24), vec_fma(w[2], vec_load(x + 16), vec_zero())));
 }
 #endif
 
@@ -137,23 +144,85 @@ DEFINE_DOT(dot_f32, float, load_f32)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
 DEFINE_DOT(dot_int8, int8_t, load_int8)
 
+/* The same dot product of one weight row with `rows` inputs (x + r * x_stride) into out[r]:
+ * each LANES weights loaded (and converted) once for all of them, each input's accumulators
+ * in the single-input order, so out[r] is bit for bit what NAME gives it alone. */
+#define DEFINE_DOT_ROWS(NAME, WTYPE, LOAD)                                                    \
+    static inline void NAME(const WTYPE *w_row, const float *x, int64_t x_stride,            \
+                            const float *scale_row, int64_t in, int64_t group, int64_t rows, \
+                            float *out) {                                                     \
+        vec total[rows], acc[rows][N_ACC];                                                    \
+        for (int64_t r = 0; r < rows; ++r) total[r] = vec_zero();                             \
+        for (int64_t g = 0; g < in / group; ++g) {                                            \
+            for (int64_t r = 0; r < rows; ++r)                                                \
+                for (int k = 0; k < N_ACC; ++k) acc[r][k] = vec_zero();                       \
+            for (int64_t i = g * group; i < (g + 1) * group; i += STEP)                       \
+                for (int k = 0; k < N_ACC; ++k) {                                             \
+                    const vec w = LOAD(w_row + i + LANES * k);                                \
+                    for (int64_t r = 0; r < rows; ++r)                                        \
+                        acc[r][k] = vec_fma(w, vec_load(x + r * x_stride + i + LANES * k),    \
+                                            acc[r][k]);                                       \
+                }                                                                             \
+            const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);                      \
+            for (int64_t r = 0; r < rows; ++r) {                                              \
+                for (int k = 1; k < N_ACC; ++k) acc[r][0] = vec_add(acc[r][0], acc[r][k]);    \
+                total[r] = vec_fma(acc[r][0], scale, total[r]);                               \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t r = 0; r < rows; ++r) out[r] = vec_sum(total[r]);                        \
+    }
+
+DEFINE_DOT_ROWS(dot_f32_rows, float, load_f32)
+DEFINE_DOT_ROWS(dot_bf16_rows, uint16_t, load_bf16)
+DEFINE_DOT_ROWS(dot_int8_rows, int8_t, load_int8)
+
 /* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
  * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
  * one (GGUF's order), each weight scale * q + min with q in 0..15 and one scale and one min per
  * group. So a row's dot product with x is, group by group, scale * (q . x) + min * sum(x): the
  * caller passes x's group sums, computed once for all rows. */
+static inline void q4_weights(const uint8_t *w_row, int64_t g, vec w[Q4_VECS]) {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(w_row + 16 * g));
+    q4_unpack(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), w);
+}
+
 static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
                            const float *min_row, const float *x_sums, int64_t in) {
     vec total = vec_zero();
     float shift = 0.0f;
-    const __m128i mask = _mm_set1_epi8(0x0f);
     for (int64_t g = 0; g < in / 32; ++g) {
-        __m128i bytes = _mm_loadu_si128((const __m128i *)(w_row + 16 * g));
-        __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        total = vec_fma(q4_group(low, high, x_row + 32 * g), vec_set1(scale_row[g]), total);
+        vec w[Q4_VECS];
+        q4_weights(w_row, g, w);
+        total = vec_fma(q4_dot(w, x_row + 32 * g), vec_set1(scale_row[g]), total);
         shift += min_row[g] * x_sums[g];
     }
     return vec_sum(total) + shift;
+}
+
+/* dot_q4 of one weight row with `rows` inputs (x + r * x_stride, their group sums at
+ * x_sums + r * (in / 32)) into out[r]: each group's nibbles are unpacked once for all of them
+ * (unpacking, not reading, is what a 4-bit dot costs), and each input's sums run in dot_q4's
+ * order, so out[r] is bit for bit what dot_q4 gives it alone. */
+static inline void dot_q4_rows(const uint8_t *w_row, const float *x, int64_t x_stride,
+                               const float *scale_row, const float *min_row,
+                               const float *x_sums, int64_t in, int64_t rows, float *out) {
+    vec total[rows];
+    float shift[rows];
+    for (int64_t r = 0; r < rows; ++r) {
+        total[r] = vec_zero();
+        shift[r] = 0.0f;
+    }
+    for (int64_t g = 0; g < in / 32; ++g) {
+        vec w[Q4_VECS];
+        q4_weights(w_row, g, w);
+        const vec scale = vec_set1(scale_row[g]);
+        for (int64_t r = 0; r < rows; ++r) {
+            total[r] = vec_fma(q4_dot(w, x + r * x_stride + 32 * g), scale, total[r]);
+            shift[r] += min_row[g] * x_sums[r * (in / 32) + g];
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) out[r] = vec_sum(total[r]) + shift[r];
 }
 
 /* x's sums over each group of 32 (in / 32 of them), for dot_q4. */
