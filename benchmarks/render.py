@@ -408,6 +408,64 @@ def serve_load(result: dict, clients: tuple[int, ...] | None = None) -> list[str
     return code_block(lines)
 
 
+def serve_peer(result: dict) -> list[str]:
+    """glassformer serve beside llama-server: per precision and load, aggregate tokens/s,
+    TTFT and inter-token gap of each, and the ratio; then one client against the engine."""
+    by = {}
+    for r in result["rows"]:
+        ours = r["server"].startswith("glassformer")
+        by.setdefault((r["precision"], r["clients"], r["new_tokens"], r["shared_prefix"]), {})[
+            "ours" if ours else "peer"
+        ] = r
+    rows = []
+    for (precision, clients, new_tokens, shared), pair in by.items():
+        ours, peer = pair["ours"], pair["peer"]
+        load = f"{clients} x {new_tokens}" + (f", {shared} shared" if shared else "")
+        rows.append(
+            [
+                f"{precision} / {peer['server'].split()[-1]}",
+                load,
+                f"{ours['tok_s']:.1f}",
+                f"{peer['tok_s']:.1f}",
+                f"{ours['tok_s'] / peer['tok_s']:.2f}x",
+                f"{ours['p50_ttft_s']:.2f} / {ours['p99_ttft_s']:.2f}",
+                f"{peer['p50_ttft_s']:.2f} / {peer['p99_ttft_s']:.2f}",
+                f"{ours['p50_gap_ms']:.1f} / {peer['p50_gap_ms']:.1f}",
+                f"{ours['cached_tokens']:.0f}" if shared else "",
+            ]
+        )
+    head = ["precision", "clients x new tokens", "glassformer tok/s", "llama-server tok/s",
+            "ratio", "glassformer TTFT p50 / p99 s", "llama-server TTFT p50 / p99 s",
+            "p50 gap ms (ours / peer)", "cached tokens"]  # fmt: skip
+    engine = [
+        [
+            e["precision"],
+            str(e["new_tokens"]),
+            f"{e['tok_s']:.1f}",
+            f"{e['served_decode_tok_s']:.1f}",
+            f"{e['served_vs_engine']:.0%}",
+        ]
+        for e in result["engine"]
+        if "served_vs_engine" in e
+    ]
+    engine_head = ["precision", "new tokens", "engine in process tok/s",
+                   "one client through the server tok/s", "server / engine"]  # fmt: skip
+    m = result["machine"]
+    note = (
+        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} "
+        f"threads per server, llama.cpp from {result['llama_cpp']}; "
+        f"{result['prompt_tokens']}-token prompts, median of {result['runs']} runs, the servers "
+        "alternating)."
+    )
+    return [
+        *markdown(head, rows, "--:::::::"),
+        "",
+        *markdown(engine_head, engine, "-::::"),
+        "",
+        note,
+    ]
+
+
 def serve_prefill_chunks(result: dict) -> list[str]:
     lines = [
         result["command"],
@@ -500,6 +558,7 @@ TABLES = {
     "serve-load": Table("serve.json", serve_load),
     "serve-load-8": Table("serve.json", lambda r: serve_load(r, clients=(8,))),
     "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
+    "serve-peer": Table("serve_peer.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),

@@ -226,10 +226,12 @@ def slowest_health_during(server: str, send) -> tuple[float, httpx.Response, flo
     sender = threading.Thread(target=lambda: (reply.append(send()), done.set()))
     sender.start()
     with httpx.Client(timeout=30) as poller:
-        while not done.is_set():
+        while True:  # at least once: a refused body can come back before the first poll
             start = time.perf_counter()
             poller.get(f"{server}/health")
             latencies.append(time.perf_counter() - start)
+            if done.is_set():
+                break
             time.sleep(0.01)
     sender.join()
     return max(latencies), reply[0], time.perf_counter() - began
