@@ -39,16 +39,11 @@ import openai
 import record  # benchmarks/record.py
 import torch
 from llama_cpp_peer import llama_cpp_binary, llama_cpp_version, quantized_with_binary
+from serve import percentile  # benchmarks/serve.py: nearest-rank
 from servers import glassformer_server, llama_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile: with few samples p99 is the largest, the conservative reading."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def text_prompts(tokenizer, n: int, length: int, shared: int = 0) -> list[str]:

@@ -70,9 +70,7 @@ RECORDS_PROMPT = "List ten people with their age and city."
 
 
 def chat_prompt(tokenizer, text: str, schema: dict) -> list[int]:
-    system = "Answer with JSON only, matching this schema: " + json.dumps(schema)
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
-    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    return tokenizer.encode_chat(messages(text, schema), add_generation_prompt=True)
 
 
 def reference_outputs(engine, tokenizer) -> list[list[int]]:
@@ -328,6 +326,7 @@ def response_format(name: str, schema: dict) -> dict:
 
 
 def messages(text: str, schema: dict) -> list[dict]:
+    """The conversation every run sends: the schema in the system turn, then the request."""
     system = "Answer with JSON only, matching this schema: " + json.dumps(schema)
     return [{"role": "system", "content": system}, {"role": "user", "content": text}]
 
