@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from glassformer.cli.precision import resolve_precision
 from glassformer.devices import DEVICES, resolve_device
 
 if TYPE_CHECKING:
@@ -474,25 +475,6 @@ def load_for_decode(
     return prepare_for_decode(model, device, options), tokenizer
 
 
-def resolve_precision(model_name: str, options: DecodeOptions, device: torch.device):
-    """The options with the precision a decoding command runs in: --dtype or --quantize as
-    given; neither, on the CPU without --adapter or --plain, the file's own (a GGUF file's
-    4-bit or 8-bit blocks as they are, interop.pretrained.stored_precision: what llama.cpp runs
-    too, the same numbers in a fifth of fp32's bytes); otherwise fp32. A merged adapter changes
-    the weights (rounding them would lose part of its update) and --plain runs the model as
-    built, so both stay fp32."""
-    from dataclasses import replace
-
-    from glassformer.interop.pretrained import stored_precision
-
-    if options.quantize or options.dtype:
-        return replace(options, dtype=options.dtype or "fp32")
-    own = None
-    if device.type == "cpu" and not (options.adapter or options.plain):
-        own = stored_precision(model_name)
-    return replace(options, dtype="fp32", quantize=own)
-
-
 def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions) -> Engine:
     """The engine a decoding command runs on. The CLI owns the model, so unless --plain the
     engine may move its weights (the fused step, huge pages)."""
@@ -500,20 +482,6 @@ def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions
 
     fast = not options.plain
     return Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
-
-
-def precision_name(model: nn.Module) -> str:
-    """What a loaded model decodes in: int4 or int8 (its blocks' Linears), else its float
-    dtype (fp32, bf16)."""
-    from glassformer.nn.quant import Int4Linear, Int8Linear
-
-    kinds = {type(module) for module in model.modules()}
-    if Int4Linear in kinds:
-        return "int4"
-    if Int8Linear in kinds:
-        return "int8"
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOptions) -> nn.Module:

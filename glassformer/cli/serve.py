@@ -24,10 +24,10 @@ from glassformer.cli.common import (
     non_negative_int,
     non_negative_seconds,
     positive_int,
-    precision_name,
     tcp_port,
     thinking_options,
 )
+from glassformer.cli.precision import precision_name
 from glassformer.infer.prefill import PREFILL_CHUNK
 from glassformer.memory import available_memory_bytes
 
