@@ -9,14 +9,13 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from glassformer.cli.precision import resolve_precision
+from glassformer.cli.precision import DecodeOptions, resolve_precision
 from glassformer.devices import DEVICES, resolve_device
 
 if TYPE_CHECKING:
@@ -366,38 +365,6 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
         help="run the model as built: no decode kernels, no fused decode step (for comparison)",
     )
     add_adapter_flag(p)
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How generate and chat run the model: where, in which precision, on which kernels."""
-
-    device: str = "auto"
-    dtype: str | None = None  # None: the file's own precision (resolve_precision)
-    quantize: str | None = None
-    plain: bool = False
-    compile: bool = False
-    threads: int | None = None
-    adapter: str | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
-        return cls(
-            args.device,
-            args.dtype,
-            args.quantize,
-            args.plain,
-            compile,
-            args.threads,
-            getattr(args, "adapter", None),
-        )
-
-    @property
-    def cpu_only_flag(self) -> str | None:
-        """The flag that needs the CPU decode kernels, if one was given."""
-        if self.quantize:
-            return f"--quantize {self.quantize}"
-        return "--compile" if self.compile else None
 
 
 def decode_device(options: DecodeOptions) -> torch.device:

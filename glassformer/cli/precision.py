@@ -1,15 +1,46 @@
-"""Which precision a decoding command runs a model in (generate, chat, serve, rag ask): the
-flags as given, else the file's own, and the name of what a loaded model decodes in."""
+"""How a decoding command (generate, chat, serve, rag ask) runs a model: its options (device,
+precision, kernels), the precision it runs in (the flags as given, else the file's own), and the
+name of what a loaded model decodes in."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import argparse
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from glassformer.cli.common import DecodeOptions
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How generate and chat run the model: where, in which precision, on which kernels."""
+
+    device: str = "auto"
+    dtype: str | None = None  # None: the file's own precision (resolve_precision)
+    quantize: str | None = None
+    plain: bool = False
+    compile: bool = False
+    threads: int | None = None
+    adapter: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
+        return cls(
+            args.device,
+            args.dtype,
+            args.quantize,
+            args.plain,
+            compile,
+            args.threads,
+            getattr(args, "adapter", None),
+        )
+
+    @property
+    def cpu_only_flag(self) -> str | None:
+        """The flag that needs the CPU decode kernels, if one was given."""
+        if self.quantize:
+            return f"--quantize {self.quantize}"
+        return "--compile" if self.compile else None
 
 
 def resolve_precision(
