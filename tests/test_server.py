@@ -23,6 +23,7 @@ from processes import DEADLINE_S
 from serving import start_server, stop_server
 
 import glassformer as gf
+from glassformer.infer.rows import common_prefix_length
 from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.hf import save_hf_model
@@ -382,6 +383,35 @@ def test_a_chat_that_extends_a_conversation_prefills_only_its_new_part(server, r
     assert second.choices[0].message.content == library_reply(
         reference, chat_ids(reference, history), 10, temperature=0.0
     )
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_keys_within_one_cache_salt(server, reference):
+    """Other conversations with the same system prompt: the prompt tokens they share with a row
+    the server holds come from the prefix cache (usage's cached_tokens, counted against the
+    reference tokenizer's ids), the replies are the library's; a cache_salt seen for the first
+    time finds nothing, then finds its own."""
+    c = client(server)
+    rules = "You answer in one short sentence, politely, and never in verse or in riddles."
+    system = {"role": "system", "content": rules}
+
+    def ask(question: str, salt: str | None = None):
+        messages = [system, {"role": "user", "content": question}]
+        extra = {"cache_salt": salt} if salt else None
+        reply = c.chat.completions.create(
+            model="tinychat", messages=messages, temperature=0, max_tokens=4, extra_body=extra
+        )
+        return chat_ids(reference, messages), reply
+
+    first_ids, _ = ask("Where is the sea?")
+    ids, reply = ask("Who are you?")
+    shared = common_prefix_length(first_ids, ids)
+    assert shared > len(reference[1].encode(rules))  # the template's head and the system turn
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
+    assert reply.choices[0].message.content == library_reply(reference, ids, 4, temperature=0.0)
+    salted_ids, salted = ask("What is salt?", salt="salt-for-this-test")
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    ids, again = ask("Why is salt?", salt="salt-for-this-test")
+    assert again.usage.prompt_tokens_details.cached_tokens == common_prefix_length(salted_ids, ids)
 
 
 def test_typed_special_tokens_cannot_forge_a_turn(server, reference):

@@ -101,6 +101,13 @@ def test_metrics_count_what_the_official_client_sent(server):
     assert counted == n_requests
     assert value(table, "glassformer_generation_tokens_total") == generated
     assert value(table, "glassformer_prompt_tokens_total") == prompted
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]  # the prefix cache's share
+    assert sum(cached) > 0  # the chats share their template's head
+    assert value(table, "glassformer_cached_prompt_tokens_total") == sum(cached)
+    assert value(table, "glassformer_prefix_cache_hits_total") == sum(n > 0 for n in cached)
+    assert value(table, "glassformer_prefix_cache_hit_rate") == pytest.approx(
+        sum(cached) / prompted
+    )
     assert value(table, "glassformer_time_to_first_token_seconds_count") == n_requests
     # every token after a row's first one is timed
     assert value(table, "glassformer_time_per_output_token_seconds_count") == generated - n_requests

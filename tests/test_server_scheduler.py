@@ -158,8 +158,8 @@ def test_parked_rows_stay_within_their_byte_budget(model):
         asyncio.run(serve(scheduler, [([1, 2, 3], greedy(4)), ([5, 6, 7], greedy(4))]))
     finally:
         scheduler.stop()
-    assert len(scheduler.parked) == 1
-    assert scheduler._parked_bytes() == 6 * per_token
+    assert len(scheduler.prefix.parked) == 1
+    assert scheduler.prefix.parked_bytes() == 6 * per_token
 
 
 def test_a_cancelled_request_frees_its_slot(model):

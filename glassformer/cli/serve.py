@@ -28,7 +28,7 @@ from glassformer.cli.common import (
     thinking_options,
 )
 from glassformer.cli.precision import precision_name
-from glassformer.infer.prefill import PREFILL_CHUNK
+from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.memory import available_memory_bytes
 
 _ADDRESS_HINT = "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
@@ -164,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=api_key,
         max_seq_len=args.max_seq_len,
         prefix_cache_bytes=args.prefix_cache_mb * 2**20,
+        min_shared_prefix=args.min_shared_prefix,
         thinking_budget=thinking.get("thinking_budget"),
         request_timeout_s=args.request_timeout or None,
         max_body_bytes=args.max_body_mb * 2**20,
@@ -230,8 +231,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--prefix-cache-mb",
         type=non_negative_int,
         default=256,
-        help="KV-cache MiB that finished conversations may keep for their next turn (default "
-        "256; 0 turns prefix reuse off)",
+        help="KV-cache MiB that finished requests may keep parked for their next turn and for "
+        "other prompts that start the same way (default 256; 0 parks nothing)",
+    )
+    p.add_argument(
+        "--min-shared-prefix",
+        type=non_negative_int,
+        default=MIN_SHARED_PREFIX,
+        metavar="TOKENS",
+        help="the fewest prompt tokens a request copies from the keys/values of another "
+        f"request that began the same way (default {MIN_SHARED_PREFIX}; 0: only a "
+        "conversation's next turn reuses its own)",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -22,7 +22,9 @@ CompiledDecoder
 Live rows always fill the first slots, so a step reads one contiguous block of the cache; rows
 still prefilling come next, parked rows last. A row added with keep_cache=True is parked when
 it finishes (its slot keeps its keys/values) and the next turn of a conversation continues
-it, prefilling only the new tokens.
+it, prefilling only the new tokens. A new prompt that starts like a row's keys/values (a shared
+system prompt, a few-shot header) copies them into its own slot (add's prefix_from) and
+prefills only the rest: a position's keys depend on the tokens up to it, nothing else.
 
 The engine knows token ids, not text: given a tokenizer it also follows each row's text, for
 stop strings. Every row reports time to first token, decode tokens/s and KV-cache bytes.
@@ -42,6 +44,7 @@ from glassformer.infer.fused import FusedStep
 from glassformer.infer.huge_pages import to_huge_pages
 from glassformer.infer.loops import Loops
 from glassformer.infer.prefill import Chunk, Pending, check_budget, forwards, plan
+from glassformer.infer.reuse import Reuse
 from glassformer.infer.rows import (
     GenerationResult,
     GenerationStats,
@@ -49,7 +52,6 @@ from glassformer.infer.rows import (
     TokenStream,
     check_integer_ids,
     checked_prompt,
-    common_prefix_length,
     prompt_tensor,
 )
 from glassformer.infer.sampling import SamplingParams, check_logit_bias_ids, resolve_eos
@@ -68,7 +70,7 @@ __all__ = [
 ON_FULL_CONTEXT = ("stop", "shift")
 
 
-class Engine(Loops):
+class Engine(Loops, Reuse):
     """Generates from any model that offers `new_cache(batch_size, max_seq_len)` (a cache with
     rows/swap_rows/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
@@ -195,6 +197,7 @@ class Engine(Loops):
         on_full_context: str = "stop",
         keep_cache: bool = False,
         continues: Row | None = None,
+        prefix_from: Row | None = None,
     ) -> Row:
         """Prefill a prompt into a free slot and sample its first token; returns its Row. With
         a prefill_chunk budget the row only takes its slot: step() prefills it.
@@ -202,12 +205,19 @@ class Engine(Loops):
         keep_cache: when the row finishes, park its slot with its keys/values for a next turn.
         continues: such a parked Row whose conversation the prompt continues: only the
             tokens after the prefix they share are prefilled.
+        prefix_from: a row holding a slot (running, prefilling or parked) whose keys/values
+            begin like the prompt: the prefix they share (held_tokens) is copied into the new
+            row's slot and only the rest is prefilled; the source row goes on unchanged.
         on_full_context: when a row fills its slot, "stop", or "shift" (keep the window's
             second half as context and go on).
         """
         row = self._new_row(prompt_ids, params, on_full_context, keep_cache)
+        if continues is not None and prefix_from is not None:
+            raise ValueError("give continues= or prefix_from=, not both")
         if continues is not None:
             cached = self._resume(row, continues)
+        elif prefix_from is not None:
+            cached = self._copy_prefix(row, prefix_from)
         else:
             self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
             cached = 0
@@ -340,31 +350,6 @@ class Engine(Loops):
         self.rows.append(row)
         row.slot = len(self.rows) - 1
         self._swap(row.slot, self.n_held)  # the first parked row (if any) moves behind it
-
-    def _resume(self, row: Row, parked: Row) -> int:
-        """Hand a parked row's slot to the row continuing it; returns how many of its prompt's
-        positions the slot already holds: the longest prefix the two share (a chat template
-        may render the last reply in other tokens than were sampled), always leaving one
-        token to prefill. A ring or recurrent cache cannot forget its newest positions, so
-        it keeps them only when the prompt continues all of them."""
-        if parked not in self.rows[self.n_held :]:
-            raise ValueError(
-                "continues= must be a finished row added with keep_cache=True whose slot is "
-                "still parked: add the whole conversation as a new row instead"
-            )
-        held = parked.context[: parked.length]
-        shared = min(common_prefix_length(held, row.prompt), len(row.prompt) - 1)
-        if shared < len(held) and not self.cache.rewinds:
-            shared = 0
-        if len(row.prompt) > self.cache.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(row.prompt)} tokens but a row slot holds "
-                f"{self.cache.max_seq_len} positions: shorten the prompt"
-            )
-        self._swap(parked.slot, self.n_held)  # the first parked slot, behind the pending rows
-        self._place(row, self.n_held)
-        parked.slot = -1
-        return shared
 
     def _prefill_pending(self) -> list[Row]:
         """Prefill this step's chunks of the pending prompts (all of every prompt without a

@@ -22,6 +22,10 @@ from glassformer.infer.rows import Row
 # time to first token 1.07x that of whole prefills (1.37x at 256: more turns, more decode steps
 # between the chunks) and 0.93x the tokens/s (0.86x at 256).
 PREFILL_CHUNK = 512
+# The server's shortest prefix copied from another request's keys/values (serve
+# --min-shared-prefix): a 16-token block, as vLLM's prefix cache shares blocks of 16 (shorter
+# ones save less prefill than finding them costs).
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass

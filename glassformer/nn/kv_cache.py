@@ -129,6 +129,14 @@ class _SlotCache:
             buffer[a, :, held] = buffer[b, :, held]
             buffer[b, :, held] = row_a
 
+    def copy_positions(self, source: int, target: int, n_positions: int) -> None:
+        """Row target's first n_positions keys/values become row source's (another request's
+        prompt that starts with the same tokens: their keys/values are the same numbers, as a
+        position's keys depend only on the tokens up to it). Nothing else changes."""
+        held = slice(0, n_positions)
+        for buffer in (*self.k, *self.v):  # (B, Hkv, slots, D) each
+            buffer[target, :, held] = buffer[source, :, held]
+
     @property
     def batch_size(self) -> int:
         return self.k[0].shape[0]

@@ -34,7 +34,7 @@ from glassformer.detokenize import TokenBytes
 from glassformer.infer.constrain import ConstraintError, check_constraint, constraint_from
 from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
-from glassformer.infer.prefill import PREFILL_CHUNK
+from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
 from glassformer.server.body_limit import BodyLimit
@@ -93,7 +93,8 @@ class ServerOptions:
     max_queue: int = 64
     api_key: str | None = None
     max_seq_len: int | None = None  # positions per row slot (default: min(context, 2048))
-    prefix_cache_bytes: int = 256 * 2**20  # keys/values parked conversations may hold
+    prefix_cache_bytes: int = 256 * 2**20  # keys/values parked rows may hold
+    min_shared_prefix: int = MIN_SHARED_PREFIX  # tokens copied from another request at least
     thinking_budget: int | None = None  # a thinking model's budget when a request gives none
     request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens one engine turn prefills (None: all)
@@ -129,6 +130,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         options.request_timeout_s,
         options.prefill_chunk,
         options.threads,
+        options.min_shared_prefix,
     )
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 
@@ -461,7 +463,7 @@ class API:
                 logit_bias=logit_bias,
             )
             choices.append((prompt, params))
-        work = Work(choices, asyncio.get_running_loop())
+        work = Work(choices, asyncio.get_running_loop(), cache_salt=body.cache_salt)
         try:
             self.scheduler.submit(work)
         except QueueFull:

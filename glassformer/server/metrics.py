@@ -4,12 +4,15 @@ text format 0.0.4), with the `_created` samples and histogram buckets a Promethe
 
 Requests by endpoint and status; time to first token, time per output token, each request's
 latency and its prompt and generated tokens as histograms (seed 002 exercise 2: TTFT vs
-tokens/s); token counters; and gauges for running and queued rows, parked conversations and
-the KV-cache bytes in use. Each app has its own registry, so two servers in one process (the
-tests) never share or clash over a series. Every method is safe to call from any thread.
+tokens/s); token counters; and gauges for running and queued rows, parked conversations, the
+KV-cache bytes in use and the prefix cache's hit rate. Each app has its own registry, so two
+servers in one process (the tests) never share or clash over a series. Every method is safe to
+call from any thread.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,8 +34,10 @@ COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50
 COUNTERS = {
     "prompt_tokens": "Prompt tokens received.",
     "cached_prompt_tokens": (
-        "Prompt tokens reused from a parked conversation (not prefilled again)."
+        "Prompt tokens whose keys/values came from the prefix cache (a parked conversation or "
+        "another row with the same prefix), not prefilled again."
     ),
+    "prefix_cache_hits": "Rows whose prompt took at least one token from the prefix cache.",
     "generation_tokens": "Tokens generated.",
 }
 
@@ -55,6 +60,10 @@ GAUGES = {
     "queued_rows": "Rows waiting for a slot.",
     "parked_rows": "Finished conversations whose KV cache is kept for a next turn.",
     "kv_cache_bytes": "Bytes of keys/values held by running and parked rows.",
+    "prefix_cache_hit_rate": (
+        "Share of all prompt tokens so far taken from the prefix cache: cached_prompt_tokens "
+        "over prompt_tokens (vLLM's prefix cache hit rate)."
+    ),
 }
 
 
@@ -84,6 +93,8 @@ class Metrics:
             name: Gauge(f"glassformer_{name}", about, registry=registry)
             for name, about in GAUGES.items()
         }
+        self.lock = threading.Lock()
+        self.prompt_tokens = self.cached_tokens = 0  # the hit rate's totals
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, code=str(status)).inc()
@@ -92,6 +103,12 @@ class Metrics:
         self.histograms["time_to_first_token_seconds"].observe(seconds)
         self.counters["prompt_tokens"].inc(prompt_tokens)
         self.counters["cached_prompt_tokens"].inc(cached)
+        self.counters["prefix_cache_hits"].inc(cached > 0)
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached
+            rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        self.gauges["prefix_cache_hit_rate"].set(rate)
 
     def tokens(self, n: int, seconds_each: float | None) -> None:
         """n new tokens of one row; seconds_each: the time per token since its previous ones

@@ -206,6 +206,10 @@ class SamplingFields(Ignorable):
     # Structured output (server/tools.py): {"type": "json_object"} or {"type": "json_schema",
     # "json_schema": {"name": ..., "schema": {...}, "strict": true}}; checked by the route.
     response_format: dict[str, Any] | None = None
+    # vLLM's cache_salt: this request's rows share cached keys/values (the prefix cache,
+    # server/scheduler.py) only with requests of the same salt, so no other client can time
+    # whether its prompt was seen.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     _check_stop = field_validator("stop", mode="before")(lambda cls, v: _stop_list(v))
     _check_bias = field_validator("logit_bias", mode="before")(lambda cls, v: _logit_bias(v))

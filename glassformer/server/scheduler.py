@@ -12,10 +12,10 @@ admitted prompt whole before the step (the running rows wait for it). New tokens
 to each request's asyncio queue through its event loop (call_soon_threadsafe), so the engine
 never waits for a client.
 
-Conversation prefix reuse: every finished row is parked with its keys/values (keep_cache). A
-new prompt that extends a parked row's context (a chat's next turn re-renders the history, then
-adds a message) continues that row: only the new tokens are prefilled. Parked rows form an LRU
-bounded in slots and in bytes of keys/values; the oldest are released first.
+The prefix cache (server/prefix_cache.py): every finished row is parked with its keys/values
+(keep_cache), and a new prompt continues a parked conversation or copies the keys/values it
+shares with any row the engine holds, prefilling only the rest; prompts sent together that
+share a long head wait for the first one's prefill.
 
 Every admitted request ends with tokens and Finished, or one Failed: a bad prompt (400), a
 request past --request-timeout (504, its rows cancelled), an engine failure (500, for every row
@@ -32,7 +32,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from glassformer.infer.engine import Engine, Row
-from glassformer.infer.prefill import PREFILL_CHUNK
-from glassformer.infer.rows import common_prefix_length
+from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import SamplingParams, TokenLogprob
 from glassformer.server.metrics import Metrics
+from glassformer.server.prefix_cache import PrefixCache
 
 log = logging.getLogger("glassformer.server")
 
@@ -105,6 +105,7 @@ class Request:
 
     prompts: list[tuple[list[int], SamplingParams]]  # one (prompt, params) per choice
     loop: asyncio.AbstractEventLoop
+    cache_salt: str | None = None  # its rows share keys/values only with rows of this salt
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # its rows leave at the next turn (the client went, or it failed)
@@ -134,7 +135,9 @@ class Scheduler:
     engine's rows beyond max_batch); request_timeout_s: how long a request may take from
     submit() to its last token, queue included (None: no limit); prefill_chunk: the most
     prompt tokens a turn prefills (set on the engine; None: every admitted prompt whole);
-    threads: the engine thread's torch threads (None: the process's default).
+    threads: the engine thread's torch threads (None: the process's default);
+    min_shared_prefix: the fewest tokens a new row copies from another (0: only a chat's next
+    turn reuses its own parked row; PrefixCache).
 
     The engine thread runs every forward of the server (call() hands it the others), so one
     OpenMP team runs the models: libgomp counts the threads of every team in the process, and
@@ -154,18 +157,21 @@ class Scheduler:
         request_timeout_s: float | None = None,
         prefill_chunk: int | None = PREFILL_CHUNK,
         threads: int | None = None,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
     ) -> None:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
         engine.prefill_chunk = prefill_chunk  # checked there; the engine thread owns the engine
+        engine.reserve(engine.max_rows, engine.slot_len)  # every slot's keys/values, up front
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        self.prefix_cache_bytes, self.metrics = prefix_cache_bytes, metrics
+        self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.threads = threads
+        max_parked = engine.max_rows - max_batch  # the slots beyond the running rows
+        self.prefix = PrefixCache(engine, prefix_cache_bytes, max_parked, min_shared_prefix)
         self.waiting: deque[Job] = deque()
         self.starting: list[Job] = []  # taken off the queue, not yet running
         self.running: dict[int, Job] = {}  # id(row) -> job
-        self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, oldest first
         self.calls: deque[tuple[Callable[[], Any], Future]] = deque()  # work for between steps
         self.wake = threading.Condition()
         self.stopping = False
@@ -268,6 +274,7 @@ class Scheduler:
             if self.running:
                 self.engine.step()
                 self._publish_all()
+            self.prefix.forget_gone()
             self._update_gauges()
         except Exception:  # a bug must not kill the server: fail what it holds, start clean
             log.exception("the engine failed; failing the requests it was serving")
@@ -307,21 +314,29 @@ class Scheduler:
                     del self.running[key]
 
     def _start_all(self, jobs: list[Job]) -> None:
-        """Give the admitted jobs their rows: each that continues a parked conversation on its
-        own (only its new tokens are prefilled), the new ones together (Engine.add_many), so
-        their prompts share forwards: one pass for all without a prefill budget, else the
-        budget's chunks over the next steps."""
-        new = []
+        """Give the admitted jobs their rows: each whose prompt the prefix cache has a source
+        for on its own (only the rest of its prompt is prefilled), the new ones together
+        (Engine.add_many), so their prompts share forwards: one pass for all without a
+        prefill budget, else the budget's chunks over the next steps. A job that would share
+        a long head with a prompt not yet prefilled that far goes back to the queue's front."""
+        prefix, new, waits = self.prefix, [], []
         for job in jobs:
             if job.request.cancelled:
                 continue
-            parked = self._best_parked(job.prompt)
-            if parked is None:
+            salt = job.request.cache_salt
+            source, shared = prefix.source(job.prompt, salt)
+            starting = [(other.prompt, other.request.cache_salt) for other in new]
+            if prefix.should_wait(job.prompt, salt, shared, starting):
+                waits.append(job)
+            elif source is None:
                 new.append(job)
             else:
-                self._start(job, parked)
+                self._start(job, source)
+        if waits:
+            with self.wake:
+                self.waiting.extendleft(reversed(waits))
         if len(new) > 1:
-            self._make_room(len(new))
+            prefix.make_room(len(new))
             try:
                 rows = self.engine.add_many(
                     [job.prompt for job in new], [job.params for job in new], keep_cache=True
@@ -335,47 +350,31 @@ class Scheduler:
         for job in new:
             self._start(job, None)
 
-    def _start(self, job: Job, parked: Row | None) -> None:
-        """Put a job's prompt into a slot (continuing `parked`, a conversation it extends)."""
-        if parked is None:
-            self._make_room()
+    def _start(self, job: Job, source: Row | None) -> None:
+        """Put a job's prompt into a slot: continuing `source` if it is the parked row of the
+        job's conversation, else copying the keys/values the two begin with."""
+        continued = source is not None and self.prefix.continues(job.prompt, source)
+        if not continued:
+            self.prefix.make_room(keep=source)
         try:
-            row = self.engine.add(job.prompt, job.params, keep_cache=True, continues=parked)
+            row = self.engine.add(
+                job.prompt,
+                job.params,
+                keep_cache=True,
+                continues=source if continued else None,
+                prefix_from=None if continued else source,
+            )
         except ValueError as err:  # checked at the edge already; a last line of defence
             self._fail(job.request, Failed(400, str(err)))
             return
-        if parked is not None:
-            del self.parked[id(parked)]
-        self._run(job, row)
+        self._run(job, row, source, continued)
 
-    def _run(self, job: Job, row: Row) -> None:
+    def _run(self, job: Job, row: Row, source: Row | None = None, continued=False) -> None:
         job.row = row
+        self.prefix.started(row, job.request.cache_salt, source, continued)
         with self.wake:
             self.running[id(row)] = job
         self._publish(job)
-
-    def _best_parked(self, prompt: list[int]) -> Row | None:
-        """The parked row sharing the longest prefix with `prompt`, if that prefix is at least
-        half of what the row holds (the prompt extends that conversation)."""
-        best, best_shared = None, 0
-        for row in self.parked.values():
-            held = row.context[: row.length]
-            shared = common_prefix_length(held, prompt)
-            if shared > best_shared and 2 * shared >= len(held):
-                best, best_shared = row, shared
-        return best
-
-    def _make_room(self, n_slots: int = 1) -> None:
-        """Release the oldest parked rows until n_slots slots are free."""
-        cache = self.engine.cache
-        while (
-            self.parked and cache is not None and len(self.engine.rows) + n_slots > cache.batch_size
-        ):
-            self._evict_oldest()
-
-    def _evict_oldest(self) -> None:
-        _, row = self.parked.popitem(last=False)
-        self.engine.release(row)
 
     def _publish_all(self) -> None:
         for job in list(self.running.values()):
@@ -399,20 +398,7 @@ class Scheduler:
             with self.wake:
                 self.running.pop(id(row), None)
             job.request.publish(Finished(job.index, row))
-            self._park(row)
-
-    def _park(self, row: Row) -> None:
-        """Keep a finished row's slot for a next turn, within the LRU's bytes."""
-        if row not in self.engine.rows[self.engine.n_held :]:
-            return
-        self.parked[id(row)] = row
-        while self.parked and self._parked_bytes() > self.prefix_cache_bytes:
-            self._evict_oldest()
-        while len(self.parked) > self.engine.max_rows - self.max_batch:
-            self._evict_oldest()
-
-    def _parked_bytes(self) -> int:
-        return sum(self.engine.cache.row_bytes(row.length) for row in self.parked.values())
+            self.prefix.park(row)
 
     def _recover(self) -> None:
         """After an engine failure: fail the rows being started and running (the queued ones
@@ -424,7 +410,7 @@ class Scheduler:
                     self._fail(job.request, failed)
             self.starting.clear()
             self.running.clear()
-        self.parked.clear()
+        self.prefix.clear()
         self.engine.clear()  # every slot free again
 
     def _fail_held(self, event: Failed) -> None:
@@ -444,6 +430,6 @@ class Scheduler:
         self.metrics.set_gauges(
             running_rows=self.engine.n_held,  # decoding or still prefilling
             queued_rows=queued,
-            parked_rows=len(self.parked),
+            parked_rows=len(self.prefix.parked),
             kv_cache_bytes=held,
         )
