@@ -11,11 +11,12 @@ bandwidth moves from run to run (24 to 55 GB/s here within minutes), so a limit 
 once, apart from the runs, says more about that moment than about the engines. It prints,
 for every configuration, each engine's time to first token (prefill + the first sampled token)
 and decode tokens/s (every row's tokens after the first, per second), its ratio to transformers
-in the same precision, and its percent of the bandwidth limit. With llama-cpp-python installed
-(`pip install -e .[bench]`), llama.cpp joins the SmolLM2 batch-1 runs in the same precision:
-the shipped Q4_1 GGUF file requantized by llama.cpp's own llama_model_quantize into F32, BF16
-and Q8_0 (in the run, into a temporary folder), and the Q4_1 file itself beside int4; same token
-ids, greedy. --json writes every row with the machine, date and command, for
+in the same precision, and its percent of the bandwidth limit. With llama.cpp's binaries built
+(bash benchmarks/build_llama_cpp.sh), llama.cpp joins the SmolLM2 batch-1 runs in the same
+precision through its own llama-bench (benchmarks/llama_cpp_peer.py's LlamaBench: the prompt's
+processing, then the decode rate after it): the shipped Q4_1 GGUF file requantized by
+llama-quantize into F32, BF16 and Q8_0 (in the run, into a temporary folder), and the Q4_1 file
+itself beside int4. --json writes every row with the machine, date and command, for
 benchmarks/render.py to turn into docs/performance.md's tables.
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
@@ -54,7 +55,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from llama_cpp_peer import LLAMA_CPP_TYPES, LlamaCpp, llama_cpp_files  # benchmarks/
+from llama_cpp_peer import (  # benchmarks/
+    LLAMA_CPP_TYPES,
+    LlamaBench,
+    llama_cpp_files,
+    llama_cpp_version,
+)
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
@@ -300,7 +306,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             base, hf_fp32, tokenizer, label = load_models(name, Path(tmp))
-            n_ctx = max(args.prompt) + args.new_tokens + 8
             gguf = llama_cpp_files(name, args.precision, Path(tmp), args.threads)
             hf_models = {"fp32": hf_fp32, "bf16": copy.deepcopy(hf_fp32).to(torch.bfloat16)}
             print(header)
@@ -311,7 +316,7 @@ def main() -> None:
                 if args.with_plain and precision not in ("int8", "int4"):
                     contestants["glassformer plain"] = glassformer_variant(base, precision, True)
                 peers = [LLAMA_CPP_TYPES[precision]]
-                llama = {f"llama.cpp {kind}": LlamaCpp(gguf[kind], args.threads, n_ctx)
+                llama = {f"llama.cpp {kind}": LlamaBench(gguf[kind], args.threads)
                          for kind in peers if kind in gguf}  # fmt: skip
                 hf_peer = "fp32" if precision == "fp32" else "bf16"
                 for batch in args.batch:
@@ -369,7 +374,7 @@ def report(where: dict, timings, hf_peer, contestants, reads: dict, new_tokens: 
     position = where["prompt"] + new_tokens / 2  # the middle decode step's cached positions
     for name, timing in timings.items():
         contestant = contestants.get(name)
-        if isinstance(contestant, LlamaCpp):  # its KV cache is fp16
+        if isinstance(contestant, LlamaBench):  # its KV cache is fp16
             engine, weight_bytes, element = name, contestant.bytes_per_token, 2
         elif contestant is None:  # transformers: its weights are glassformer's, in hf_peer
             engine, element = f"transformers {hf_peer}", 4 if hf_peer == "fp32" else 2
@@ -385,7 +390,7 @@ def report(where: dict, timings, hf_peer, contestants, reads: dict, new_tokens: 
                "vs_transformers": timing.tok_s / reference.tok_s,
                "read_bandwidth_gb_s": round(bandwidth, 2),
                "percent_of_bandwidth_limit": 100 * timing.tok_s / limit if limit else None,
-               "same_tokens_as_transformers": None if contestant is None
+               "same_tokens_as_transformers": None if contestant is None or timing.tokens is None
                else timing.tokens == reference.tokens}  # fmt: skip
         rows.append(row)
         percent = "" if limit is None else f"{row['percent_of_bandwidth_limit']:.0f}%"
@@ -406,15 +411,10 @@ def write_json(path: Path, rows: list[dict], bandwidth: float, args) -> None:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())  # fmt: skip
-    try:
-        from importlib.metadata import version
-
-        llama_cpp_version = version("llama-cpp-python")
-    except Exception:
-        llama_cpp_version = None
+    peer = any(row["engine"].startswith("llama.cpp") for row in rows)
     machine = {"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads,
                "read_bandwidth_gb_s": round(bandwidth, 2), "torch": torch.__version__,
-               "llama_cpp_python": llama_cpp_version}  # fmt: skip
+               "llama_cpp": llama_cpp_version() if peer else None}  # fmt: skip
     result = {"command": "python " + " ".join(["benchmarks/decode.py", *sys.argv[1:]]),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine, "new_tokens": args.new_tokens, "runs": args.runs,

@@ -2,21 +2,22 @@
 
 - Its own binaries (llama-server, llama-bench, llama-quantize), built by
   benchmarks/build_llama_cpp.sh into build/llama.cpp/bin (or found in $LLAMA_CPP_BIN): the
-  servers' side-by-sides start `llama-server` on a GGUF file (benchmarks/servers.py).
-- llama-cpp-python (`pip install -e .[bench]`): the shipped SmolLM2 Q4_1 GGUF file, llama.cpp's
-  own requantizations of it (llama_model_quantize, with allow_requantize) into F32, BF16, Q8_0,
-  Q4_0 or Q4_K_M in a temporary folder, and a runner that times its greedy generation from the
-  same token ids as glassformer's (benchmarks/decode.py, benchmarks/quantization.py).
+  servers' side-by-sides start `llama-server` on a GGUF file (benchmarks/servers.py);
+  benchmarks/decode.py times batch-1 decoding with `llama-bench` on the shipped SmolLM2 Q4_1
+  file and llama-quantize's requantizations of it (F32, BF16, Q8_0).
+- llama-cpp-python (`pip install -e .[bench]`): llama.cpp's requantizations through its
+  bindings (llama_model_quantize) into Q4_0 or Q4_K_M for benchmarks/quantization.py. (Its
+  0.3.36 wheel built here segfaults in Llama.eval, so nothing here runs a model through it.)
 
 Without either, no peer: the benchmarks run without these rows."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 BUILD = Path(__file__).resolve().parent.parent / "build" / "llama.cpp" / "bin"
@@ -60,31 +61,34 @@ def quantized_with_binary(source: Path, kind: str, target: Path, threads: int) -
     return target
 
 
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python on one GGUF file, fed the same token ids, greedy,
-    batch 1."""
+class LlamaBench:
+    """llama.cpp's own llama-bench on one GGUF file, batch 1, called like decode.py's runners
+    (prompts, new_tokens) -> (time to first token, decode tokens/s, None): the prompt's
+    processing time (its length over llama-bench's prompt rate, -p) and the rate of new tokens
+    after a prompt of that length is in the cache (-n at depth -d). One repetition per call, so
+    the runs interleave with the other engines'. llama-bench feeds its own token ids, so there
+    are no tokens to compare."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+    def __init__(self, path: Path, threads: int) -> None:
+        self.binary = llama_cpp_binary("llama-bench")
+        if self.binary is None:
+            raise FileNotFoundError("no llama-bench: run bash benchmarks/build_llama_cpp.sh")
+        self.path, self.threads = path, threads
         self.bytes_per_token = path.stat().st_size  # nearly all of the file is weights
 
+    def rate(self, prompt: int, new: int, depth: int) -> float:
+        """llama-bench's tokens/s for one test: a prompt of `prompt` tokens or `new` generated
+        ones, after `depth` tokens already in the cache."""
+        command = [self.binary, "-m", self.path, "-t", self.threads, "-p", prompt, "-n", new,
+                   "-d", depth, "-r", 1, "-o", "json"]  # fmt: skip
+        result = subprocess.run([str(c) for c in command], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {result.stderr[-1000:]}")
+        return float(json.loads(result.stdout)[0]["avg_ts"])
+
     def __call__(self, prompts: list[list[int]], new_tokens: int):
-        # reset(): llama-cpp-python would otherwise reuse the previous run's matching prompt
-        # prefix from its cache and skip the prefill.
-        self.llm.reset()
-        start = time.perf_counter()
-        tokens, first = [], None
-        for token in self.llm.generate(prompts[0], top_k=1, temp=0.0, reset=True):
-            if first is None:
-                first = time.perf_counter()
-            tokens.append(int(token))
-            if len(tokens) == new_tokens:
-                break
-        end = time.perf_counter()
-        return first - start, (new_tokens - 1) / (end - first), [tokens]
+        length = len(prompts[0])
+        return length / self.rate(length, 0, 0), self.rate(0, new_tokens, length), None
 
 
 # llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
@@ -95,11 +99,22 @@ _FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
 
 
 def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
-    """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama.cpp's requantization of
-    it}, when llama-cpp-python is installed and the model is SmolLM2; else {}."""
-    if name != "smollm2":
+    """{"Q4_1": the shipped SmolLM2 file, "F32"/"BF16"/"Q8_0": llama-quantize's requantization
+    of it into `tmp`}, for the precisions asked, when llama-bench and llama-quantize are built
+    and the model is SmolLM2; else {}."""
+    if name != "smollm2" or not (
+        llama_cpp_binary("llama-bench") and llama_cpp_binary("llama-quantize")
+    ):
         return {}
-    return requantized_smollm2([LLAMA_CPP_TYPES[p] for p in precisions], tmp, threads)
+    from glassformer.interop.pretrained import resolve
+
+    source, files = resolve("smollm2"), {}
+    for kind in (LLAMA_CPP_TYPES[p] for p in precisions):
+        target = tmp / f"smollm2-{kind}.gguf"
+        files[kind] = (
+            source if kind == "Q4_1" else quantized_with_binary(source, kind, target, threads)
+        )
+    return files
 
 
 def requantized_smollm2(kinds, tmp: Path, threads: int) -> dict[str, Path]:

@@ -55,6 +55,7 @@ def code_block(lines: list[str]) -> list[str]:
 def stamp(result: dict) -> str:
     m = result["machine"]
     peer = f", llama-cpp-python {m['llama_cpp_python']}" if m.get("llama_cpp_python") else ""
+    peer = f"; llama.cpp: {m['llama_cpp']}" if m.get("llama_cpp") else peer
     return (
         f"`{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} threads, "
         f"read bandwidth {m['read_bandwidth_gb_s']} GB/s at the start, each row's limit from "
@@ -310,6 +311,32 @@ def kv_cache(result: dict) -> list[str]:
     return markdown([*header, "KV cache MiB"], rows)
 
 
+def kv_dtype(result: dict) -> list[str]:
+    contexts = list(result["rows"][0]["decode_tok_s"])
+    rows = [
+        [
+            r["kv_dtype"],
+            f"{r['bytes_per_token']:,}",
+            f"{r['perplexity']:.3f}",
+            f"{r['perplexity_change_percent']:+.3f}%",
+            f"{r['same_greedy_tokens']:.0%}",
+            *(f"{r['decode_tok_s'][c]:.1f}" for c in contexts),
+        ]
+        for r in result["rows"]
+    ]
+    header = ["keys/values", "bytes per token", "perplexity", "vs fp32", "greedy as fp32's"]
+    header += [f"decode tok/s after {c}" for c in contexts]
+    m = result["machine"]
+    note = (
+        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} "
+        f"threads; {result['model']} at its {result['weights']} weights; perplexity over "
+        f"{result['windows']} windows of {result['window_tokens']} tokens fed in chunks of "
+        f"{result['chunk']}; {result['new_tokens']} greedy tokens per window; decode rates the "
+        f"median of {result['runs']} rounds, the dtypes alternating)."
+    )
+    return [*markdown(header, rows, "-::::" + ":" * len(contexts)), "", note]
+
+
 QUANTIZATION_LABELS = {
     "int8 channel": "int8, a scale per row",
     "int8 64": "int8, a scale per 64 (default)",
@@ -466,6 +493,29 @@ def serve_peer(result: dict) -> list[str]:
     ]
 
 
+def serve_peer_short(result: dict, precision: str = "int4") -> list[str]:
+    """The README's: one precision, distinct prompts, aggregate tokens/s and p99 TTFT of each
+    server by client count."""
+    by = {}
+    for r in result["rows"]:
+        if r["precision"] == precision and not r["shared_prefix"]:
+            side = "ours" if r["server"].startswith("glassformer") else "peer"
+            by.setdefault((r["clients"], r["new_tokens"]), {})[side] = r
+    rows = [
+        [
+            f"{clients} x {new_tokens}",
+            f"{pair['ours']['tok_s']:.1f}",
+            f"{pair['peer']['tok_s']:.1f}",
+            f"{pair['ours']['tok_s'] / pair['peer']['tok_s']:.2f}x",
+            f"{pair['ours']['p99_ttft_s']:.2f} / {pair['peer']['p99_ttft_s']:.2f}",
+        ]
+        for (clients, new_tokens), pair in by.items()
+    ]
+    head = ["clients x new tokens", "glassformer serve tok/s", "llama-server tok/s", "ratio",
+            "p99 TTFT s (ours / peer)"]  # fmt: skip
+    return markdown(head, rows, "-::::")
+
+
 def serve_prefill_chunks(result: dict) -> list[str]:
     lines = [
         result["command"],
@@ -552,13 +602,14 @@ TABLES = {
     "huge-pages": Table("huge_pages.json", huge_pages),
     "prefill-matmul": Table("prefill_matmul.json", prefill_matmul),
     "kv-cache": Table("kv_cache.json", kv_cache),
+    "kv-dtype": Table("kv_dtype.json", kv_dtype),
     "quantization": Table("quantization.json", quantization),
     "training": Table("train_throughput.json", training),
     "training-processes": Table("train_processes.json", training_processes),
     "serve-load": Table("serve.json", serve_load),
-    "serve-load-8": Table("serve.json", lambda r: serve_load(r, clients=(8,))),
     "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
     "serve-peer": Table("serve_peer.json", serve_peer),
+    "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),

@@ -5,11 +5,13 @@ told, refuse a device the machine lacks in one line, and keep the C decode kerne
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from glassformer.calc import kv_bytes_per_token
 from glassformer.cli import common, main
 from glassformer.cli.common import DecodeOptions, prepare_for_decode
 from glassformer.infer.optimize import DecodeLinear
@@ -112,3 +114,23 @@ def test_off_the_cpu_the_model_runs_as_built_on_that_device(checkpoint):
     model, _ = from_pretrained(checkpoint)
     on_cpu = prepare_for_decode(model, torch.device("cpu"), DecodeOptions())
     assert any(isinstance(m, DecodeLinear) for m in on_cpu.modules())
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16"])
+def test_kv_cache_dtype_stores_the_keys_in_that_many_bytes(checkpoint, capsys, kv):
+    # --stats reports the cache bytes the row holds: calc's closed form for the dtype asked,
+    # times the positions held (prompt + generated, less the last token, sampled not fed).
+    assert main(generate(checkpoint, "--kv-cache-dtype", kv, "--stats", "--seed", "1")) == 0
+    err = capsys.readouterr().err
+    prompt, generated = (int(n) for n in re.findall(r"(\d+) (?:prompt tokens|generated)", err))
+    in_use = float(re.search(r"KV cache ([\d.]+) KiB in use", err)[1])
+    model, _ = from_pretrained(checkpoint)
+    per_token = kv_bytes_per_token(model.cfg, kv)
+    assert in_use == round(per_token * (prompt + generated - 1) / 1024, 1)
+
+
+def test_kv_cache_dtype_with_compile_is_one_line(checkpoint, capsys):
+    assert main(generate(checkpoint, "--compile", "--kv-cache-dtype", "bf16")) == 2
+    err = capsys.readouterr().err
+    assert "--compile keeps its static cache in the model's dtype" in err
+    assert err.count("\n") == 1

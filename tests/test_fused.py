@@ -57,12 +57,16 @@ def _torch_step(model, token: int, position: int, cache) -> torch.Tensor:
     return model(ids, positions, cache=cache, last_token_only=True)[:, -1].float()
 
 
-def _compare(model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 6, step=None):
-    """Prefill 5 tokens through torch into a cache and a copy of it (in cache_dtype), then decode
-    n_steps tokens, the cache through `model`'s modules, the copy through `step` (default: a
-    fused step of fused_model, default model): the largest logit difference."""
+def _compare(
+    model, fused_model=None, cache_dtype=torch.float32, n_steps: int = 6, step=None,
+    reference_dtype=torch.float32,
+):  # fmt: skip
+    """Prefill 5 tokens through torch into a cache (in reference_dtype) and a copy of it (in
+    cache_dtype), then decode n_steps tokens, the cache through `model`'s modules, the copy
+    through `step` (default: a fused step of fused_model, default model): the largest logit
+    difference."""
     step = step or FusedStep(fused_model or model)
-    reference = model.new_cache(1, 48)
+    reference = model.new_cache(1, 48, dtype=reference_dtype)
     worst, token = 0.0, 7
     with torch.inference_mode():
         model(torch.tensor([[3, 141, 59, 26, 5]]), torch.arange(5), cache=reference)
@@ -199,13 +203,23 @@ def test_bf16_weights_match_their_float32_copy(arch, simd):
     assert _compare(rounded, fused_model=half) < 1e-4
 
 
-def test_bf16_cache_rounds_keys_and_values_only():
-    # A bf16 cache (what the Engine allocates for a bf16 model) changes the logits by the
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_half_cache_rounds_keys_and_values_only(cache_dtype):
+    # A bf16 or f16 cache (a bf16 model's, or the Engine's kv_dtype) changes the logits by the
     # rounding of the cached keys and values: small against the logits' own spread.
     model = _model("llama-gqa")
     exact = _compare(model)
-    rounded = _compare(model, cache_dtype=torch.bfloat16)
+    rounded = _compare(model, cache_dtype=cache_dtype)
     assert exact < 1e-4 and rounded < 0.02
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
+def test_a_half_cache_reads_and_writes_as_the_modules_do(arch, cache_dtype, simd):
+    # The exact reference for a half cache: the modules over a cache of the same dtype (keys
+    # and values rounded to nearest even when written, read back as float32).
+    model = _model(arch)
+    assert _compare(model, cache_dtype=cache_dtype, reference_dtype=cache_dtype) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from glassformer.cli.precision import DecodeOptions, resolve_precision
+from glassformer.cli.precision import KV_DTYPES, DecodeOptions, resolve_precision
 from glassformer.devices import DEVICES, resolve_device
 
 if TYPE_CHECKING:
@@ -360,6 +360,13 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
         "GGUF file's own blocks are kept where they have that form",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_DTYPES),
+        help="store the keys/values in fp32, bf16 or fp16 (llama.cpp's --cache-type-k/-v; it "
+        "stores f16 by default): bf16 and fp16 take half fp32's bytes per token, rounding each "
+        "key and value once (docs/performance.md#kv-cache-precision). Default: the model's dtype",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="run the model as built: no decode kernels, no fused decode step (for comparison)",
@@ -374,6 +381,11 @@ def decode_device(options: DecodeOptions) -> torch.device:
     if options.quantize and options.dtype == "bf16":
         raise ValueError(
             f"--quantize {options.quantize} keeps activations in fp32: drop --dtype {options.dtype}"
+        )
+    if options.compile and options.kv_cache_dtype:
+        raise ValueError(
+            f"--compile keeps its static cache in the model's dtype: drop --kv-cache-dtype "
+            f"{options.kv_cache_dtype}, or --compile"
         )
     if options.compile and options.plain:
         raise ValueError("--compile runs the decode kernels: drop --plain")
@@ -448,7 +460,8 @@ def decode_engine(model: nn.Module, tokenizer: Tokenizer, options: DecodeOptions
     from glassformer.infer.engine import Engine
 
     fast = not options.plain
-    return Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast)
+    kv_dtype = options.kv_dtype
+    return Engine(model, tokenizer=tokenizer, fast=fast, huge_pages=fast, kv_dtype=kv_dtype)
 
 
 def prepare_for_decode(model: nn.Module, device: torch.device, options: DecodeOptions) -> nn.Module:

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# --kv-cache-dtype: what the keys/values are stored in (the Engine's kv_dtype)
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -22,6 +25,7 @@ class DecodeOptions:
     compile: bool = False
     threads: int | None = None
     adapter: str | None = None
+    kv_cache_dtype: str | None = None  # a KV_DTYPES name; None: the model's dtype
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, compile: bool = False) -> DecodeOptions:
@@ -33,7 +37,13 @@ class DecodeOptions:
             compile,
             args.threads,
             getattr(args, "adapter", None),
+            getattr(args, "kv_cache_dtype", None),
         )
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The Engine's kv_dtype for --kv-cache-dtype (None: the model's own)."""
+        return KV_DTYPES.get(self.kv_cache_dtype or "")
 
     @property
     def cpu_only_flag(self) -> str | None:

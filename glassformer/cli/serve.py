@@ -83,14 +83,21 @@ def _bind_error(host: str, port: int, err: OSError) -> str:
     return f"cannot bind {host}:{port} ({err.strerror}): check --host and --port"
 
 
-def check_cache_fits(model: nn.Module, max_rows: int, slot_len: int, max_batch: int) -> None:
+def check_cache_fits(
+    model: nn.Module,
+    max_rows: int,
+    slot_len: int,
+    max_batch: int,
+    kv_dtype: torch.dtype | None = None,
+) -> None:
     """Refuse a --max-batch whose cache cannot fit, before the server allocates it at start:
-    the engine reserves max_rows slots (running and parked rows) of slot_len positions each."""
+    the engine reserves max_rows slots (running and parked rows) of slot_len positions each, in
+    kv_dtype (None: the model's dtype)."""
     cfg = model.cfg
     if cfg.family == "bert" or next(model.parameters()).device.type != "cpu":
         return  # an encoder keeps no cache; a GPU's memory is not what /proc/meminfo counts
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(kv_dtype or dtype, "fp32")
     if cfg.family == "rnn":
         need = rnn_state_bytes(cfg, name) * max_rows
     else:
@@ -170,13 +177,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_mb * 2**20,
         prefill_chunk=args.prefill_chunk or None,
         huge_pages=True,  # the server owns the model it loaded: its decode steps stream faster
+        kv_dtype=options.kv_dtype,
         threads=threads,
     )
     app = create_app(served, server_options)
     engine = app.state.scheduler.engine
-    check_cache_fits(model, engine.max_rows, engine.slot_len, args.max_batch)
+    check_cache_fits(model, engine.max_rows, engine.slot_len, args.max_batch, options.kv_dtype)
+    kv = f", {options.kv_cache_dtype} keys/values" if options.kv_cache_dtype else ""
     print(
-        f"serving {served.name} ({precision_name(model)}) on http://{args.host}:{args.port} "
+        f"serving {served.name} ({precision_name(model)}{kv}) on http://{args.host}:{args.port} "
         "(OpenAI API at /v1, the lab at /); Ctrl-C stops",
         file=sys.stderr,
     )

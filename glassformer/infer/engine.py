@@ -71,8 +71,8 @@ ON_FULL_CONTEXT = ("stop", "shift")
 
 
 class Engine(Loops, Reuse):
-    """Generates from any model that offers `new_cache(batch_size, max_seq_len)` (a cache with
-    rows/swap_rows/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
+    """Generates from any model that offers `new_cache(batch_size, max_seq_len, dtype)` (a cache
+    with rows/swap_rows/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
     max_rows: the row slots; None lets generate/generate_batch size the cache to each call.
     max_seq_len: positions per slot (default: the model's context window).
@@ -89,6 +89,9 @@ class Engine(Loops, Reuse):
     huge_pages: first move the model's parameters and buffers of 2 MB or more into 2 MB pages
         (infer/huge_pages.py: the same values, modules and ties; fused decode steps 1.05-1.18x
         faster). Off by default, as it gives the caller's tensors new storage.
+    kv_dtype: the keys/values' dtype (None: the model's); torch.bfloat16 or torch.float16 halve
+        the cache's bytes per token (llama.cpp stores f16 by default), rounding each key and
+        value once when it is written (benchmarks/kv_dtype.py measures what that costs).
     """
 
     def __init__(
@@ -100,8 +103,10 @@ class Engine(Loops, Reuse):
         fast: bool = True,
         prefill_chunk: int | None = None,
         huge_pages: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model.eval()
+        self.kv_dtype = kv_dtype
         if huge_pages:
             to_huge_pages(model)  # before the fused step takes the weights' addresses
         # the fused step takes up to max_rows rows at once (its scratch is per row: kilobytes)
@@ -154,7 +159,9 @@ class Engine(Loops, Reuse):
                 "slots: finish or release them first, or create the Engine with larger "
                 "max_rows/max_seq_len"
             )
-        self.cache = self.model.new_cache(batch_size=n_rows, max_seq_len=n_positions)
+        self.cache = self.model.new_cache(
+            batch_size=n_rows, max_seq_len=n_positions, dtype=self.kv_dtype
+        )
 
     def _place(self, row: Row, slot: int) -> None:
         self.rows[slot], row.slot = row, slot

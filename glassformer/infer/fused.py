@@ -45,6 +45,7 @@ from glassformer import kernels
 from glassformer.nn.kv_cache import KVCache
 
 _STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
+_CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode.c's CACHE_*
 _ACTIVATION = {
     "relu": 0,
     "gelu": 1,
@@ -106,7 +107,7 @@ class _Model(ctypes.Structure):
             "rms_norm",
             "gated",
             "activation",
-            "cache_bf16",
+            "cache_kind",
             "emb_storage",
         )
     ] + [
@@ -394,20 +395,16 @@ class FusedStep:
             layer.k_cache, layer.v_cache = k[l].data_ptr(), v[l].data_ptr()
         s = self._struct
         s.cache_head_stride, s.cache_pos_stride = k.stride(1), k.stride(2)
-        s.cache_bf16 = int(cache.k.dtype == torch.bfloat16)
+        s.cache_kind = _CACHE_KINDS[cache.k.dtype]
         scores = torch.zeros(self.cfg.n_heads, cache.max_seq_len)
         self._scores = scores  # replaced with the cache, so it always fits its length
         s.scores, s.max_positions = scores.data_ptr(), cache.max_seq_len
         self._cache_key = key
 
     def supports(self, cache: Any) -> bool:
-        """Whether this cache is one the C step reads: a full KVCache of f32 or bf16 whose
-        head dim is contiguous."""
-        return (
-            type(cache) is KVCache
-            and cache.k.dtype in (torch.float32, torch.bfloat16)
-            and cache.k.stride(-1) == 1
-        )
+        """Whether this cache is one the C step reads: a full KVCache of f32, bf16 or f16
+        whose head dim is contiguous."""
+        return type(cache) is KVCache and cache.k.dtype in _CACHE_KINDS and cache.k.stride(-1) == 1
 
     def takes(self, cache: Any, n_tokens: int) -> bool:
         """Whether `many` can run n_tokens tokens on this cache (else: the torch modules)."""

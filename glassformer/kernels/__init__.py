@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
 HEADERS = (HERE / "simd.h",)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
 # Most activation rows the kernel takes per storage; more go to torch's matmul. The loop
 # converts each weight once per row, so with bf16 weights several rows are faster on oneDNN's
@@ -93,7 +93,7 @@ def _compiler() -> str | None:
 
 def missing() -> str | None:
     """What keeps the kernels off before any build is tried: the switch, the CPU (x86-64 with
-    AVX2 and FMA) or the C compiler; None where they should build and run."""
+    AVX2, FMA and F16C) or the C compiler; None where they should build and run."""
     return "GLASSFORMER_KERNELS=off" if SWITCH == "off" else _missing_on_this_machine()
 
 
@@ -101,9 +101,9 @@ def _missing_on_this_machine() -> str | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the CPU is {platform.machine() or 'unknown'}, not x86-64"
     if not Path("/proc/cpuinfo").exists():
-        return "no /proc/cpuinfo to read the CPU's AVX2/FMA flags from (not Linux)"
+        return "no /proc/cpuinfo to read the CPU's AVX2/FMA/F16C flags from (not Linux)"
     if "avx2" not in simd_widths():
-        return "the CPU has no AVX2/FMA"
+        return "the CPU has no AVX2/FMA/F16C"
     if _compiler() is None:
         return "no C compiler (cc or gcc) on PATH"
     return None
@@ -114,7 +114,7 @@ def simd_widths() -> list[str]:
     flags = _cpu_flags()
     return [
         width
-        for width, needs in (("avx2", {"avx2", "fma"}), ("avx512", {"avx512f", "avx512bw"}))
+        for width, needs in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw"}))
         if needs <= flags
     ]
 

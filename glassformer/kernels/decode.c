@@ -26,7 +26,7 @@
  *
  * then logits = W_head norm(x). Weights are f32, bf16, int8 with group scales or int4 with
  * group scales and mins (simd.h);
- * activations are f32; the cache is f32 or bf16. The softmax's, SiLU's and GELU-tanh's
+ * activations are f32; the cache is f32, bf16 or f16. The softmax's, SiLU's and GELU-tanh's
  * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
  * and sines are computed once per token for every layer and head.
  *
@@ -64,7 +64,7 @@ typedef struct {
 typedef struct {
     int64_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size;
     int64_t cache_head_stride, cache_pos_stride; /* in elements */
-    int64_t rms_norm, gated, activation, cache_bf16, emb_storage;
+    int64_t rms_norm, gated, activation, cache_kind, emb_storage; /* cache_kind: CACHE_* */
     float norm_eps, attn_scale, rope_factor;
     const float *inv_freq; /* (D/2,) RoPE frequencies, or NULL: no RoPE */
     const void *tok_emb;   /* (V, C) f32 or bf16 */
@@ -225,46 +225,53 @@ static void activate_all(float *ff, int64_t F, int64_t kind, int gated, int64_t 
     }
 }
 
-static inline float cache_get(const void *cache, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 }; /* how the keys/values are stored */
+
+static inline float cache_get(const void *cache, int64_t i, int kind) {
+    const uint16_t *half = (const uint16_t *)cache;
+    if (kind == CACHE_BF16) return bf16_to_f32(half[i]);
+    if (kind == CACHE_F16) return _cvtsh_ss(half[i]);
+    return ((const float *)cache)[i];
 }
 
-static inline void cache_set(void *cache, int64_t i, float v, int bf16) {
-    if (bf16)
+static inline void cache_set(void *cache, int64_t i, float v, int kind) {
+    if (kind == CACHE_BF16)
         ((uint16_t *)cache)[i] = f32_to_bf16(v);
+    else if (kind == CACHE_F16) /* round to nearest even, as torch's .half() does */
+        ((uint16_t *)cache)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
     else
         ((float *)cache)[i] = v;
 }
 
-/* q . k for one cached key row of D floats (f32 or bf16), in SIMD when D is a multiple of
+static inline vec cache_load(const void *cache, int64_t at, int kind) {
+    if (kind == CACHE_BF16) return load_bf16((const uint16_t *)cache + at);
+    if (kind == CACHE_F16) return load_f16((const uint16_t *)cache + at);
+    return load_f32((const float *)cache + at);
+}
+
+/* q . k for one cached key row of D floats (f32, bf16 or f16), in SIMD when D is a multiple of
  * LANES; and out += p * v for one cached value row. */
-static inline float key_dot(const float *q, const void *cache, int64_t at, int64_t D, int bf16) {
+static inline float key_dot(const float *q, const void *cache, int64_t at, int64_t D, int kind) {
     if (D % LANES == 0) {
         vec acc = vec_zero();
-        for (int64_t d = 0; d < D; d += LANES) {
-            vec k = bf16 ? load_bf16((const uint16_t *)cache + at + d)
-                         : load_f32((const float *)cache + at + d);
-            acc = vec_fma(vec_load(q + d), k, acc);
-        }
+        for (int64_t d = 0; d < D; d += LANES)
+            acc = vec_fma(vec_load(q + d), cache_load(cache, at + d, kind), acc);
         return vec_sum(acc);
     }
     float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * cache_get(cache, at + d, bf16);
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * cache_get(cache, at + d, kind);
     return dot;
 }
 
 static inline void add_value(float *out, float p, const void *cache, int64_t at, int64_t D,
-                             int bf16) {
+                             int kind) {
     if (D % LANES == 0) {
         const vec weight = vec_set1(p);
-        for (int64_t d = 0; d < D; d += LANES) {
-            vec v = bf16 ? load_bf16((const uint16_t *)cache + at + d)
-                         : load_f32((const float *)cache + at + d);
-            vec_store(out + d, vec_fma(weight, v, vec_load(out + d)));
-        }
+        for (int64_t d = 0; d < D; d += LANES)
+            vec_store(out + d, vec_fma(weight, cache_load(cache, at + d, kind), vec_load(out + d)));
         return;
     }
-    for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, bf16);
+    for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, kind);
 }
 
 /* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
@@ -272,13 +279,13 @@ static inline void add_value(float *out, float p, const void *cache, int64_t at,
 static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
                    int64_t offset) {
     const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
-    const int bf16 = (int)m->cache_bf16;
+    const int kind = (int)m->cache_kind;
     const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
     float *scores = m->scores + head * m->max_positions, *out = m->att + (row * H + head) * D;
     const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     float best = -INFINITY;
     for (int64_t t = 0; t <= pos; ++t) {
-        scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, bf16) * m->attn_scale;
+        scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, kind) * m->attn_scale;
         if (scores[t] > best) best = scores[t];
     }
     const vec top = vec_set1(best);
@@ -296,7 +303,7 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row
     }
     for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
     for (int64_t t = 0; t <= pos; ++t)
-        add_value(out, scores[t] / total, layer->v_cache, base + t * stride, D, bf16);
+        add_value(out, scores[t] / total, layer->v_cache, base + t * stride, D, kind);
 }
 
 /* --- the step -------------------------------------------------------------------------------- */
@@ -348,8 +355,8 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
                 const int64_t at =
                     offsets[r] + head * m->cache_head_stride + positions[r] * m->cache_pos_stride;
                 for (int64_t d = 0; d < D; ++d) {
-                    cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_bf16);
-                    cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_bf16);
+                    cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_kind);
+                    cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_kind);
                 }
             }
         }
@@ -409,7 +416,7 @@ static const LayoutEntry LAYOUT[] = {
     FIELD(Model, n_kv_heads), FIELD(Model, head_dim), FIELD(Model, d_ff),
     FIELD(Model, vocab_size), FIELD(Model, cache_head_stride), FIELD(Model, cache_pos_stride),
     FIELD(Model, rms_norm), FIELD(Model, gated), FIELD(Model, activation),
-    FIELD(Model, cache_bf16), FIELD(Model, emb_storage), FIELD(Model, norm_eps),
+    FIELD(Model, cache_kind), FIELD(Model, emb_storage), FIELD(Model, norm_eps),
     FIELD(Model, attn_scale), FIELD(Model, rope_factor), FIELD(Model, inv_freq),
     FIELD(Model, tok_emb), FIELD(Model, pos_emb), FIELD(Model, final_norm_weight),
     FIELD(Model, final_norm_bias), FIELD(Model, head), FIELD(Model, layers), FIELD(Model, x),

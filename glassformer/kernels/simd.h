@@ -36,6 +36,9 @@ static inline vec load_bf16(const uint16_t *w) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+static inline vec load_f16(const uint16_t *w) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+}
 static inline vec load_int8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
@@ -80,6 +83,9 @@ static inline vec load_f32(const float *w) { return _mm256_loadu_ps(w); }
 static inline vec load_bf16(const uint16_t *w) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline vec load_f16(const uint16_t *w) { /* F16C: every AVX2 CPU has it */
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
 }
 static inline vec load_int8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));

@@ -269,6 +269,8 @@ class Attention(nn.Module):
         if cache is not None:
             # The cache stores rotated keys: position lives inside each cached vector.
             k, v = cache.update(self.layer_idx, positions, k, v)  # (B, Hkv, Tk, D)
+            if k.dtype != q.dtype:  # a cache kept narrower (the Engine's kv_dtype): read back
+                k, v = k.to(q.dtype), v.to(q.dtype)
         dropout_p = self.dropout if self.training else 0.0
         if self.backend == "eager" or self.weights_sink is not None:
             out, weights = eager_attention(

@@ -101,6 +101,7 @@ class ServerOptions:
     max_body_bytes: int = 16 * 2**20  # a larger request body gets a 413, unparsed
     huge_pages: bool = False  # move the model's large tensors into 2 MB pages (Engine's option)
     threads: int | None = None  # the engine thread's torch threads (None: as torch has them)
+    kv_dtype: torch.dtype | None = None  # the keys/values' dtype (None: the model's)
 
 
 def served_name(model_arg: str) -> str:
@@ -120,6 +121,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         max_seq_len=slot_len,
         tokenizer=served.tokenizer,
         huge_pages=options.huge_pages,
+        kv_dtype=options.kv_dtype,
     )
     scheduler = Scheduler(
         engine,

@@ -162,7 +162,6 @@ class Scheduler:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
         engine.prefill_chunk = prefill_chunk  # checked there; the engine thread owns the engine
-        engine.reserve(engine.max_rows, engine.slot_len)  # every slot's keys/values, up front
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
@@ -239,6 +238,8 @@ class Scheduler:
         if self.threads:  # OpenMP's thread count is each thread's own: set it for this one
             torch.set_num_threads(self.threads)
         try:
+            engine = self.engine  # every slot's keys/values, up front (the prefix cache's too)
+            engine.reserve(engine.max_rows, engine.slot_len)
             while self._turn():
                 pass
         finally:  # stopping, or something no turn caught: no handler may wait on this thread
