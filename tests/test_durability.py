@@ -323,7 +323,10 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
     stopped_in = []
     for trial in range(SIGNAL_TRIALS):
         signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
-        proc = start_training(config, *(["--resume"] if (run / "latest").exists() else []))
+        # --resume once an earlier trial left the run folder: a signal after run_config.json
+        # was written but before the first checkpoint leaves a run with nothing to resume,
+        # which --resume starts afresh and a plain start refuses.
+        proc = start_training(config, *(["--resume"] if run.exists() else []))
         with reaped([proc]):
             if trial % 4 == 3:  # any moment of the process: imports, building, training
                 time.sleep(rng.uniform(0.0, 2.5))
