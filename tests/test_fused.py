@@ -131,28 +131,31 @@ def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits, simd):
         step.many([1] * 9, 0, fused)
 
 
+@pytest.mark.parametrize("n_rows", [4, 7])
 @pytest.mark.parametrize("bits", [32, 8, 4])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
-def test_a_batch_of_rows_matches_the_batched_forward_and_each_row_alone(arch, bits, simd):
+def test_a_batch_of_rows_matches_the_batched_forward_and_each_row_alone(arch, bits, n_rows, simd):
     # rows(): the Engine's batched step, each row a token at its own position of its own slot.
     # Against the torch modules' batched forward over the same cache rows (float rounding),
-    # and against one-row calls on a copy of the cache: exactly, the same dot products.
+    # and against one-row calls on a copy of the cache: exactly, the same dot products. Seven
+    # rows are whole tiles of inputs (decode.c's ROW_TILE: 4, or 2 on AVX2) and a rest.
     model = _model(arch)
     if bits != 32:
         model = quantize_int8(model, group_size=32) if bits == 8 else quantize_int4(model)
-    step, generator = FusedStep(model, max_tokens=4), torch.Generator().manual_seed(0)
-    lengths, slots = [5, 11, 2, 8], [2, 0, 3, 1]  # rows in no order of slot, apart in length
-    tokens = [7, 200, 11, 42]
+    step, generator = FusedStep(model, max_tokens=n_rows), torch.Generator().manual_seed(0)
+    lengths = [5, 11, 2, 8, 14, 1, 9][:n_rows]  # rows in no order of slot, apart in length
+    slots = [2, 0, 3, 1, 6, 4, 5][:n_rows] if n_rows == 7 else [2, 0, 3, 1]
+    tokens = [7, 200, 11, 42, 99, 3, 150][:n_rows]
     with torch.inference_mode():
-        reference = model.new_cache(4, 48)
+        reference = model.new_cache(n_rows, 48)
         for slot, length in zip(slots, lengths, strict=True):
             prompt = torch.randint(0, 300, (1, length), generator=generator)
             model(prompt, torch.arange(length), cache=reference.rows(slot, slot + 1))
         fused, alone = copy.deepcopy(reference), copy.deepcopy(reference)
-        order = sorted(range(4), key=lambda i: slots[i])  # the torch forward reads slots 0..3
+        order = sorted(range(n_rows), key=lambda i: slots[i])  # the forward reads every slot
         ids = torch.tensor([[tokens[i]] for i in order])
         positions = torch.tensor([[lengths[i]] for i in order])
-        want = model(ids, positions, cache=reference, last_token_only=True)[:, -1]  # (4, V)
+        want = model(ids, positions, cache=reference, last_token_only=True)[:, -1]  # (n, V)
         want = want[torch.tensor(order).argsort()]  # back in the rows' order
         got = step.rows(tokens, lengths, slots, fused)
         one_by_one = torch.cat(
@@ -164,8 +167,8 @@ def test_a_batch_of_rows_matches_the_batched_forward_and_each_row_alone(arch, bi
     torch.testing.assert_close(fused.k, reference.k, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="each row needs its own slot"):
         step.rows([1, 2], [3, 3], [0, 0], fused)
-    with pytest.raises(ValueError, match="takes 1 to 4 rows"):
-        step.rows([1] * 5, [3] * 5, [0, 1, 2, 3, 4], fused)
+    with pytest.raises(ValueError, match=f"takes 1 to {n_rows} rows"):
+        step.rows([1] * (n_rows + 1), [3] * (n_rows + 1), list(range(n_rows + 1)), fused)
 
 
 def test_the_engine_decodes_a_batch_through_the_fused_rows(monkeypatch):

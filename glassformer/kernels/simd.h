@@ -150,37 +150,38 @@ DEFINE_DOT(dot_f32, float, load_f32)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
 DEFINE_DOT(dot_int8, int8_t, load_int8)
 
-/* The same dot product of one weight row with `rows` inputs (x + r * x_stride) into out[r]:
- * each LANES weights loaded (and converted) once for all of them, each input's accumulators
- * in the single-input order, so out[r] is bit for bit what NAME gives it alone. */
-#define DEFINE_DOT_ROWS(NAME, WTYPE, LOAD)                                                    \
+/* The same dot product of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]:
+ * each LANES weights loaded (and converted) once for all of them, each input's accumulators in
+ * the single-input order, so out[r] is bit for bit what NAME gives it alone. ROW_TILE is a
+ * constant so that every accumulator stays in a register (AVX-512: 4 x (N_ACC + 1) of 32). */
+#define ROW_TILE (LANES == 16 ? 4 : 2)
+#define DEFINE_DOT_TILE(NAME, WTYPE, LOAD)                                                    \
     static inline void NAME(const WTYPE *w_row, const float *x, int64_t x_stride,            \
-                            const float *scale_row, int64_t in, int64_t group, int64_t rows, \
-                            float *out) {                                                     \
-        vec total[rows], acc[rows][N_ACC];                                                    \
-        for (int64_t r = 0; r < rows; ++r) total[r] = vec_zero();                             \
+                            const float *scale_row, int64_t in, int64_t group, float *out) { \
+        vec total[ROW_TILE], acc[ROW_TILE][N_ACC];                                            \
+        for (int r = 0; r < ROW_TILE; ++r) total[r] = vec_zero();                             \
         for (int64_t g = 0; g < in / group; ++g) {                                            \
-            for (int64_t r = 0; r < rows; ++r)                                                \
+            for (int r = 0; r < ROW_TILE; ++r)                                                \
                 for (int k = 0; k < N_ACC; ++k) acc[r][k] = vec_zero();                       \
             for (int64_t i = g * group; i < (g + 1) * group; i += STEP)                       \
                 for (int k = 0; k < N_ACC; ++k) {                                             \
                     const vec w = LOAD(w_row + i + LANES * k);                                \
-                    for (int64_t r = 0; r < rows; ++r)                                        \
+                    for (int r = 0; r < ROW_TILE; ++r)                                        \
                         acc[r][k] = vec_fma(w, vec_load(x + r * x_stride + i + LANES * k),    \
                                             acc[r][k]);                                       \
                 }                                                                             \
             const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);                      \
-            for (int64_t r = 0; r < rows; ++r) {                                              \
+            for (int r = 0; r < ROW_TILE; ++r) {                                              \
                 for (int k = 1; k < N_ACC; ++k) acc[r][0] = vec_add(acc[r][0], acc[r][k]);    \
                 total[r] = vec_fma(acc[r][0], scale, total[r]);                               \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t r = 0; r < rows; ++r) out[r] = vec_sum(total[r]);                        \
+        for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(total[r]);                        \
     }
 
-DEFINE_DOT_ROWS(dot_f32_rows, float, load_f32)
-DEFINE_DOT_ROWS(dot_bf16_rows, uint16_t, load_bf16)
-DEFINE_DOT_ROWS(dot_int8_rows, int8_t, load_int8)
+DEFINE_DOT_TILE(dot_f32_tile, float, load_f32)
+DEFINE_DOT_TILE(dot_bf16_tile, uint16_t, load_bf16)
+DEFINE_DOT_TILE(dot_int8_tile, int8_t, load_int8)
 
 /* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
  * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
@@ -206,16 +207,16 @@ static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float
     return vec_sum(total) + shift;
 }
 
-/* dot_q4 of one weight row with `rows` inputs (x + r * x_stride, their group sums at
+/* dot_q4 of one weight row with ROW_TILE inputs (x + r * x_stride, their group sums at
  * x_sums + r * (in / 32)) into out[r]: each group's nibbles are unpacked once for all of them
  * (unpacking, not reading, is what a 4-bit dot costs), and each input's sums run in dot_q4's
  * order, so out[r] is bit for bit what dot_q4 gives it alone. */
-static inline void dot_q4_rows(const uint8_t *w_row, const float *x, int64_t x_stride,
+static inline void dot_q4_tile(const uint8_t *w_row, const float *x, int64_t x_stride,
                                const float *scale_row, const float *min_row,
-                               const float *x_sums, int64_t in, int64_t rows, float *out) {
-    vec total[rows];
-    float shift[rows];
-    for (int64_t r = 0; r < rows; ++r) {
+                               const float *x_sums, int64_t in, float *out) {
+    vec total[ROW_TILE];
+    float shift[ROW_TILE];
+    for (int r = 0; r < ROW_TILE; ++r) {
         total[r] = vec_zero();
         shift[r] = 0.0f;
     }
@@ -223,12 +224,12 @@ static inline void dot_q4_rows(const uint8_t *w_row, const float *x, int64_t x_s
         vec w[Q4_VECS];
         q4_weights(w_row, g, w);
         const vec scale = vec_set1(scale_row[g]);
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int r = 0; r < ROW_TILE; ++r) {
             total[r] = vec_fma(q4_dot(w, x + r * x_stride + 32 * g), scale, total[r]);
             shift[r] += min_row[g] * x_sums[r * (in / 32) + g];
         }
     }
-    for (int64_t r = 0; r < rows; ++r) out[r] = vec_sum(total[r]) + shift[r];
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(total[r]) + shift[r];
 }
 
 /* x's sums over each group of 32 (in / 32 of them), for dot_q4. */
