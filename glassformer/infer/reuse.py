@@ -71,9 +71,9 @@ class Reuse:
                 f"prefix_from= needs a cache that holds position p in slot p; "
                 f"{type(self.cache).__name__} does not: add the prompt without it"
             )
-        held = self.held_tokens(source)
-        if not held and source.slot < 0:
+        if source.slot < 0:
             raise ValueError("prefix_from= must be a row that holds a slot (running or parked)")
+        held = self.held_tokens(source)
         self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
         shared = min(common_prefix_length(held, row.prompt), len(row.prompt) - 1)
         if shared > 0:  # _take_slot may have moved the source: read its slot now

@@ -370,7 +370,7 @@ class Scheduler:
             return
         self._run(job, row, source, continued)
 
-    def _run(self, job: Job, row: Row, source: Row | None = None, continued=False) -> None:
+    def _run(self, job: Job, row: Row, source: Row | None = None, continued: bool = False) -> None:
         job.row = row
         self.prefix.started(row, job.request.cache_salt, source, continued)
         with self.wake:
