@@ -110,4 +110,4 @@ def test_the_lab_trains_what_the_config_file_trains():
     assert run.model == exp.MODEL
     assert {k: getattr(run.data, k) for k in exp.DATA} == exp.DATA
     assert {k: getattr(run.train, k) for k in exp.TRAIN} == exp.TRAIN
-    assert run.train.max_steps == exp.FULL_STEPS
+    assert run.train.max_steps == exp.CONFIG_STEPS
