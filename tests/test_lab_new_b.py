@@ -182,6 +182,41 @@ def test_f1_and_the_three_readings_by_hand() -> None:
     assert predicted["mean over the word"].tolist() == [False, False]
 
 
+def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing() -> None:
+    # train_and_score reads the validation F1 plateau_window steps before the end: the reading
+    # is that of a model trained that far (the same twin trained only that many steps of the
+    # same schedule's batches gives it), and the run's losses are those of training unwatched.
+    text = "I love Helena and the king. Away, Parolles! " * 60
+    names = frozenset({"Helena", "Parolles"})
+    tokenizer = CharTokenizer.from_text(text)
+    split = classify.Split(torch.tensor(tokenizer.encode(text)),
+                           torch.tensor(classify.name_tags(text, names)),
+                           classify.word_spans(text))  # fmt: skip
+    data = classify.NameData(tokenizer, names, {"train": split, "val": split, "test": split})
+    size = classify.Sizes(None, 24, 16, 1, 12, 8, 4)
+    run = classify.train_and_score(data, size, seed=3)
+    gpt = "GPT (causal)"
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,
+                      max_seq_len=24, position="learned", norm="layer", norm_position="pre",
+                      ffn="gelu")  # fmt: skip
+    schedule = classify.Schedule(max_steps=12, learning_rate=2e-3, warmup_steps=3,
+                                 weight_decay=0.0)  # fmt: skip
+    batch = classify.batches(split, 8, 24, seed=3)
+    model, snapshot = classify.twin_taggers(cfg, seed=3)[gpt], {}
+
+    def batch_and_copy(step: int):
+        if step == 8:  # the weights after 8 steps, read only after training ends
+            snapshot.update({k: v.clone() for k, v in model.state_dict().items()})
+        return batch(step)
+
+    assert classify.fit(model, batch_and_copy, schedule) == run[gpt]["losses"]
+    then = classify.twin_taggers(cfg, seed=3)[gpt]
+    then.load_state_dict(snapshot)
+    assert run[gpt]["val_before"] == classify.reading_f1(then, split, 24)
+    unwatched = classify.twin_taggers(cfg, seed=3)[gpt]
+    assert classify.fit(unwatched, batch, schedule) == run[gpt]["losses"]
+
+
 def test_name_windows_hold_a_name_and_their_tags() -> None:
     text = "I love Helena and the king. " * 40
     names = frozenset({"Helena"})
