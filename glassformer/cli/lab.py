@@ -38,7 +38,7 @@ def cmd_lab_run(args: argparse.Namespace) -> None:
         print(
             "full mode: the sizes the claims deserve, at least 3 seeds per training experiment; "
             f"on 2 CPU cores {'--all takes hours' if args.all else 'up to about 15 minutes'} "
-            "(--resume skips results that are current; --quick: the whole lab in under 25 min)",
+            "(--resume skips results that are current; --quick: small sizes, for development)",
             flush=True,
         )
     records = run_many(None if args.all else [args.name], ctx, resume=args.resume)
@@ -79,9 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--full", action="store_true", help="the published sizes, >= 3 seeds (the default)"
     )
-    q.add_argument(
-        "--quick", action="store_true", help="small sizes, 2 seeds: --all under 25 min on 2 cores"
-    )
+    q.add_argument("--quick", action="store_true", help="small sizes, 2 seeds: for development")
     q.add_argument(
         "--resume",
         action="store_true",
