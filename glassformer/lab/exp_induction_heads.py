@@ -29,6 +29,7 @@ from glassformer.config import ModelConfig
 from glassformer.inspect import ablate_heads, capture
 from glassformer.lab import base as lab
 from glassformer.lab.fit import Batch, Schedule, fit, step_generator
+from glassformer.lab.head_map import head_map
 from glassformer.models import build_model
 
 # Thresholds, stated once. An induction head: the chosen head puts >= 0.3 of its attention on
@@ -535,15 +536,6 @@ def _plot(ctx: lab.RunContext, runs: list[SeedRun], smol: dict, length: int):
         (theirs, smol["scores"], smol["name"]),
     )
     for ax, scores, name in panels:
-        image = ax.imshow(scores.numpy(), cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
-        n_layers, n_heads = scores.shape
-        ax.set(
-            xlabel="head",
-            ylabel="layer",
-            title=f"{name}\nmax {scores.max().item():.2f}",
-            xticks=range(n_heads),
-            yticks=range(0, n_layers, max(1, n_layers // 10)),
-        )
-        ax.tick_params(labelsize=7)
+        image = head_map(ax, scores, f"{name}\nmax {scores.max().item():.2f}")
     fig.colorbar(image, ax=theirs, label="prefix-matching score (attention on i - R + 1)")
     return fig

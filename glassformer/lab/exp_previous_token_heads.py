@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from glassformer.inspect import capture
 from glassformer.lab import base as lab
 from glassformer.lab.fit import random_windows
+from glassformer.lab.head_map import head_map
 from glassformer.models import build_model
 
 # Thresholds, stated once. "Mostly the previous token": the chosen head puts >= 0.5 of its
@@ -284,16 +285,7 @@ def _plot(trained: list[Reading], untrained: list[Reading], spread: dict, name: 
         title="held-out half (mean ± spread over draws)",
     )
     bars.legend(fontsize=7)
-    mass = trained[0].mass
-    image = heat.imshow(mass.numpy(), cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
-    n_layers, n_heads = mass.shape
-    heat.set(
-        xlabel="head",
-        ylabel="layer",
-        title=f"{name}: every head's attention on t - 1 (first draw)",
-        xticks=range(n_heads),
-        yticks=range(0, n_layers, max(1, n_layers // 10)),
-    )
-    heat.tick_params(labelsize=7)
+    title = f"{name}: every head's attention on t - 1 (first draw)"
+    image = head_map(heat, trained[0].mass, title)
     fig.colorbar(image, ax=heat, label="mean attention on t - 1")
     return fig
