@@ -183,7 +183,7 @@ def test_f1_and_the_three_readings_by_hand() -> None:
 
 
 def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing() -> None:
-    # train_and_score reads the validation F1 plateau_window steps before the end: the reading
+    # train_and_score reads the validation F1 on the way (every 2 steps here): a reading
     # is that of a model trained that far (the same twin trained only that many steps of the
     # same schedule's batches gives it), and the run's losses are those of training unwatched.
     text = "I love Helena and the king. Away, Parolles! " * 60
@@ -193,7 +193,8 @@ def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing
                            torch.tensor(classify.name_tags(text, names)),
                            classify.word_spans(text))  # fmt: skip
     data = classify.NameData(tokenizer, names, {"train": split, "val": split, "test": split})
-    size = classify.Sizes(None, 24, 16, 1, 12, 8, 4)
+    size = classify.Sizes(None, 24, 16, 1, 12, 8, 6)
+    assert classify.plateau_steps(size) == [2, 4, 6, 8, 10, 12]
     run = classify.train_and_score(data, size, seed=3)
     gpt = "GPT (causal)"
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,
@@ -212,7 +213,8 @@ def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing
     assert classify.fit(model, batch_and_copy, schedule) == run[gpt]["losses"]
     then = classify.twin_taggers(cfg, seed=3)[gpt]
     then.load_state_dict(snapshot)
-    assert run[gpt]["val_before"] == classify.reading_f1(then, split, 24)
+    assert run[gpt]["val_curve"][8] == classify.reading_f1(then, split, 24)
+    assert run[gpt]["val"] == run[gpt]["val_curve"][12] == classify.reading_f1(model, split, 24)
     unwatched = classify.twin_taggers(cfg, seed=3)[gpt]
     assert classify.fit(unwatched, batch, schedule) == run[gpt]["losses"]
 

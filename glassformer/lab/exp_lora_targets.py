@@ -1,8 +1,9 @@
 """Seed 002: "微调里常听到的 LoRA/PEFT，动的主要就是注意力那几个投影矩阵": are the attention
 projections the place to put the adapters?
 
-lora-works' setting (the lab's char GPT pretrained on the modern plays, fine-tuned on the First
-Folio text, Folio Macbeth held out), with LoRA in three places at the same steps and batches:
+lora-works' setting (the lab's char GPT pretrained on the modern plays, fine-tuned on Folio
+Hamlet until the validation loss on Folio Julius Caesar stops falling, the best weights judged on
+Folio Macbeth), with LoRA in three places at the same steps and batches:
 on the attention projections (q, k, v, o), on the FFN's two matrices (fc_in, fc_out), with ranks
 chosen so that both train the same number of parameters, and on both at once (all linear
 layers). Quality is the held-out loss.
@@ -43,12 +44,12 @@ def run(ctx: lab.RunContext) -> lab.Result:
     base_loss = []
     for seed in seeds:
         gpt = char_gpt(ctx, seed=seed)
-        train, held = folio_ids(gpt.tokenizer)
+        folio = folio_ids(gpt.tokenizer)
         base_loss.append(
-            eval_loss(gpt.model, held, gpt.recipe.context, budget(ctx).n_val, seed=seed)
+            eval_loss(gpt.model, folio.test, gpt.recipe.context, budget(ctx).n_test, seed=seed)
         )
         for key, (_, targets, rank) in SYSTEMS.items():
-            runs[key].append(fine_tune(ctx, gpt.model, targets, True, seed, train, held, rank))
+            runs[key].append(fine_tune(ctx, gpt.model, targets, True, seed, folio, rank))
     base = lab.over_seeds(base_loss)
     held_out = {key: lab.over_seeds([r.held_out for r in rs]) for key, rs in runs.items()}
     for key, (label, _, _) in SYSTEMS.items():
@@ -115,15 +116,14 @@ def run(ctx: lab.RunContext) -> lab.Result:
     size = budget(ctx)
     notes = [
         ctx.say(
-            f"base: the lab's char GPT, one per seed ({seeds}), fine-tuned {size.steps} steps of "
-            f"{size.batch_size} windows on the First Folio text of every play but Macbeth (the "
-            "setting of lora-works); alpha = 2 x rank; the base's FFN is a GELU MLP (fc_in, "
-            "fc_out)",
-            f"基座：本实验室的字符级 GPT，每个随机种子一个（{seeds}），"
-            "在除《麦克白》外所有剧本的第一"
-            f"对开本文本上微调 {size.steps} 步，每步 {size.batch_size} 个窗口（与 lora-works "
-            "相同）；"
-            "alpha = 2 x 秩；基座的 FFN 是 GELU MLP（fc_in, fc_out）",
+            f"base: the lab's char GPT, one per seed ({seeds}), fine-tuned up to {size.steps} "
+            f"steps of {size.batch_size} windows on Folio Hamlet, the best weights on Folio "
+            "Julius Caesar kept (the setting of lora-works); alpha = 2 x rank; the base's FFN is "
+            "a GELU MLP (fc_in, fc_out)",
+            f"基座：本实验室的字符级 GPT，每个随机种子一个（{seeds}），在第一对开本《哈姆雷特》上"
+            f"最多微调 {size.steps} 步，每步 {size.batch_size} 个窗口，保留在 Folio《裘力斯·凯撒》"
+            "上验证损失最好的权重（与 lora-works 相同）；alpha = 2 x 秩；基座的 FFN 是 GELU MLP"
+            "（fc_in, fc_out）",
         )
     ]
     data = {

@@ -358,26 +358,42 @@ def _checks(ctx: lab.RunContext, cells: Cells, digits: list[int]) -> list[lab.Ch
 def _plot(cells: Cells, digits: list[int]):
     fig, (left, right) = lab.new_figure(9.0, 3.6, ncols=2)
     x = list(range(len(BUDGETS)))
-    for d in digits:
-        accuracy = [cells.mean("accuracy", d, b) for b in BUDGETS]
-        left.plot(x, accuracy, marker="o", label=f"{d} digit{'s' if d > 1 else ''}")
+    for d in digits:  # error bars: the spread over the random seeds
+        accuracy = [cells.over_seeds("accuracy", d, b) for b in BUDGETS]
+        left.errorbar(
+            x,
+            [a.mean for a in accuracy],
+            yerr=[a.spread for a in accuracy],
+            marker="o",
+            capsize=3,
+            label=f"{d} digit{'s' if d > 1 else ''}",
+        )
     left.set_xticks(x, [_label(b) for b in BUDGETS])
     left.set(
         xlabel="thinking budget (tokens)",
-        ylabel="accuracy",
+        ylabel="accuracy (mean ± spread over seeds)",
         title="accuracy vs thinking budget (思考预算)",
         ylim=(-0.05, 1.05),
     )
     left.legend(fontsize=8)
-    for budget, style in ((0, "s--"), (None, "o-")):
-        output = [cells.mean("output", d, budget) for d in digits]
-        right.plot(digits, output, style, label=f"output tokens, budget {_label(budget)}")
-    thinking = [cells.mean("thinking", d, None) for d in digits]
-    right.plot(digits, thinking, "^:", label="of which thinking (no limit)")
+    for what, budget, style, label in (
+        ("output", 0, "s--", "output tokens, budget 0"),
+        ("output", None, "o-", "output tokens, no limit"),
+        ("thinking", None, "^:", "of which thinking (no limit)"),
+    ):
+        tokens = [cells.over_seeds(what, d, budget) for d in digits]
+        right.errorbar(
+            digits,
+            [t.mean for t in tokens],
+            yerr=[t.spread for t in tokens],
+            fmt=style,
+            capsize=3,
+            label=label,
+        )
     right.set_xticks(digits)
     right.set(
         xlabel="digits per number (difficulty)",
-        ylabel="tokens per answer",
+        ylabel="tokens per answer (mean ± spread)",
         title="cost: output tokens per answer",
     )
     right.legend(fontsize=8)
