@@ -18,6 +18,7 @@ from glassformer.lab import exp_bert_vs_gpt_classification as classify
 from glassformer.lab import exp_in_context_learning as icl
 from glassformer.lab import exp_regurgitation as regurgitation
 from glassformer.lab import exp_seq2seq_bottleneck as bottleneck
+from glassformer.lab import name_tagging as tagging
 from glassformer.tokenizers import CharTokenizer
 
 MODEL = dict(vocab_size=40, n_heads=2, max_seq_len=128, init_std=0.2, scale=1)
@@ -157,14 +158,14 @@ def test_twins_differ_only_in_the_mask() -> None:
 
 def test_names_are_headers_never_written_in_lower_case() -> None:
     plays = ["HELENA.\nI love Helena and the king.\n\nKING.\nAway, [Exit HELENA.] Helena!"]
-    names = classify.speaker_names(plays)
+    names = tagging.speaker_names(plays)
     assert names == frozenset({"Helena"})  # "king" is written in lower case: a role
-    text = classify.dialogue(plays[0])
+    text = tagging.dialogue(plays[0])
     assert text == "I love Helena and the king. Away, Helena!"
     expected = [0] * len(text)
     for start in (7, 34):  # "I love |Helena| and the king. Away, |Helena|!"
         expected[start : start + 6] = [1] * 6
-    assert classify.name_tags(text, names) == expected
+    assert tagging.name_tags(text, names) == expected
 
 
 def test_f1_and_the_three_readings_by_hand() -> None:
@@ -189,10 +190,10 @@ def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing
     text = "I love Helena and the king. Away, Parolles! " * 60
     names = frozenset({"Helena", "Parolles"})
     tokenizer = CharTokenizer.from_text(text)
-    split = classify.Split(torch.tensor(tokenizer.encode(text)),
-                           torch.tensor(classify.name_tags(text, names)),
-                           classify.word_spans(text))  # fmt: skip
-    data = classify.NameData(tokenizer, names, {"train": split, "val": split, "test": split})
+    split = tagging.Split(torch.tensor(tokenizer.encode(text)),
+                           torch.tensor(tagging.name_tags(text, names)),
+                           tagging.word_spans(text))  # fmt: skip
+    data = tagging.NameData(tokenizer, names, {"train": split, "val": split, "test": split})
     size = classify.Sizes(None, 24, 16, 1, 12, 8, 6)
     assert classify.plateau_steps(size) == [2, 4, 6, 8, 10, 12]
     run = classify.train_and_score(data, size, seed=3)
@@ -202,7 +203,7 @@ def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing
                       ffn="gelu")  # fmt: skip
     schedule = classify.Schedule(max_steps=12, learning_rate=2e-3, warmup_steps=3,
                                  weight_decay=0.0)  # fmt: skip
-    batch = classify.batches(split, 8, 24, seed=3)
+    batch = tagging.batches(split, 8, 24, seed=3)
     model, snapshot = classify.twin_taggers(cfg, seed=3)[gpt], {}
 
     def batch_and_copy(step: int):
@@ -223,15 +224,15 @@ def test_name_windows_hold_a_name_and_their_tags() -> None:
     text = "I love Helena and the king. " * 40
     names = frozenset({"Helena"})
     tokenizer = CharTokenizer.from_text(text)
-    split = classify.Split(torch.tensor(tokenizer.encode(text)),
-                           torch.tensor(classify.name_tags(text, names)),
-                           classify.word_spans(text))  # fmt: skip
-    batch = classify.window_batch(split, 64, 24, torch.Generator().manual_seed(0))
+    split = tagging.Split(torch.tensor(tokenizer.encode(text)),
+                           torch.tensor(tagging.name_tags(text, names)),
+                           tagging.word_spans(text))  # fmt: skip
+    batch = tagging.window_batch(split, 64, 24, torch.Generator().manual_seed(0))
     for ids, targets in zip(batch["input_ids"], batch["targets"], strict=True):
         window = tokenizer.decode(ids.tolist())
         assert window in text
         at = text.index(window)
-        assert targets.tolist() == classify.name_tags(text, names)[at : at + len(window)]
+        assert targets.tolist() == tagging.name_tags(text, names)[at : at + len(window)]
     assert (batch["targets"].sum(dim=1) > 0).float().mean() >= 0.3  # NAME_SHARE places names
 
 

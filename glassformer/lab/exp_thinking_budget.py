@@ -92,12 +92,11 @@ FALL_WINDOW = 100
 
 def _last_fall(losses: list[float]) -> float:
     """How much the mean training loss of the last FALL_WINDOW steps fell below the mean of the
-    FALL_WINDOW before them, as a fraction of the earlier one."""
+    FALL_WINDOW before them, as a fraction of the earlier one (lab.converged's measure; nan for
+    a run too short to have two windows)."""
     if len(losses) < 2 * FALL_WINDOW:
         return float("nan")
-    last = statistics.fmean(losses[-FALL_WINDOW:])
-    before = statistics.fmean(losses[-2 * FALL_WINDOW : -FALL_WINDOW])
-    return (before - last) / before
+    return lab.converged("", losses, FALL_WINDOW, 0.0).measured
 
 
 def _problems(n: int) -> dict[int, list]:
