@@ -236,7 +236,8 @@ class Store:
     def dense(self, vector: np.ndarray, k: int) -> list[tuple[dict, float]]:
         """The k chunks nearest to a unit `vector` by cosine similarity, best first."""
         query = self.table.search(vector.astype(np.float32), vector_column_name="vector")
-        query = query.distance_type("cosine").limit(k).select(list(CHUNK_COLUMNS))  # no vectors
+        # no vectors; the distance named, as LanceDB will want (else it warns on every search)
+        query = query.distance_type("cosine").limit(k).select([*CHUNK_COLUMNS, "_distance"])
         if self.has_vector_index():
             query = query.nprobes(NPROBES).refine_factor(REFINE)
         rows = query.to_arrow().to_pylist()
@@ -253,7 +254,7 @@ class Store:
                 f"run the same `glassformer rag index ... --store {self.location}` again"
             )
         rows = self.table.search(text, query_type="fts", fts_columns="text").limit(k)
-        rows = rows.select(list(CHUNK_COLUMNS))
+        rows = rows.select([*CHUNK_COLUMNS, "_score"])
         return [(_chunk(r), r["_score"]) for r in rows.to_arrow().to_pylist()]
 
 
