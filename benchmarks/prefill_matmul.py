@@ -1,9 +1,10 @@
-"""Prefill's fp32 matmuls on MKL (torch's F.linear) against oneDNN (kernels.linear, what the
-Engine's FastLinears sends them to), side by side in one run on SmolLM2.
+"""Prefill's fp32 matmuls on MKL (torch's F.linear) against oneDNN (kernels.linear, where the
+Engine's FastLinears sends them), side by side in one run on SmolLM2: the Engine picks MKL on
+Intel CPUs and oneDNN elsewhere (kernels.prefill_matmul); this shows whether that holds here.
 
 Two tables: each of a layer's four matrices (fused qkv, output, fused gate/up, down) alone at
 --tokens rows, in GFLOP/s and with each product's largest error against float64; then the whole
-prefill of a --tokens prompt through the Engine, the same model with FastLinears on and off
+prefill of a --tokens prompt through the Engine, the same model with either library
 (everything else, the fused decode step included, alike). Rounds alternate the contestants so
 that the machine's other load hits both alike; figures are medians over --rounds.
 
@@ -79,9 +80,10 @@ def matrices(model, tokens: int, rounds: int) -> list[dict]:
 
 
 def whole_prefill(model, tokens: int, rounds: int) -> dict:
-    engines = {"oneDNN (Engine default)": Engine(model)}
-    with mock.patch.object(kernels.FastLinears, "applies", lambda model: False):
-        engines["MKL"] = Engine(model)  # the same Engine, its prefill without FastLinears
+    engines = {}  # the same Engine, its prefill's matmuls on each library
+    for name, library in (("oneDNN", "onednn"), ("MKL", "mkl")):
+        with mock.patch.dict(os.environ, {"GLASSFORMER_PREFILL_MATMUL": library}):
+            engines[name] = Engine(model)
     prompt = list(range(1000, 1000 + tokens))
 
     def prefill(engine):
@@ -98,7 +100,7 @@ def whole_prefill(model, tokens: int, rounds: int) -> dict:
     print(f"\nwhole prefill of {tokens} tokens, fp32 (ms to the first token, median of {rounds})")
     for k, v in times.items():
         print(f"  {k:<24} {statistics.median(v):7.1f} ms   {base / statistics.median(v):.2f}x")
-    onednn = statistics.median(times["oneDNN (Engine default)"])
+    onednn = statistics.median(times["oneDNN"])
     return {"tokens": tokens, "mkl_ms": base, "onednn_ms": onednn, "onednn_vs_mkl": base / onednn}
 
 
@@ -113,7 +115,8 @@ def main() -> None:
     torch.manual_seed(0)
     model, _ = from_pretrained("smollm2")
     print(f"torch {torch.__version__}, {args.threads} threads, oneDNN: "
-          f"{kernels._onednn_linear() is not None}")  # fmt: skip
+          f"{kernels._onednn_linear() is not None}, CPU: {kernels._cpu_vendor() or '?'}, "
+          f"the Engine's default here: {kernels.prefill_matmul()}")  # fmt: skip
     with torch.inference_mode():
         rows = [row for tokens in args.tokens for row in matrices(model, tokens, args.rounds)]
     prefill = [whole_prefill(model, tokens, args.rounds) for tokens in args.tokens]

@@ -148,10 +148,12 @@ def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_fast_linears_multiply_in_fp32_on_onednn():
+def test_fast_linears_multiply_in_fp32_on_onednn(monkeypatch):
     """Prefill's F.linear inside FastLinears: oneDNN's matmul where torch has it, an fp32
     product all the same (against float64), bias added; with gradients it stays F.linear."""
     from torch.profiler import profile
+
+    monkeypatch.setenv("GLASSFORMER_PREFILL_MATMUL", "onednn")
 
     torch.manual_seed(4)
     layer = torch.nn.Linear(96, 40)
@@ -169,11 +171,12 @@ def test_fast_linears_multiply_in_fp32_on_onednn():
     torch.testing.assert_close(layer.bias.grad, torch.full((40,), 66.0))
 
 
-def test_fast_linears_apply_to_fp32_linears_only():
+def test_fast_linears_apply_to_fp32_linears_only(monkeypatch):
     """The Engine enters the mode for models whose nn.Linear layers are fp32, not for bf16 or
     quantized ones (no gain there, only the mode's cost per torch call)."""
     from glassformer.nn.quant import quantize_int8
 
+    monkeypatch.setenv("GLASSFORMER_PREFILL_MATMUL", "onednn")
     model = tiny_model()
     assert kernels.FastLinears.applies(model) == torch.backends.mkldnn.is_available()
     assert not kernels.FastLinears.applies(copy.deepcopy(model).to(torch.bfloat16))
@@ -265,3 +268,25 @@ def test_smollm2_fast_greedy_equals_plain_greedy():
     expected = Engine(plain).generate(prompt, max_new_tokens=24, temperature=0).token_ids
     fast = optimize_for_decode(plain)
     assert Engine(fast).generate(prompt, max_new_tokens=24, temperature=0).token_ids == expected
+
+
+def test_prefill_matmuls_go_to_the_library_chosen_for_the_cpu(monkeypatch):
+    """MKL on Intel CPUs and oneDNN elsewhere (each the faster there, benchmarks/
+    prefill_matmul.py), GLASSFORMER_PREFILL_MATMUL overriding; with MKL chosen the Engine's
+    prefill takes torch's own F.linear (aten's matmul, no oneDNN op), the same fp32 numbers."""
+    from torch.profiler import profile
+
+    assert kernels._prefill_matmul("", "GenuineIntel") == "mkl"
+    assert kernels._prefill_matmul("", "AuthenticAMD") == "onednn"
+    assert kernels._prefill_matmul(" oneDNN ", "GenuineIntel") == "onednn"
+    assert kernels._prefill_matmul("mkl", "AuthenticAMD") == "mkl"
+    with pytest.raises(ValueError, match=r"GLASSFORMER_PREFILL_MATMUL='cublas'.*onednn or mkl"):
+        kernels._prefill_matmul("cublas", "GenuineIntel")
+    monkeypatch.setenv("GLASSFORMER_PREFILL_MATMUL", "mkl")
+    model = tiny_model()
+    assert kernels.prefill_matmul() == "mkl" and not kernels.FastLinears.applies(model)
+    layer, x = torch.nn.Linear(96, 40), torch.randn(2, 33, 96)
+    with torch.no_grad(), profile() as trace:
+        got = kernels.linear(x, layer.weight)
+    assert "mkldnn::_linear_pointwise" not in {event.name for event in trace.events()}
+    torch.testing.assert_close(got, x @ layer.weight.T.detach(), rtol=0, atol=0)

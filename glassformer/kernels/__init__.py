@@ -315,16 +315,49 @@ def matvec(
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+@functools.cache
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    ids = (line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id"))
+    return next(ids, "")
+
+
+def _prefill_matmul(value: str, vendor: str) -> str:
+    """GLASSFORMER_PREFILL_MATMUL's value as "onednn" or "mkl"; unset, by the CPU's maker."""
+    value = value.strip().lower()
+    if value in ("onednn", "mkl"):
+        return value
+    if value:
+        raise ValueError(
+            f"GLASSFORMER_PREFILL_MATMUL={value!r} is not a setting: use onednn or mkl, or leave "
+            "it unset for the faster one on this CPU (MKL on Intel, oneDNN elsewhere)"
+        )
+    return "mkl" if vendor == "GenuineIntel" else "onednn"
+
+
+def prefill_matmul() -> str:
+    """Which library takes prefill's fp32 matmuls: "mkl" (torch's F.linear) or "onednn"
+    (kernels.linear). Each wins on one maker's CPUs (benchmarks/prefill_matmul.py, SmolLM2's
+    whole prefill, 2 threads): on a 2-core AMD machine oneDNN 1.18-1.25x faster; on a 2-core
+    Intel Xeon MKL 1.03-1.32x faster from 4 to 256 tokens. GLASSFORMER_PREFILL_MATMUL=onednn
+    or mkl chooses; oneDNN needs a torch built with it."""
+    choice = _prefill_matmul(os.environ.get("GLASSFORMER_PREFILL_MATMUL", ""), _cpu_vendor())
+    return choice if choice == "mkl" or _onednn_linear() is not None else "mkl"
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x (..., in) @ weight (out, in).T for many rows: oneDNN's fp32 matmul where it applies
-    (CPU, fp32, inference), else F.linear. Both are fp32 matmuls; torch's F.linear sends fp32
-    to MKL, which on this kind of 2-core AMD machine makes SmolLM2's whole prefill 1.18-1.25x
-    slower than oneDNN does (benchmarks/prefill_matmul.py)."""
+    (CPU, fp32, inference, and prefill_matmul() chose it), else F.linear (MKL). Both are fp32
+    matmuls."""
     if (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and _onednn_linear() is not None
+        and prefill_matmul() == "onednn"
     ):
         return _onednn_linear()(x, weight, None, "none", [], "")
     return F.linear(x, weight)
@@ -339,8 +372,9 @@ class FastLinears(TorchFunctionMode):
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
-        """Whether `model` has fp32 nn.Linear layers on the CPU whose matmuls this mode moves."""
-        return _onednn_linear() is not None and any(
+        """Whether `model` has fp32 nn.Linear layers on the CPU whose matmuls this mode moves
+        (and prefill_matmul() chose oneDNN for them)."""
+        return prefill_matmul() == "onednn" and any(
             type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.is_cpu
             for m in model.modules()
         )
