@@ -148,7 +148,6 @@ static inline vec vec_exp(vec v) {
 
 DEFINE_DOT(dot_f32, float, load_f32)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
-DEFINE_DOT(dot_int8, int8_t, load_int8)
 
 /* The same dot product of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]:
  * each LANES weights loaded (and converted) once for all of them, each input's accumulators in
@@ -181,7 +180,81 @@ DEFINE_DOT(dot_int8, int8_t, load_int8)
 
 DEFINE_DOT_TILE(dot_f32_tile, float, load_f32)
 DEFINE_DOT_TILE(dot_bf16_tile, uint16_t, load_bf16)
-DEFINE_DOT_TILE(dot_int8_tile, int8_t, load_int8)
+
+/* Scaled groups in flight. int8 and int4 rows carry one scale per group of columns, and a row's
+ * dot product is sum_g scale_g * (q_g . x_g). With one running total, each group's scaling FMA
+ * waits for the previous group's (4 cycles a group: for int4's 32 weights in 16 bytes, a cap of
+ * 4 bytes a cycle, a third of what the memory gives). So group g goes into total g % IN_FLIGHT,
+ * the totals are added at the end, and the groups' FMAs overlap. */
+#define IN_FLIGHT (LANES == 16 ? 4 : 2)
+static inline vec sum_in_flight(const vec t[IN_FLIGHT]) {
+#if LANES == 16
+    return vec_add(vec_add(t[0], t[1]), vec_add(t[2], t[3]));
+#else
+    return vec_add(t[0], t[1]);
+#endif
+}
+
+/* int8 rows (glassformer's Int8Linear, GGUF's Q8_0): weight = q * scale, q in -127..127, one
+ * scale per group of `group` columns (32 for Q8_0, 64 by default, `in` for one per row). A
+ * group's q . x is summed in lanes, 32 columns at a time, alternating over two partial sums
+ * (so a long group is not one chain of additions either). */
+static inline vec int8_32(const int8_t *w, const float *x) { /* q . x over 32 columns, in lanes */
+    vec acc = vec_mul(load_int8(w), vec_load(x));
+    for (int i = LANES; i < 32; i += LANES) acc = vec_fma(load_int8(w + i), vec_load(x + i), acc);
+    return acc;
+}
+static inline vec int8_group(const int8_t *w, const float *x, int64_t group) {
+    if (group == 32) return int8_32(w, x);
+    vec a = int8_32(w, x), b = int8_32(w + 32, x + 32);
+    int64_t i = 64;
+    for (; i + 64 <= group; i += 64) {
+        a = vec_add(a, int8_32(w + i, x + i));
+        b = vec_add(b, int8_32(w + i + 32, x + i + 32));
+    }
+    if (i < group) a = vec_add(a, int8_32(w + i, x + i));
+    return vec_add(a, b);
+}
+
+/* total + scale_g * (q_g . x_g) for group g */
+static inline vec int8_scaled(const int8_t *w_row, const float *x, const float *scale_row,
+                              int64_t g, int64_t group, vec total) {
+    const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
+    return vec_fma(int8_group(w_row + g * group, x + g * group, group), scale, total);
+}
+
+static inline float dot_int8(const int8_t *w_row, const float *x, const float *scale_row,
+                             int64_t in, int64_t group) {
+    vec total[IN_FLIGHT];
+    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
+    const int64_t n = in / group;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT) /* whole rounds, k a constant: registers */
+        for (int k = 0; k < IN_FLIGHT; ++k)
+            total[k] = int8_scaled(w_row, x, scale_row, g + k, group, total[k]);
+    for (int k = 0; g < n; ++g, ++k) total[k] = int8_scaled(w_row, x, scale_row, g, group, total[k]);
+    return vec_sum(sum_in_flight(total));
+}
+
+/* dot_int8 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r], bit for bit
+ * what dot_int8 gives each alone. */
+static inline void dot_int8_tile(const int8_t *w_row, const float *x, int64_t x_stride,
+                                 const float *scale_row, int64_t in, int64_t group, float *out) {
+    vec total[ROW_TILE][IN_FLIGHT];
+    for (int r = 0; r < ROW_TILE; ++r)
+        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
+    const int64_t n = in / group;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k)
+            for (int r = 0; r < ROW_TILE; ++r)
+                total[r][k] = int8_scaled(w_row, x + r * x_stride, scale_row, g + k, group,
+                                          total[r][k]);
+    for (int k = 0; g < n; ++g, ++k)
+        for (int r = 0; r < ROW_TILE; ++r)
+            total[r][k] = int8_scaled(w_row, x + r * x_stride, scale_row, g, group, total[r][k]);
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
+}
 
 /* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
  * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
@@ -194,17 +267,38 @@ static inline void q4_weights(const uint8_t *w_row, int64_t g, vec w[Q4_VECS]) {
     q4_unpack(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), w);
 }
 
+/* sum_g min_g * sum(x_g): the mins' share of a row's dot product, four partial sums in turn */
+static inline float q4_shift(const float *min_row, const float *x_sums, int64_t n) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g = 0;
+    for (; g + 4 <= n; g += 4)
+        for (int k = 0; k < 4; ++k) s[k] += min_row[g + k] * x_sums[g + k];
+    for (int k = 0; g < n; ++g, ++k) s[k] += min_row[g] * x_sums[g];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/* total + scale_g * (q_g . x_g) for group g */
+static inline vec q4_scaled(const vec w[Q4_VECS], const float *x_row, const float *scale_row,
+                            int64_t g, vec total) {
+    return vec_fma(q4_dot(w, x_row + 32 * g), vec_set1(scale_row[g]), total);
+}
+
 static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
                            const float *min_row, const float *x_sums, int64_t in) {
-    vec total = vec_zero();
-    float shift = 0.0f;
-    for (int64_t g = 0; g < in / 32; ++g) {
-        vec w[Q4_VECS];
+    vec total[IN_FLIGHT], w[Q4_VECS];
+    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
+    const int64_t n = in / 32;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_weights(w_row, g + k, w);
+            total[k] = q4_scaled(w, x_row, scale_row, g + k, total[k]);
+        }
+    for (int k = 0; g < n; ++g, ++k) {
         q4_weights(w_row, g, w);
-        total = vec_fma(q4_dot(w, x_row + 32 * g), vec_set1(scale_row[g]), total);
-        shift += min_row[g] * x_sums[g];
+        total[k] = q4_scaled(w, x_row, scale_row, g, total[k]);
     }
-    return vec_sum(total) + shift;
+    return vec_sum(sum_in_flight(total)) + q4_shift(min_row, x_sums, n);
 }
 
 /* dot_q4 of one weight row with ROW_TILE inputs (x + r * x_stride, their group sums at
@@ -214,22 +308,24 @@ static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float
 static inline void dot_q4_tile(const uint8_t *w_row, const float *x, int64_t x_stride,
                                const float *scale_row, const float *min_row,
                                const float *x_sums, int64_t in, float *out) {
-    vec total[ROW_TILE];
-    float shift[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; ++r) {
-        total[r] = vec_zero();
-        shift[r] = 0.0f;
-    }
-    for (int64_t g = 0; g < in / 32; ++g) {
-        vec w[Q4_VECS];
-        q4_weights(w_row, g, w);
-        const vec scale = vec_set1(scale_row[g]);
-        for (int r = 0; r < ROW_TILE; ++r) {
-            total[r] = vec_fma(q4_dot(w, x + r * x_stride + 32 * g), scale, total[r]);
-            shift[r] += min_row[g] * x_sums[r * (in / 32) + g];
+    vec total[ROW_TILE][IN_FLIGHT], w[Q4_VECS];
+    for (int r = 0; r < ROW_TILE; ++r)
+        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
+    const int64_t n = in / 32;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_weights(w_row, g + k, w);
+            for (int r = 0; r < ROW_TILE; ++r)
+                total[r][k] = q4_scaled(w, x + r * x_stride, scale_row, g + k, total[r][k]);
         }
+    for (int k = 0; g < n; ++g, ++k) {
+        q4_weights(w_row, g, w);
+        for (int r = 0; r < ROW_TILE; ++r)
+            total[r][k] = q4_scaled(w, x + r * x_stride, scale_row, g, total[r][k]);
     }
-    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(total[r]) + shift[r];
+    for (int r = 0; r < ROW_TILE; ++r)
+        out[r] = vec_sum(sum_in_flight(total[r])) + q4_shift(min_row, x_sums + r * n, n);
 }
 
 /* x's sums over each group of 32 (in / 32 of them), for dot_q4. */
