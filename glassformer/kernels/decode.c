@@ -312,6 +312,33 @@ static inline void prefetch_row(const void *cache, int64_t at, int64_t D, int ki
     for (int64_t b = 0; b < D * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
+/* out = sum_t p[t] * inverse * V[t] over the n value rows at base + t * stride, for a head of
+ * VECS * LANES floats: the sums stay in registers, in two sets that take alternate positions
+ * (accumulating into `out` in memory made each position wait for the last one's store, and one
+ * set would wait on each FMA). Always inlined with VECS a constant, so the sets are registers. */
+static inline __attribute__((always_inline)) void weighted_values(
+    float *out, const float *p, float inverse, const void *cache, int64_t base, int64_t stride,
+    int64_t n, int kind, const int VECS) {
+    vec a[VECS], b[VECS];
+    for (int i = 0; i < VECS; ++i) a[i] = b[i] = vec_zero();
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+        prefetch_row(cache, base + (t + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
+        prefetch_row(cache, base + (t + 1 + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
+        const vec pa = vec_set1(p[t] * inverse), pb = vec_set1(p[t + 1] * inverse);
+        for (int i = 0; i < VECS; ++i) {
+            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
+            b[i] = vec_fma(pb, cache_load(cache, base + (t + 1) * stride + i * LANES, kind), b[i]);
+        }
+    }
+    if (t < n) {
+        const vec pa = vec_set1(p[t] * inverse);
+        for (int i = 0; i < VECS; ++i)
+            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
+    }
+    for (int i = 0; i < VECS; ++i) vec_store(out + i * LANES, vec_add(a[i], b[i]));
+}
+
 /* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
  * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V. */
 static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
@@ -340,10 +367,18 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row
         scores[t] = expf(scores[t] - best);
         total += scores[t];
     }
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-    for (int64_t t = 0; t <= pos; ++t) {
-        prefetch_row(layer->v_cache, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-        add_value(out, scores[t] / total, layer->v_cache, base + t * stride, D, kind);
+    const float inverse = 1.0f / total; /* one division, not one per position */
+    const void *values = layer->v_cache;
+    if (D == 4 * LANES) /* 64 (AVX-512) or 32: SmolLM2, GPT-2, Llama 3.2 1B ... */
+        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 4);
+    else if (D == 8 * LANES) /* 128 (AVX-512) or 64 (AVX2): Llama, Qwen, Mistral */
+        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 8);
+    else { /* any other head size, through memory */
+        for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+        for (int64_t t = 0; t <= pos; ++t) {
+            prefetch_row(values, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
+            add_value(out, scores[t] * inverse, values, base + t * stride, D, kind);
+        }
     }
 }
 
