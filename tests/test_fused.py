@@ -1,6 +1,6 @@
 """The fused decode step (infer/fused.py, kernels/decode.c) against the torch modules: the same
-fp32 logits on seven architectures it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
-LayerNorm and learned positions, a plain ReLU MLP, GeGLU, a head dim of 24); bf16, int8 and int4
+fp32 logits on the architectures it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
+LayerNorm and learned positions, a plain ReLU MLP, GeGLU, head dims of 24, 32, 64 and 128); bf16, int8 and int4
 weights on two of them (Llama/GQA, GPT-2); runs of tokens in fp32, int8 and int4 on three; the
 Engine's greedy and sampled tokens with and without it; and the models it refuses, with why."""
 
@@ -35,6 +35,11 @@ ARCHS = {
     "relu-sinusoidal-mha": dict(position="sinusoidal", norm="layer", ffn="relu", bias=False),
     "geglu-scaled": {**LLAMA, "ffn": "geglu", "attention_scale": 0.3, "n_kv_heads": 1},
     "head-dim-24": {**LLAMA, "d_model": 96},  # attention's scalar loop where SIMD lanes are 16
+    # attention's weighted values summed in registers: heads of 4 and 8 vectors (AVX-512: 64
+    # and 128 floats; AVX2: 32 and 64)
+    "head-dim-32": {**LLAMA, "n_heads": 2, "n_kv_heads": 1},
+    "head-dim-64": {**LLAMA, "d_model": 128, "n_heads": 2, "n_kv_heads": 1},
+    "head-dim-128": {**LLAMA, "d_model": 256, "n_heads": 2, "n_kv_heads": 1},
 }
 
 
@@ -217,7 +222,7 @@ def test_a_half_cache_rounds_keys_and_values_only(cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm", "head-dim-64"])
 def test_a_half_cache_reads_and_writes_as_the_modules_do(arch, cache_dtype, simd):
     # The exact reference for a half cache: the modules over a cache of the same dtype (keys
     # and values rounded to nearest even when written, read back as float32).
