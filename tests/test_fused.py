@@ -1,8 +1,9 @@
 """The fused decode step (infer/fused.py, kernels/decode.c) against the torch modules: the same
 fp32 logits on the architectures it takes (Llama/GQA, Qwen2's qkv bias, Qwen3's qk_norm, GPT-2's
-LayerNorm and learned positions, a plain ReLU MLP, GeGLU, head dims of 24, 32, 64 and 128); bf16, int8 and int4
-weights on two of them (Llama/GQA, GPT-2); runs of tokens in fp32, int8 and int4 on three; the
-Engine's greedy and sampled tokens with and without it; and the models it refuses, with why."""
+LayerNorm and learned positions, a plain ReLU MLP, GeGLU, head dims of 24, 32, 64 and 128);
+bf16, int8 and int4 weights on two of them (Llama/GQA, GPT-2); runs of tokens in fp32, int8 and
+int4 on three; the Engine's greedy and sampled tokens with and without it; and the models it
+refuses, with why."""
 
 from __future__ import annotations
 
