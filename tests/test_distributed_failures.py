@@ -92,8 +92,9 @@ def _start_job(tmp_path: Path, corpus: Path) -> tuple[subprocess.Popen, dict[int
         grad_accum_steps=1, eval_interval=100_000,
     )  # fmt: skip
     # No restarts, so the failure ends the job. The agent stops the other workers on the first
-    # failure it sees; polling every 1 s instead of 0.1 s leaves the survivor time to report.
-    launcher = ["--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval", "1",
+    # failure it sees; polling every 3 s instead of 0.1 s leaves the survivor time to report
+    # (at 1 s, one clean-clone CI run saw the agent's SIGTERM reach the survivor first).
+    launcher = ["--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval", "3",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                 "--log-dir", str(tmp_path / "logs"), "--redirects", "3"]  # fmt: skip
     args = train_args(config, f"train.rank_timeout_s={TIMEOUT_S}")
