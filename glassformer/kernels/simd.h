@@ -215,22 +215,40 @@ static inline vec sum_in_flight(const vec t[IN_FLIGHT]) {
  * scale per group of `group` columns (32 for Q8_0, 64 by default, `in` for one per row). A
  * group's q . x is summed in lanes, 32 columns at a time, alternating over two partial sums
  * (so a long group is not one chain of additions either). */
-static inline vec int8_32(const int8_t *w, const float *x) { /* q . x over 32 columns, in lanes */
+#define INT8_VECS (32 / LANES)
+static inline void int8_load32(const int8_t *w, vec q[INT8_VECS]) { /* 32 weights as floats */
     prefetch_ahead(w);
-    vec acc = vec_mul(load_int8(w), vec_load(x));
-    for (int i = LANES; i < 32; i += LANES) acc = vec_fma(load_int8(w + i), vec_load(x + i), acc);
+    for (int i = 0; i < INT8_VECS; ++i) q[i] = load_int8(w + i * LANES);
+}
+static inline vec int8_dot32(const vec q[INT8_VECS], const float *x) { /* q . x, in lanes */
+    vec acc = vec_mul(q[0], vec_load(x));
+    for (int i = 1; i < INT8_VECS; ++i) acc = vec_fma(q[i], vec_load(x + i * LANES), acc);
     return acc;
 }
+/* A group's chunks of 32 go to partial a (even chunks) or b (odd ones). */
 static inline vec int8_group(const int8_t *w, const float *x, int64_t group) {
-    if (group == 32) return int8_32(w, x);
-    vec a = int8_32(w, x), b = int8_32(w + 32, x + 32);
-    int64_t i = 64;
-    for (; i + 64 <= group; i += 64) {
-        a = vec_add(a, int8_32(w + i, x + i));
-        b = vec_add(b, int8_32(w + i + 32, x + i + 32));
+    vec a = vec_zero(), b = vec_zero(), q[INT8_VECS];
+    for (int64_t c = 0; c < group / 32; ++c) {
+        int8_load32(w + 32 * c, q);
+        const vec p = int8_dot32(q, x + 32 * c);
+        if (c % 2 == 0) a = c == 0 ? p : vec_add(a, p);
+        else b = c == 1 ? p : vec_add(b, p);
     }
-    if (i < group) a = vec_add(a, int8_32(w + i, x + i));
-    return vec_add(a, b);
+    return group == 32 ? a : vec_add(a, b);
+}
+/* int8_group for ROW_TILE inputs, each 32 weights converted once for all of them */
+static inline void int8_group_tile(const int8_t *w, const float *x, int64_t x_stride,
+                                   int64_t group, vec out[ROW_TILE]) {
+    vec a[ROW_TILE], b[ROW_TILE], q[INT8_VECS];
+    for (int64_t c = 0; c < group / 32; ++c) {
+        int8_load32(w + 32 * c, q);
+        for (int r = 0; r < ROW_TILE; ++r) {
+            const vec p = int8_dot32(q, x + r * x_stride + 32 * c);
+            if (c % 2 == 0) a[r] = c == 0 ? p : vec_add(a[r], p);
+            else b[r] = c == 1 ? p : vec_add(b[r], p);
+        }
+    }
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = group == 32 ? a[r] : vec_add(a[r], b[r]);
 }
 
 /* total + scale_g * (q_g . x_g) for group g */
@@ -260,16 +278,13 @@ static inline void dot_int8_tile(const int8_t *w_row, const float *x, int64_t x_
     vec total[ROW_TILE][IN_FLIGHT];
     for (int r = 0; r < ROW_TILE; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
-    const int64_t n = in / group;
-    int64_t g = 0;
-    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
-        for (int k = 0; k < IN_FLIGHT; ++k)
-            for (int r = 0; r < ROW_TILE; ++r)
-                total[r][k] = int8_scaled(w_row, x + r * x_stride, scale_row, g + k, group,
-                                          total[r][k]);
-    for (int k = 0; g < n; ++g, ++k)
-        for (int r = 0; r < ROW_TILE; ++r)
-            total[r][k] = int8_scaled(w_row, x + r * x_stride, scale_row, g, group, total[r][k]);
+    for (int64_t g = 0; g < in / group; ++g) {
+        const int k = (int)(g % IN_FLIGHT);
+        const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
+        vec sums[ROW_TILE];
+        int8_group_tile(w_row + g * group, x + g * group, x_stride, group, sums);
+        for (int r = 0; r < ROW_TILE; ++r) total[r][k] = vec_fma(sums[r], scale, total[r][k]);
+    }
     for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
 }
 
