@@ -184,7 +184,7 @@ def test_f1_and_the_three_readings_by_hand() -> None:
 
 
 def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing() -> None:
-    # train_and_score reads the validation F1 on the way (every 2 steps here): a reading
+    # train_and_score reads the validation F1 on the way (every step here): a reading
     # is that of a model trained that far (the same twin trained only that many steps of the
     # same schedule's batches gives it), and the run's losses are those of training unwatched.
     text = "I love Helena and the king. Away, Parolles! " * 60
@@ -195,7 +195,7 @@ def test_the_reading_taken_during_training_is_the_model_then_and_changes_nothing
                            tagging.word_spans(text))  # fmt: skip
     data = tagging.NameData(tokenizer, names, {"train": split, "val": split, "test": split})
     size = classify.Sizes(None, 24, 16, 1, 12, 8, 6)
-    assert classify.plateau_steps(size) == [2, 4, 6, 8, 10, 12]
+    assert classify.plateau_steps(size) == list(range(1, 13))
     run = classify.train_and_score(data, size, seed=3)
     gpt = "GPT (causal)"
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2,

@@ -50,14 +50,15 @@ MODELS_ZH = {"GPT (causal)": "GPT（因果）", "BERT (bidirectional)": "BERT（
 # spread plus 0.02 (two names in a hundred: a difference a reader would notice).
 MIN_ADVANTAGE = 0.02
 MIN_LEARNED = 0.5  # precondition: both models find names (F1 of a model that never tags is 0)
-# Precondition, each model and seed: training had stopped moving what the evidence measures:
-# its validation F1 (best reading), averaged over PLATEAU_READINGS readings plateau_window /
-# PLATEAU_READINGS steps apart, rose by at most MIN_ADVANTAGE from the readings before to the
-# last ones (one reading alone moves by about 0.02 from step to step). (The tagging loss keeps
-# creeping down for thousands of steps: it fell 4-7% over the last 300 of 2,400 in the run of
-# 2026-12-05; the notes give it.)
-F1_PLATEAU = MIN_ADVANTAGE
-PLATEAU_READINGS = 3
+# Precondition, each seed: more training would not reverse the verdict. Neither model reaches
+# its plateau in a 15-minute run: at 3,200 steps the GPT's validation F1 still rose about 0.05
+# over the last 600 steps at peak learning rates of 2e-3, 3e-3 and 4e-3 alike (probes of
+# 2026-12-05, seed 0; the tagging loss falls 3-6% over the last 300 steps). What the claim needs
+# is that BERT's lead is not closing: the lead on the validation F1 (each model's best reading),
+# averaged over PLATEAU_READINGS readings plateau_window / PLATEAU_READINGS steps apart, shrank by
+# at most MIN_ADVANTAGE from the readings before to the last ones. (One reading alone moves by
+# about 0.02-0.03 from one to the next; the rows give each model's own rise.)
+PLATEAU_READINGS = 6
 
 # --- the twin taggers ------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ def sizes(ctx: lab.RunContext) -> Sizes:
     return ctx.pick(
         full=Sizes(None, 64, 96, 3, 3200, 32, 300),
         quick=Sizes(30_000, 64, 64, 2, 900, 32, 150),
-        tiny=Sizes(3_000, 32, 16, 1, 8, 8, 3),
+        tiny=Sizes(3_000, 32, 16, 1, 12, 8, 6),
     )
 
 
@@ -234,9 +235,8 @@ def run(ctx: lab.RunContext) -> lab.Result:
     say = ctx.say
     rows = [_row(say, m, runs, test[m], best[m], chosen[m]) for m in MODELS]
     checks = [
-        _settled(say, m, seed, run[m], size.plateau_window)
+        _lead_holds(say, seed, run, size.plateau_window)
         for seed, run in zip(seeds, runs, strict=True)
-        for m in MODELS
     ]
     checks += [
         lab.precondition(
@@ -287,19 +287,26 @@ def run(ctx: lab.RunContext) -> lab.Result:
     return lab.Result.from_checks(rows, checks, figure=figure, data=data_out, notes=notes)
 
 
-def _settled(say, model: str, seed: int, run: dict, window: int) -> lab.Check:
-    """Precondition: the validation F1 (best reading), the mean of the last PLATEAU_READINGS
-    readings less the mean of the PLATEAU_READINGS before them, is at most F1_PLATEAU."""
+def val_rise(run: dict) -> float:
+    """How far the validation F1 (best reading) rose towards the end of training: the mean of
+    the last PLATEAU_READINGS readings less the mean of the PLATEAU_READINGS before them."""
     best = [max(f1.values()) for _, f1 in sorted(run["val_curve"].items())]
     n = PLATEAU_READINGS
-    rise = sum(best[-n:]) / n - sum(best[-2 * n : -n]) / n
+    return sum(best[-n:]) / n - sum(best[-2 * n : -n]) / n
+
+
+def _lead_holds(say, seed: int, run: dict, window: int) -> lab.Check:
+    """Precondition: BERT's validation lead over the GPT shrank by at most MIN_ADVANTAGE over the
+    last `window` steps (the GPT was not catching up when training stopped)."""
+    gpt, bert = MODELS
+    change = val_rise(run[bert]) - val_rise(run[gpt])
     what = say(
-        f"{model}, seed {seed}: rise of the validation F1 (best reading, mean of {n} readings)"
-        f" over the last {window} steps",
-        f"{MODELS_ZH[model]}，随机种子 {seed}：最后 {window} 步里验证集 F1（最佳读法，{n} 次读数的"
-        "均值）的上升",
+        f"seed {seed}: change of BERT's validation F1 lead over the last {window} steps"
+        f" (best readings, mean of {PLATEAU_READINGS} readings)",
+        f"随机种子 {seed}：最后 {window} 步里 BERT 验证集 F1 领先幅度的变化"
+        f"（最佳读法，{PLATEAU_READINGS} 次读数的均值）",
     )
-    return lab.precondition(lab.at_most(what, rise, F1_PLATEAU))
+    return lab.precondition(lab.at_least(what, change, -MIN_ADVANTAGE))
 
 
 def _loss_fall(losses: list[float], window: int) -> float:
@@ -320,6 +327,13 @@ def _row(say, model: str, runs: list[dict], test: dict, best: lab.Spread, chosen
     row[say("best reading (validation), per seed", "最佳读法（验证集选出），逐个随机种子")] = (
         ", ".join(say(r, READINGS_ZH[r]) for r in chosen)
     )
+    rises = ", ".join(f"{val_rise(run[model]):+.3f}" for run in runs)
+    row[
+        say(
+            "validation F1 rise, last plateau window, per seed",
+            "验证集 F1 在最后窗口内的上升，逐个随机种子",
+        )
+    ] = rises
     losses = [sum(run[model]["losses"][-50:]) / len(run[model]["losses"][-50:]) for run in runs]
     row[say("train loss (last 50 steps)", "训练损失（最后 50 步）")] = str(lab.over_seeds(losses))
     return row
