@@ -91,6 +91,14 @@ def test_fp32_step_matches_the_modules(arch, simd):
     assert _compare(_model(arch)) < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["head-dim-32", "head-dim-64", "head-dim-128"])
+def test_long_attention_matches_the_modules_at_every_head_size(arch, simd):
+    # 45 positions: attend()'s softmax takes 16 (AVX-512) or 8 scores at a time and then a scalar
+    # tail, and its weighted values, kept in registers for heads of 4 or 8 vectors, prefetch 8
+    # positions ahead; each head size takes its own branch.
+    assert _compare(_model(arch), n_steps=40) < 1e-4
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_long_contexts_and_far_out_exponentials_match(arch, threads, simd, monkeypatch):
