@@ -478,19 +478,20 @@ def serve_peer(result: dict) -> list[str]:
     engine_head = ["precision", "new tokens", "engine in process tok/s",
                    "one client through the server tok/s", "server / engine"]  # fmt: skip
     m = result["machine"]
+    kv = result.get("kv_cache")  # recorded since the --kv-cache-dtype option
+    caches = (
+        f"; keys/values: glassformer {kv['glassformer']}, llama-server {kv['llama-server']}"
+        if kv
+        else ""
+    )
     note = (
         f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} "
         f"threads per server, llama.cpp from {result['llama_cpp']}; "
         f"{result['prompt_tokens']}-token prompts, median of {result['runs']} runs, the servers "
-        "alternating)."
+        f"alternating{caches})."
     )
-    return [
-        *markdown(head, rows, "--:::::::"),
-        "",
-        *markdown(engine_head, engine, "-::::"),
-        "",
-        note,
-    ]
+    engine_table = [*markdown(engine_head, engine, "-::::"), ""] if engine else []
+    return [*markdown(head, rows, "--:::::::"), "", *engine_table, note]
 
 
 def serve_peer_short(result: dict, precision: str = "int4") -> list[str]:
@@ -610,6 +611,7 @@ TABLES = {
     "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
     "serve-peer": Table("serve_peer.json", serve_peer),
     "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
+    "serve-peer-kv16": Table("serve_peer_kv16.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),

@@ -16,11 +16,16 @@ over the wall time, median of the runs), p50/p99 time to first token and p50 int
 (after its first token) is set beside the engine's in this process on the same file
 (target: >= 95%). --shared-prefix T adds a run where every prompt starts with the same T tokens:
 the prefix cache's hit (glassformer's usage.prompt_tokens_details.cached_tokens) and TTFT.
+llama-server stores keys and values in f16 by default; glassformer serve in the model's dtype
+unless --kv-cache-dtype says otherwise (fp16: both servers' caches in f16).
 
     bash benchmarks/build_llama_cpp.sh                        # llama-server, llama-quantize
     python benchmarks/serve_peer.py --threads 2
     python benchmarks/serve_peer.py --precisions int4 --clients 1 8 --new-tokens 64 --runs 1
     python benchmarks/serve_peer.py --threads 2 --runs 3 --json benchmarks/results/serve_peer.json
+    python benchmarks/serve_peer.py --precisions fp32 int8 --clients 16 32 --new-tokens 64 \
+        --shared-prefix 0 --runs 2 --kv-cache-dtype fp16 \
+        --json benchmarks/results/serve_peer_kv16.json             # equal cache precision
 """
 
 from __future__ import annotations
@@ -110,14 +115,16 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def engine_rate(path: Path, prompt: str, new_tokens: int, threads: int, runs: int) -> float:
+def engine_rate(
+    path: Path, prompt: str, new_tokens: int, threads: int, runs: int, kv: str | None
+) -> float:
     """The engine's decode tokens/s in this process on the same file and precision (the
     CLI's: the file's own, the fused step), the same prompt: the one-client target's basis."""
     import glassformer as gf
     from glassformer.cli.common import DecodeOptions, decode_engine, load_for_decode
     from glassformer.infer.sampling import NO_EOS
 
-    options = DecodeOptions(threads=threads)
+    options = DecodeOptions(threads=threads, kv_cache_dtype=kv)
     model, tokenizer = load_for_decode(str(path), options, "the benchmark needs one")
     engine = decode_engine(model, tokenizer, options)
     ids = tokenizer.encode(prompt)
@@ -136,6 +143,8 @@ def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
     rows = []
     with ExitStack() as stack:
         ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
+        if args.kv_cache_dtype:
+            ours += ["--kv-cache-dtype", args.kv_cache_dtype]
         url = stack.enter_context(glassformer_server(ours, args.threads))
         peer = stack.enter_context(
             llama_server(path, args.threads, parallel=slots, ctx_per_slot=args.prompt_tokens + 640)
@@ -192,6 +201,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--kv-cache-dtype", choices=["fp32", "bf16", "fp16"],
+        help="glassformer's key/value cache (default: the model's dtype; llama-server: f16)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every row here (benchmarks/results/)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -211,7 +224,9 @@ def main() -> None:
                 quantized_with_binary(source, kind, path, args.threads)
             prompt = text_prompts(tokenizer, 1, args.prompt_tokens)[0]
             for new_tokens in args.new_tokens:
-                rate = engine_rate(path, prompt, new_tokens, args.threads, args.runs)
+                rate = engine_rate(
+                    path, prompt, new_tokens, args.threads, args.runs, args.kv_cache_dtype
+                )
                 engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate})
                 print(f"{precision}: the engine in process, {new_tokens} tokens: {rate:.1f} tok/s")
             rows += compare(args, precision, path, tokenizer)
@@ -232,7 +247,9 @@ def main() -> None:
             )
     if args.json:
         settings = {"model": "SmolLM2-135M", "prompt_tokens": args.prompt_tokens, "runs": args.runs,
-                    "llama_cpp": llama_cpp_version()}  # fmt: skip
+                    "llama_cpp": llama_cpp_version(),
+                    "kv_cache": {"glassformer": args.kv_cache_dtype or "model dtype",
+                                 "llama-server": "f16"}}  # fmt: skip
         record.write(args.json, args.threads, settings | {"rows": rows, "engine": engine})
 
 
