@@ -145,17 +145,32 @@ def test_a_run_of_tokens_matches_the_forward_over_them(arch, bits, simd):
         step.many([1] * 9, 0, fused)
 
 
+# int8's dot products are compiled once for groups of 32 (Q8_0), once for 64 (Int8Linear's
+# default: the widths here that 64 does not divide get 32) and once for any other grouping
+# (one scale per row, here 64 and 96 columns)
+INT8_GROUPS = {8: 32, "8/64": 64, "8/row": None}
+
+
 @pytest.mark.parametrize("n_rows", [4, 7])
 @pytest.mark.parametrize("bits", [32, 8, 4])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qk-norm"])
 def test_a_batch_of_rows_matches_the_batched_forward_and_each_row_alone(arch, bits, n_rows, simd):
+    _batch_matches(arch, bits, n_rows)
+
+
+@pytest.mark.parametrize("bits", ["8/64", "8/row"])
+def test_every_int8_grouping_batches_as_it_runs_alone(bits, simd):
+    _batch_matches("llama-gqa", bits, 7)
+
+
+def _batch_matches(arch, bits, n_rows):
     # rows(): the Engine's batched step, each row a token at its own position of its own slot.
     # Against the torch modules' batched forward over the same cache rows (float rounding),
     # and against one-row calls on a copy of the cache: exactly, the same dot products. Seven
     # rows are whole tiles of inputs (decode.c's ROW_TILE: 4, or 2 on AVX2) and a rest.
     model = _model(arch)
     if bits != 32:
-        model = quantize_int8(model, group_size=32) if bits == 8 else quantize_int4(model)
+        model = quantize_int4(model) if bits == 4 else quantize_int8(model, INT8_GROUPS[bits])
     step, generator = FusedStep(model, max_tokens=n_rows), torch.Generator().manual_seed(0)
     lengths = [5, 11, 2, 8, 14, 1, 9][:n_rows]  # rows in no order of slot, apart in length
     slots = [2, 0, 3, 1, 6, 4, 5][:n_rows] if n_rows == 7 else [2, 0, 3, 1]
@@ -240,9 +255,10 @@ def test_a_half_cache_reads_and_writes_as_the_modules_do(arch, cache_dtype, simd
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8/64", "8/row", 4])
 def test_quantized_weights_match_the_quantized_modules(arch, bits, simd):
-    model = quantize_int8(_model(arch), group_size=32) if bits == 8 else quantize_int4(_model(arch))
+    model = _model(arch)
+    model = quantize_int4(model) if bits == 4 else quantize_int8(model, INT8_GROUPS[bits])
     assert _compare(model) < 1e-4
 
 
