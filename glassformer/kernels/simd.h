@@ -5,6 +5,7 @@
 #ifndef GLASSFORMER_SIMD_H
 #define GLASSFORMER_SIMD_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __AVX512F__
@@ -335,14 +336,18 @@ static inline void q4_weights(const uint8_t *w_row, int64_t g, vec w[Q4_VECS]) {
     q4_unpack(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), w);
 }
 
-/* sum_g min_g * sum(x_g): the mins' share of a row's dot product, four partial sums in turn */
+/* sum_g min_g * sum(x_g): the mins' share of a row's dot product, LANES groups at a time, the
+ * last ones (fewer than LANES) one by one. (Four scalar partial sums in a stack array, as it
+ * was, cost a batched int4 step an eighth of its dot products' time: GCC stored them one by
+ * one and read them back as a vector, which the store buffer cannot forward.) */
 static inline float q4_shift(const float *min_row, const float *x_sums, int64_t n) {
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    vec acc = vec_zero();
     int64_t g = 0;
-    for (; g + 4 <= n; g += 4)
-        for (int k = 0; k < 4; ++k) s[k] += min_row[g + k] * x_sums[g + k];
-    for (int k = 0; g < n; ++g, ++k) s[k] += min_row[g] * x_sums[g];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    for (; g + LANES <= n; g += LANES)
+        acc = vec_fma(vec_load(min_row + g), vec_load(x_sums + g), acc);
+    float s = vec_sum(acc);
+    for (; g < n; ++g) s = fmaf(min_row[g], x_sums[g], s);
+    return s;
 }
 
 /* total + scale_g * (q_g . x_g) for group g */
