@@ -133,6 +133,12 @@ static inline void prefetch_ahead(const void *p) {
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
 }
 
+/* n floats from p on, a line at a time */
+static inline void prefetch_floats(const float *p, int64_t n) {
+    for (int64_t b = 0; b < n * (int64_t)sizeof(float); b += 64)
+        _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 #define STEP 32                  /* columns per inner iteration */
 #define N_ACC (STEP / LANES)     /* independent accumulators: 2 (AVX-512) or 4 (AVX2) */
 
@@ -336,6 +342,15 @@ static inline void q4_weights(const uint8_t *w_row, int64_t g, vec w[Q4_VECS]) {
     q4_unpack(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), w);
 }
 
+/* A row's scales and mins are more streams beside its weights: ask for those of the row
+ * Q4_AHEAD rows on, as prefetch_ahead does for the weights (SmolLM2 int4, one row: 7.4-7.8 ->
+ * 7.1-7.3 ms per step). */
+#define Q4_AHEAD 8
+static inline void q4_prefetch_groups(const float *scale_row, const float *min_row, int64_t n) {
+    prefetch_floats(scale_row + Q4_AHEAD * n, n);
+    prefetch_floats(min_row + Q4_AHEAD * n, n);
+}
+
 /* sum_g min_g * sum(x_g): the mins' share of a row's dot product, LANES groups at a time, the
  * last ones (fewer than LANES) one by one. (Four scalar partial sums in a stack array, as it
  * was, cost a batched int4 step an eighth of its dot products' time: GCC stored them one by
@@ -361,6 +376,7 @@ static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float
     vec total[IN_FLIGHT], w[Q4_VECS];
     for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
     const int64_t n = in / 32;
+    q4_prefetch_groups(scale_row, min_row, n);
     int64_t g = 0;
     for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
         for (int k = 0; k < IN_FLIGHT; ++k) {
