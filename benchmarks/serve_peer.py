@@ -16,16 +16,16 @@ over the wall time, median of the runs), p50/p99 time to first token and p50 int
 (after its first token) is set beside the engine's in this process on the same file
 (target: >= 95%). --shared-prefix T adds a run where every prompt starts with the same T tokens:
 the prefix cache's hit (glassformer's usage.prompt_tokens_details.cached_tokens) and TTFT.
-llama-server stores keys and values in f16 by default; glassformer serve in the model's dtype
-unless --kv-cache-dtype says otherwise (fp16: both servers' caches in f16).
+llama-server stores keys and values in f16 by default, and so does glassformer serve here
+(--kv-cache-dtype fp16, the default of this benchmark; fp32 or bf16 to compare others).
 
     bash benchmarks/build_llama_cpp.sh                        # llama-server, llama-quantize
     python benchmarks/serve_peer.py --threads 2
     python benchmarks/serve_peer.py --precisions int4 --clients 1 8 --new-tokens 64 --runs 1
-    python benchmarks/serve_peer.py --threads 2 --runs 3 --json benchmarks/results/serve_peer.json
-    python benchmarks/serve_peer.py --precisions fp32 int8 --clients 16 32 --new-tokens 64 \
-        --shared-prefix 0 --runs 2 --kv-cache-dtype fp16 \
-        --json benchmarks/results/serve_peer_kv16.json             # equal cache precision
+    python benchmarks/serve_peer.py --runs 2 --new-tokens 64 \
+        --json benchmarks/results/serve_peer.json
+    python benchmarks/serve_peer.py --runs 1 --new-tokens 256 --shared-prefix 0 \
+        --json benchmarks/results/serve_peer_256.json
 """
 
 from __future__ import annotations
@@ -143,8 +143,7 @@ def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
     rows = []
     with ExitStack() as stack:
         ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
-        if args.kv_cache_dtype:
-            ours += ["--kv-cache-dtype", args.kv_cache_dtype]
+        ours += ["--kv-cache-dtype", args.kv_cache_dtype]
         url = stack.enter_context(glassformer_server(ours, args.threads))
         peer = stack.enter_context(
             llama_server(path, args.threads, parallel=slots, ctx_per_slot=args.prompt_tokens + 640)
@@ -202,8 +201,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
-        "--kv-cache-dtype", choices=["fp32", "bf16", "fp16"],
-        help="glassformer's key/value cache (default: the model's dtype; llama-server: f16)",
+        "--kv-cache-dtype", choices=["fp32", "bf16", "fp16"], default="fp16",
+        help="glassformer's key/value cache (default fp16: llama-server's own default, f16)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every row here (benchmarks/results/)")
     args = parser.parse_args()
@@ -248,7 +247,7 @@ def main() -> None:
     if args.json:
         settings = {"model": "SmolLM2-135M", "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                     "llama_cpp": llama_cpp_version(),
-                    "kv_cache": {"glassformer": args.kv_cache_dtype or "model dtype",
+                    "kv_cache": {"glassformer": args.kv_cache_dtype,
                                  "llama-server": "f16"}}  # fmt: skip
         record.write(args.json, args.threads, settings | {"rows": rows, "engine": engine})
 
