@@ -67,6 +67,35 @@ def test_rows_joining_mid_generation_produce_what_they_produce_alone(overrides):
         assert got[i] == recompute(model, PROMPTS[i], params), f"row {i}"
 
 
+def test_greedy_rows_with_processors_sample_alone_beside_plain_greedy_rows():
+    # A step takes its plain greedy rows' tokens from one argmax over the batch; a greedy row
+    # with a logit bias, a repetition penalty or a min_tokens ban is not plain and keeps its
+    # own sampling: each row's tokens are those it gets alone.
+    model = tiny_model()
+    base = dict(temperature=0.0, max_new_tokens=8, eos_token_id=NO_EOS)
+    params = [
+        SamplingParams(**base),
+        SamplingParams(**base, logit_bias={5: 100.0}),
+        SamplingParams(**base),
+        SamplingParams(**base, repetition_penalty=1.8),
+        SamplingParams(**{**base, "eos_token_id": 4}, min_tokens=6),
+    ]
+    prompts = [*PROMPTS, [9, 4]]
+    engine = gf.Engine(model, max_rows=5)
+    rows = [engine.add(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    while not all(row.finished for row in rows):
+        engine.step()
+    for prompt, p, row in zip(prompts, params, rows, strict=True):
+        alone = gf.Engine(model, max_rows=1)
+        want = alone.add(prompt, p)
+        while not want.finished:
+            alone.step()
+        assert row.tokens == want.tokens
+    assert rows[0].tokens == recompute(model, prompts[0], params[0])
+    assert rows[1].tokens == [5] * 8  # the bias wins every step
+    assert 4 not in rows[4].tokens[:6]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"position": "alibi", "attention_backend": "eager"}, {"sliding_window": 5}],

@@ -163,6 +163,14 @@ def test_every_int8_grouping_batches_as_it_runs_alone(bits, simd):
     _batch_matches("llama-gqa", bits, 7)
 
 
+@pytest.mark.parametrize("threads", [3, 6])
+def test_a_batch_splits_its_heads_and_rows_among_threads(threads, simd, monkeypatch):
+    # Each thread takes a share of every matrix's rows and of the heads (4 here), each head
+    # with its own scores: 3 threads split them unevenly, 6 leave two threads without one.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    _batch_matches("llama-gqa", 32, 7)
+
+
 def _batch_matches(arch, bits, n_rows):
     # rows(): the Engine's batched step, each row a token at its own position of its own slot.
     # Against the torch modules' batched forward over the same cache rows (float rounding),

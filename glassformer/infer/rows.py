@@ -222,6 +222,23 @@ class Row:
             self.logprobs.append(token_logprobs(logits, token, params.logprobs))
         return token
 
+    @property
+    def picks_argmax(self) -> bool:
+        """Whether this step's token is just the argmax of the model's logits: greedy, and no
+        processor, grammar, thinking budget or logprobs to apply (what `sample` then does).
+        The Engine takes such rows' tokens from one argmax over the whole batch."""
+        params = self.params
+        return (
+            params.is_greedy
+            and not params.logit_bias
+            and len(self.tokens) >= params.min_tokens
+            and params.repetition_penalty == 1.0
+            and not (params.presence_penalty or params.frequency_penalty)
+            and self.grammar is None
+            and params.thinking_budget is None
+            and params.logprobs is None
+        )
+
     def process(self, logits: Tensor) -> Tensor:
         """The logits processors on logits (1, V), in vLLM's order: logit_bias and the
         min_tokens ban on the end tokens first, then the repetition, presence and frequency
