@@ -504,7 +504,7 @@ def _argmax_picks(live: list[Row], logits: Tensor) -> list[int] | None:
     token it is (Row.picks_argmax), or None when fewer than two are or a logit is NaN/inf (each
     row's own sample then refuses it, naming the step). Sampling 32 greedy rows one by one, a
     check, an argmax and their dispatch per row, took 6% of a 32-client server's turn; batched,
-    a 32-client burst on the Q8_0 SmolLM2 went from 247-251 to 257-258 tok/s)."""
+    a 32-client burst on the Q8_0 SmolLM2 went from 247-251 to 257-258 tok/s."""
     if sum(row.picks_argmax for row in live) < 2:
         return None
     low, high = torch.aminmax(logits)  # a NaN makes both NaN: finite iff both are
