@@ -611,7 +611,7 @@ TABLES = {
     "serve-prefill-chunks": Table("serve_prefill_chunks.json", serve_prefill_chunks),
     "serve-peer": Table("serve_peer.json", serve_peer),
     "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
-    "serve-peer-kv16": Table("serve_peer_kv16.json", serve_peer),
+    "serve-peer-256": Table("serve_peer_256.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),
