@@ -337,3 +337,20 @@ class Row:
 
     def result(self) -> GenerationResult:
         return GenerationResult(token_ids=list(self.tokens), stats=self.stats)
+
+
+def argmax_picks(rows: list[Row], logits: Tensor) -> list[int | None]:
+    """Each row's token where it is just the argmax of its logits (Row.picks_argmax), taken in
+    one reduction over the batch (logits (n, V)); None for the other rows, which sample alone,
+    and for every row when fewer than two pick the argmax or a logit is NaN/inf (each row's own
+    sample then refuses it, naming the step). Sampling 32 greedy rows one by one, a check, an
+    argmax and their dispatch per row, took 6% of a 32-client server's turn; batched, a
+    32-client burst on the Q8_0 SmolLM2 went from 247-251 to 257-258 tok/s."""
+    plain = [row.picks_argmax for row in rows]
+    if sum(plain) < 2:
+        return [None] * len(rows)
+    low, high = torch.aminmax(logits)  # a NaN makes both NaN: finite iff both are
+    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+        return [None] * len(rows)
+    best = logits.argmax(dim=-1).tolist()
+    return [token if wanted else None for token, wanted in zip(best, plain, strict=True)]
