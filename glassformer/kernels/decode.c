@@ -114,21 +114,31 @@ static inline __attribute__((always_inline)) float row_dot(const Linear *L, int6
     return L->bias ? dot + L->bias[o] : dot;
 }
 
-/* W[o] . x[r] for ROW_TILE inputs x[r] = x + r * stride (the Q4 group sums at x_sums + r *
- * in / 32) into dots[r], each bit for bit row_dot's without the bias. */
-static inline void tile_dot(const Linear *L, int64_t o, const float *x, int64_t stride,
-                            const float *x_sums, float *dots) {
+/* W[o + j] . x[r] for `w_rows` weight rows (1, or OUT_TILE where the storage has a wider
+ * tile) and ROW_TILE inputs x[r] = x + r * stride (the Q4 group sums at x_sums + r * in / 32)
+ * into dots[j * ROW_TILE + r], each bit for bit row_dot's without the bias. */
+static inline int64_t tile_rows(const Linear *L, int64_t left) {
+    return (L->storage == F32 || L->storage == BF16) && left >= OUT_TILE ? OUT_TILE : 1;
+}
+static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
+                            int64_t stride, const float *x_sums, float *dots) {
     const int64_t n_groups = L->in / L->group;
     const float *scale = L->scale ? L->scale + o * n_groups : 0;
     if (L->storage == Q4)
         dot_q4_tile((const uint8_t *)L->weight + o * (L->in / 2), x, stride, scale,
                     L->mins + o * n_groups, x_sums, L->in, dots);
-    else if (L->storage == F32)
+    else if (L->storage == F32 && w_rows == OUT_TILE)
         dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
+                     OUT_TILE, dots);
+    else if (L->storage == F32)
+        dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group, 1,
                      dots);
+    else if (L->storage == BF16 && w_rows == OUT_TILE)
+        dot_bf16_tile((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
+                      L->group, OUT_TILE, dots);
     else if (L->storage == BF16)
         dot_bf16_tile((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
-                      L->group, dots);
+                      L->group, 1, dots);
     else
         dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
                       dots);
@@ -169,18 +179,19 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             const float *xs = x + r0 * stride, *ss = x_sums ? x_sums + r0 * sums : 0;
-            for (int64_t o = first; o < last; ++o) {
-                float dots[ROW_TILE];
-                if (n == ROW_TILE)
-                    tile_dot(L, o, xs, stride, ss, dots);
-                for (int64_t r = 0; r < n; ++r) {
-                    const float *xr = xs + r * stride, *sr = ss ? ss + r * sums : 0;
-                    const float dot =
-                        n == ROW_TILE ? (L->bias ? dots[r] + L->bias[o] : dots[r])
-                                      : row_dot(L, o, xr, sr);
-                    float *out = y + (r0 + r) * L->out + o;
-                    *out = accumulate ? *out + dot : dot;
-                }
+            for (int64_t o = first; o < last;) {
+                const int64_t w_rows = n == ROW_TILE ? tile_rows(L, last - o) : 1;
+                float dots[OUT_TILE * ROW_TILE];
+                if (n == ROW_TILE) tile_dot(L, o, w_rows, xs, stride, ss, dots);
+                for (int64_t j = 0; j < w_rows; ++j, ++o)
+                    for (int64_t r = 0; r < n; ++r) {
+                        const float *xr = xs + r * stride, *sr = ss ? ss + r * sums : 0;
+                        const float d = dots[j * ROW_TILE + r];
+                        const float dot = n == ROW_TILE ? (L->bias ? d + L->bias[o] : d)
+                                                        : row_dot(L, o, xr, sr);
+                        float *out = y + (r0 + r) * L->out + o;
+                        *out = accumulate ? *out + dot : dot;
+                    }
             }
         }
     }

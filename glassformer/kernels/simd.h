@@ -133,6 +133,13 @@ static inline void prefetch_ahead(const void *p) {
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
 }
 
+/* prefetch_ahead as an instruction GCC must keep where it stands: in the batched tiles below,
+ * GCC 12 dropped _mm_prefetch's from the loop (objdump), and a 32-row fp32 step waited on the
+ * weights. (In the one-row loops the builtin is kept, and there it schedules better.) */
+static inline void prefetch_kept(const void *p) {
+    __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)p + PREFETCH_BYTES)));
+}
+
 /* n floats from p on, a line at a time */
 static inline void prefetch_floats(const float *p, int64_t n) {
     for (int64_t b = 0; b < n * (int64_t)sizeof(float); b += 64)
@@ -169,36 +176,59 @@ static inline void prefetch_floats(const float *p, int64_t n) {
 DEFINE_DOT(dot_f32, float, load_f32)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
 
-/* The same dot product of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]:
- * each LANES weights loaded (and converted) once for all of them, each input's accumulators in
- * the single-input order, so out[r] is bit for bit what NAME gives it alone. ROW_TILE is a
- * constant so that every accumulator stays in a register (AVX-512: 4 x (N_ACC + 1) of 32). */
+/* The same dot product for W_ROWS weight rows (w_row + j * in, scales at scale_row + j * (in /
+ * group)) with ROW_TILE inputs (x + r * x_stride) into out[j * ROW_TILE + r]: each LANES
+ * weights loaded (and converted) once for all the inputs, each input's LANES values once for all
+ * the weight rows, and each (row, input) pair accumulated in the single-input order, so every
+ * out[j * ROW_TILE + r] is bit for bit what NAME gives it alone. W_ROWS (1 or OUT_TILE) and
+ * ROW_TILE are constants so that every accumulator stays in a register (AVX-512, two weight
+ * rows: 2 x 4 x (N_ACC + 1) of 32). pin() keeps an input's values in a register: GCC would
+ * otherwise fold their load into each FMA, loading them again for every weight row. */
 #define ROW_TILE (LANES == 16 ? 4 : 2)
+#define OUT_TILE (LANES == 16 ? 2 : 1)
+static inline vec pin(vec v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
 #define DEFINE_DOT_TILE(NAME, WTYPE, LOAD)                                                    \
-    static inline void NAME(const WTYPE *w_row, const float *x, int64_t x_stride,            \
-                            const float *scale_row, int64_t in, int64_t group, float *out) { \
-        vec total[ROW_TILE], acc[ROW_TILE][N_ACC];                                            \
-        for (int r = 0; r < ROW_TILE; ++r) total[r] = vec_zero();                             \
+    static inline __attribute__((always_inline)) void NAME(                                  \
+        const WTYPE *w_row, const float *x, int64_t x_stride, const float *scale_row,        \
+        int64_t in, int64_t group, const int W_ROWS, float *out) {                            \
+        vec total[OUT_TILE][ROW_TILE], acc[OUT_TILE][ROW_TILE][N_ACC];                        \
+        for (int j = 0; j < W_ROWS; ++j)                                                      \
+            for (int r = 0; r < ROW_TILE; ++r) total[j][r] = vec_zero();                      \
         for (int64_t g = 0; g < in / group; ++g) {                                            \
-            for (int r = 0; r < ROW_TILE; ++r)                                                \
-                for (int k = 0; k < N_ACC; ++k) acc[r][k] = vec_zero();                       \
+            for (int j = 0; j < W_ROWS; ++j)                                                  \
+                for (int r = 0; r < ROW_TILE; ++r)                                            \
+                    for (int k = 0; k < N_ACC; ++k) acc[j][r][k] = vec_zero();                \
             for (int64_t i = g * group; i < (g + 1) * group; i += STEP) {                     \
-                for (int64_t b = 0; b < STEP * (int64_t)sizeof(WTYPE); b += 64)               \
-                    prefetch_ahead((const char *)(w_row + i) + b);                            \
+                for (int j = 0; j < W_ROWS; ++j) {                                            \
+                    const char *line = (const char *)(w_row + j * in + i);                    \
+                    prefetch_kept(line);                                                      \
+                    if (sizeof(WTYPE) == 4) prefetch_kept(line + 64);                         \
+                }                                                                             \
                 for (int k = 0; k < N_ACC; ++k) {                                             \
-                    const vec w = LOAD(w_row + i + LANES * k);                                \
-                    for (int r = 0; r < ROW_TILE; ++r)                                        \
-                        acc[r][k] = vec_fma(w, vec_load(x + r * x_stride + i + LANES * k),    \
-                                            acc[r][k]);                                       \
+                    vec w[OUT_TILE];                                                          \
+                    for (int j = 0; j < W_ROWS; ++j) w[j] = LOAD(w_row + j * in + i + LANES * k); \
+                    for (int r = 0; r < ROW_TILE; ++r) {                                      \
+                        const vec xv = pin(vec_load(x + r * x_stride + i + LANES * k));       \
+                        for (int j = 0; j < W_ROWS; ++j)                                      \
+                            acc[j][r][k] = vec_fma(w[j], xv, acc[j][r][k]);                   \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
-            const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);                      \
-            for (int r = 0; r < ROW_TILE; ++r) {                                              \
-                for (int k = 1; k < N_ACC; ++k) acc[r][0] = vec_add(acc[r][0], acc[r][k]);    \
-                total[r] = vec_fma(acc[r][0], scale, total[r]);                               \
+            for (int j = 0; j < W_ROWS; ++j) {                                                \
+                const vec scale =                                                             \
+                    vec_set1(scale_row ? scale_row[j * (in / group) + g] : 1.0f);             \
+                for (int r = 0; r < ROW_TILE; ++r) {                                          \
+                    for (int k = 1; k < N_ACC; ++k)                                           \
+                        acc[j][r][0] = vec_add(acc[j][r][0], acc[j][r][k]);                   \
+                    total[j][r] = vec_fma(acc[j][r][0], scale, total[j][r]);                  \
+                }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(total[r]);                        \
+        for (int j = 0; j < W_ROWS; ++j)                                                      \
+            for (int r = 0; r < ROW_TILE; ++r) out[j * ROW_TILE + r] = vec_sum(total[j][r]); \
     }
 
 DEFINE_DOT_TILE(dot_f32_tile, float, load_f32)
