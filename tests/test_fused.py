@@ -165,10 +165,33 @@ def test_every_int8_grouping_batches_as_it_runs_alone(bits, simd):
 
 @pytest.mark.parametrize("threads", [3, 6])
 def test_a_batch_splits_its_heads_and_rows_among_threads(threads, simd, monkeypatch):
-    # Each thread takes a share of every matrix's rows and of the heads (4 here), each head
-    # with its own scores: 3 threads split them unevenly, 6 leave two threads without one.
+    # Each thread takes a share of every matrix's rows and of the attention: with 3 threads,
+    # 7 rows' 2 key/value heads (14 units, each thread with its own scores), unevenly; with 6,
+    # more threads than the 4 query heads, the heads, which leaves two threads without one.
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     _batch_matches("llama-gqa", 32, 7)
+
+
+def test_threads_attending_at_once_keep_their_own_scores(simd, monkeypatch):
+    # 16 rows of 2 key/value heads: units of one row's key/value head, shared by 2 threads
+    # that attend at the same moment, each over ~400 positions; a scores buffer the threads
+    # shared would mix their softmaxes (the rows then differ from each row run alone).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    model = tiny_model(**SIZES | LLAMA, max_seq_len=512, scale=1)
+    step, generator = FusedStep(model, max_tokens=16), torch.Generator().manual_seed(0)
+    cache = model.new_cache(16, 512)
+    with torch.inference_mode():
+        cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+        alone = copy.deepcopy(cache)
+        positions = torch.randint(380, 420, (16,), generator=generator).tolist()
+        tokens, slots = list(range(16)), list(range(16))[::-1]
+        for _ in range(3):
+            got = step.rows(tokens, positions, slots, cache)
+            one_by_one = torch.cat(
+                [step(t, p, alone, s) for t, p, s in zip(tokens, positions, slots, strict=True)]
+            )
+            assert torch.equal(got, one_by_one)
 
 
 def _batch_matches(arch, bits, n_rows):

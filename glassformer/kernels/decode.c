@@ -351,13 +351,14 @@ static inline __attribute__((always_inline)) void weighted_values(
 }
 
 /* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
- * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V. */
+ * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V,
+ * with `scores` (pos + 1 floats) the caller's scratch. */
 static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
-                   int64_t offset) {
+                   int64_t offset, float *scores) {
     const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
     const int kind = (int)m->cache_kind;
     const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
-    float *scores = m->scores + head * m->max_positions, *out = m->att + (row * H + head) * D;
+    float *out = m->att + (row * H + head) * D;
     const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     float best = -INFINITY;
     for (int64_t t = 0; t <= pos; ++t) {
@@ -447,9 +448,26 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
                 }
             }
         }
+        /* The attention, shared out in units: with enough of them (several rows), a unit is
+         * one row's key/value head with all its query heads, one after the other, each thread
+         * with its own scores: the keys and values come from memory once, then from the
+         * nearest cache (32 rows of SmolLM2, 9 query heads on 3: 13.2 against 14.4 ms a
+         * step). Else (one row: 3 such units for 2 threads) a unit is a query head. */
+        if (n * Hkv >= 4 * n_threads && n_threads <= H) {
 #pragma omp for schedule(static)
-        for (int64_t head = 0; head < H; ++head)
-            for (int64_t r = 0; r < n; ++r) attend(m, layer, head, r, positions[r], offsets[r]);
+            for (int64_t u = 0; u < n * Hkv; ++u) {
+                const int64_t r = u / Hkv, first = (u % Hkv) * (H / Hkv);
+                float *scores = m->scores + omp_get_thread_num() * m->max_positions;
+                for (int64_t head = first; head < first + H / Hkv; ++head)
+                    attend(m, layer, head, r, positions[r], offsets[r], scores);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < H; ++head)
+                for (int64_t r = 0; r < n; ++r)
+                    attend(m, layer, head, r, positions[r], offsets[r],
+                           m->scores + head * m->max_positions);
+        }
         linear(&layer->out, m->att, H * D, n, x, 1, m->x_sums);
 #pragma omp single
         for (int64_t r = 0; r < n; ++r)
