@@ -11,7 +11,13 @@ import torch
 from conftest import needs_kernels, tiny_model
 
 from glassformer.infer.engine import Engine
-from glassformer.infer.huge_pages import HUGE_PAGE, huge_page_empty, supported, to_huge_pages
+from glassformer.infer.huge_pages import (
+    HUGE_PAGE,
+    advise_in_place,
+    huge_page_empty,
+    supported,
+    to_huge_pages,
+)
 
 pytestmark = pytest.mark.skipif(not supported(), reason="needs Linux transparent huge pages")
 
@@ -80,3 +86,29 @@ def test_an_engine_moves_the_callers_weights_only_when_asked():
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == where
     Engine(model, huge_pages=True)
     assert model.tok_emb.weight.data_ptr() % HUGE_PAGE == 0
+
+
+def test_a_tensor_advised_in_place_keeps_its_memory_and_values():
+    # 3 whole huge pages lie inside 8 MB plus an odd start; the advice covers those alone.
+    tensor = torch.arange(2 * 2**20 + 5, dtype=torch.float32)[5:].clone()
+    copy, where = tensor.clone(), tensor.data_ptr()
+    advised = advise_in_place(tensor)
+    first = -(-where // HUGE_PAGE) * HUGE_PAGE
+    assert advised == (where + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE - first >= 2 * HUGE_PAGE
+    assert tensor.data_ptr() == where and torch.equal(tensor, copy)
+    assert "hg" in _mapping_flags(first) and "hg" in _mapping_flags(first + advised - 1)
+    assert first == where or "hg" not in _mapping_flags(where)  # the head before the first page
+    assert advise_in_place(torch.zeros(1000)) == 0  # no whole 2 MB page inside
+
+
+def test_an_engine_with_huge_pages_advises_its_kv_cache():
+    model = tiny_model(vocab_size=300, d_model=64, n_layers=2, n_kv_heads=None, d_ff=128)
+    engine = Engine(model, max_rows=4, max_seq_len=model.cfg.max_seq_len, huge_pages=True)
+    engine.reserve(256, model.cfg.max_seq_len)  # keys and values of several MB each
+    k = engine.cache.k
+    inside = -(-k.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    assert k.nbytes >= 3 * HUGE_PAGE and "hg" in _mapping_flags(inside)
+    plain = Engine(model, max_rows=4)
+    plain.reserve(256, model.cfg.max_seq_len)
+    inside = -(-plain.cache.k.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    assert "hg" not in _mapping_flags(inside)

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from glassformer import kernels
 from glassformer.infer.constrain import Grammars, RowGrammar
 from glassformer.infer.fused import FusedStep
-from glassformer.infer.huge_pages import to_huge_pages
+from glassformer.infer.huge_pages import advise_in_place, to_huge_pages
 from glassformer.infer.loops import Loops
 from glassformer.infer.prefill import Chunk, Pending, check_budget, forwards, plan
 from glassformer.infer.reuse import Reuse
@@ -89,7 +89,7 @@ class Engine(Loops, Reuse):
         default): each prompt is prefilled whole in add/add_many, its first token sampled there.
     huge_pages: first move the model's parameters and buffers of 2 MB or more into 2 MB pages
         (infer/huge_pages.py: the same values, modules and ties; fused decode steps 1.05-1.18x
-        faster). Off by default, as it gives the caller's tensors new storage.
+        faster), and ask for the KV cache's. Off by default: the caller's tensors move.
     kv_dtype: the keys/values' dtype (None: the model's); torch.bfloat16 or torch.float16 halve
         the cache's bytes per token (llama.cpp stores f16 by default), rounding each key and
         value once when it is written (benchmarks/kv_dtype.py measures what that costs).
@@ -107,7 +107,7 @@ class Engine(Loops, Reuse):
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model.eval()
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.huge_pages = kv_dtype, huge_pages
         if huge_pages:
             to_huge_pages(model)  # before the fused step takes the weights' addresses
         # the fused step takes up to max_rows rows at once (its scratch is per row: kilobytes)
@@ -120,10 +120,8 @@ class Engine(Loops, Reuse):
             whole = isinstance(value, int) and not isinstance(value, bool)
             if value is not None and not (whole and value >= 1):
                 raise ValueError(f"{name}={value!r} must be a whole number >= 1 (or None)")
-        self.max_rows, self.slot_len = (
-            max_rows,
-            min(max_seq_len or self.max_seq_len, self.max_seq_len),
-        )
+        self.max_rows = max_rows
+        self.slot_len = min(max_seq_len or self.max_seq_len, self.max_seq_len)
         self.tokenizer = tokenizer
         self.grammars: Grammars | None = None  # constrained rows' compiler, made on first use
         self.cache = None
@@ -163,6 +161,8 @@ class Engine(Loops, Reuse):
         self.cache = self.model.new_cache(
             batch_size=n_rows, max_seq_len=n_positions, dtype=self.kv_dtype
         )
+        if self.huge_pages and isinstance(self.cache, KVCache):  # read every step, as weights
+            advise_in_place(self.cache.k), advise_in_place(self.cache.v)
 
     def _place(self, row: Row, slot: int) -> None:
         self.rows[slot], row.slot = row, slot

@@ -15,10 +15,18 @@ tied weight and optimizer that holds the tensor sees the new memory. Only a mapp
 (other systems, huge pages off, tensors off the CPU) nothing moves.
 
     moved = to_huge_pages(model)   # bytes moved (Engine(model, huge_pages=True) calls it)
+
+The KV cache is read as a decode step's weights are: each row's keys and values, every layer,
+every step (32 rows of SmolLM2 at position 145 read 107 MB of fp16 keys and values a step).
+It is too large to copy (gigabytes for a server's rows), so `advise_in_place` asks Linux to
+back the 2 MB pages it already has with huge ones (madvise MADV_HUGEPAGE, then MADV_COLLAPSE,
+Linux 6.1+, which swaps them in now; without it khugepaged does so in its own time). A 32-row
+int8 step took 102-104 ms against 106 with the cache in 4 KB pages.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from pathlib import Path
 
@@ -73,6 +81,27 @@ def to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
                 tensor.data = target
                 moved += tensor.nbytes
     return moved
+
+
+MADV_COLLAPSE = 25  # Linux 6.1+; Python's mmap module names it from 3.12 on
+
+
+def advise_in_place(tensor: Tensor) -> int:
+    """Ask for the whole 2 MB pages inside a CPU tensor's memory to be huge pages, where it
+    lies (see the module docstring); returns the bytes advised, 0 where unsupported."""
+    if not supported() or tensor.device.type != "cpu":
+        return 0
+    start = tensor.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    end = (start + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= first:
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(first, end - first, mmap.MADV_HUGEPAGE) != 0:
+        return 0
+    madvise(first, end - first, MADV_COLLAPSE)  # an older kernel refuses: khugepaged will do
+    return end - first
 
 
 def _movable(tensor: Tensor | None, min_bytes: int) -> bool:
