@@ -4,8 +4,10 @@
  * The torch path runs a token through ~40 small ops per layer, each with its own dispatch,
  * allocation and OpenMP fork/join. Here the whole token is one OpenMP parallel region: the
  * threads split every matrix-vector product by output rows and the attention by heads, and
- * meet at a barrier between steps; the small steps (norms, RoPE, the cache write) run on one
- * thread. Nothing is allocated: the caller hands in scratch buffers and the KV cache.
+ * meet at a barrier between steps; the small steps (norms, RoPE, the cache write) are split by
+ * rows: one thread's work for one row (a 32-row Q8_0 SmolLM2 step spent 1.15 ms a step in each
+ * norm on one thread while the other waited, 0.62 split). Nothing is allocated: the caller
+ * hands in scratch buffers and the KV cache.
  * The same call also takes several rows at once, each a token at its own position of its own
  * cache row (the Engine's continuous batch), or a short run of consecutive tokens of one cache
  * row (a speculative round's check): each weight row is then read once for all of them, and
@@ -161,7 +163,7 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                    int accumulate, float *x_sums) {
     if (L->storage == Q4) {
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r)
             group_sums(x + r * stride, L->in, x_sums + r * (L->in / 32));
     }
@@ -425,12 +427,12 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
 #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < m->n_layers; ++l) {
         const Layer *layer = &m->layers[l];
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r)
             norm(x + r * C, h + r * C, C, layer->attn_norm_weight, layer->attn_norm_bias, rms,
                  m->norm_eps);
         linear(&layer->qkv, h, C, n, qkv, 0, m->x_sums);
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             float *row = qkv + r * QKV, *k = row + H * D, *v = k + Hkv * D;
             for (int64_t head = 0; head < H + Hkv; ++head) {
@@ -469,7 +471,7 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
                            m->scores + head * m->max_positions);
         }
         linear(&layer->out, m->att, H * D, n, x, 1, m->x_sums);
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r)
             norm(x + r * C, h + r * C, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms,
                  m->norm_eps);
