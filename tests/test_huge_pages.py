@@ -102,13 +102,16 @@ def test_a_tensor_advised_in_place_keeps_its_memory_and_values():
 
 
 def test_an_engine_with_huge_pages_advises_its_kv_cache():
-    model = tiny_model(vocab_size=300, d_model=64, n_layers=2, n_kv_heads=None, d_ff=128)
-    engine = Engine(model, max_rows=4, max_seq_len=model.cfg.max_seq_len, huge_pages=True)
-    engine.reserve(256, model.cfg.max_seq_len)  # keys and values of several MB each
+    # Caches of 48 MB: above glibc's largest mmap threshold (32 MB), so each is a fresh mapping
+    # (a smaller one may reuse heap memory that an earlier tensor's advice already marked).
+    model = tiny_model(vocab_size=300, d_model=64, n_layers=2, n_kv_heads=None, d_ff=128,
+                       max_seq_len=2048)  # fmt: skip
+    engine = Engine(model, max_rows=4, huge_pages=True)
+    engine.reserve(48, 2048)
     k = engine.cache.k
     inside = -(-k.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    assert k.nbytes >= 3 * HUGE_PAGE and "hg" in _mapping_flags(inside)
+    assert k.nbytes > 32 * 2**20 and "hg" in _mapping_flags(inside)
     plain = Engine(model, max_rows=4)
-    plain.reserve(256, model.cfg.max_seq_len)
+    plain.reserve(48, 2048)
     inside = -(-plain.cache.k.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     assert "hg" not in _mapping_flags(inside)
