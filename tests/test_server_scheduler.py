@@ -150,6 +150,55 @@ def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled_in_chunk
     assert tokens == alone.token_ids
 
 
+def test_requests_sent_together_are_gathered_into_one_prefill_and_a_lone_one_waits_little(model):
+    """After an idle spell the scheduler waits while requests keep arriving, each within
+    admit_quiet_s of the last (here 0.3 s, 0.05 s apart: one add_many of all four), and a lone
+    request only admit_quiet_s, not the whole window (here 3 s)."""
+    scheduler = make_scheduler(model, max_batch=4)
+    scheduler.admit_window_s, scheduler.admit_quiet_s = 3.0, 0.3
+    engine = scheduler.engine
+    batches = []  # the prompts of each add_many
+    add_many = engine.add_many
+
+    def recorded_add_many(prompts, *args, **kwargs):
+        batches.append(len(prompts))
+        return add_many(prompts, *args, **kwargs)
+
+    engine.add_many = recorded_add_many
+
+    async def together():
+        loop = asyncio.get_running_loop()
+        requests = [Request([([3 + i, 4], greedy(2))], loop) for i in range(4)]
+        for request in requests:
+            scheduler.submit(request)
+            await asyncio.sleep(0.05)
+        for request in requests:
+            while not isinstance(await asyncio.wait_for(request.events.get(), 30), Finished):
+                pass
+
+    async def alone(token: int):
+        request = Request([([token, 9, 9], greedy(1))], asyncio.get_running_loop())
+        sent = time.perf_counter()
+        scheduler.submit(request)
+        await asyncio.wait_for(request.events.get(), 30)
+        first = time.perf_counter() - sent
+        while not isinstance(await asyncio.wait_for(request.events.get(), 30), Finished):
+            pass
+        return first
+
+    scheduler.start()
+    try:
+        asyncio.run(alone(20))  # the engine thread is in its loop, idle again after this one
+        time.sleep(0.1)
+        waited = asyncio.run(alone(21))
+        time.sleep(0.1)
+        asyncio.run(together())
+    finally:
+        scheduler.stop()
+    assert batches == [4]  # a lone request's one prompt takes Engine.add
+    assert 0.3 <= waited < 2.0
+
+
 def test_parked_rows_stay_within_their_byte_budget(model):
     per_token = gf.Engine(model, max_rows=1).model.new_cache(1, 64).row_bytes(1)
     scheduler = make_scheduler(model, cache_bytes=8 * per_token)  # one row of 6 positions
