@@ -13,9 +13,10 @@ Per precision, client count C and new-token count N: C streaming completions at 
 two servers alternating, --runs times. It prints the aggregate tokens/s (the streams' usage
 over the wall time, median of the runs), p50/p99 time to first token and p50 inter-token gap
 (pooled over the runs), and glassformer's ratio. One client's decode rate through the server
-(after its first token) is set beside the engine's in this process on the same file
-(target: >= 95%). --shared-prefix T adds a run where every prompt starts with the same T tokens:
-the prefix cache's hit (glassformer's usage.prompt_tokens_details.cached_tokens) and TTFT.
+(after its first token) is set beside the engine's in this process on the same file, the
+engine run after the two servers in each run (target: >= 95%). --shared-prefix T adds a run
+where every prompt starts with the same T tokens: the prefix cache's hit (glassformer's
+usage.prompt_tokens_details.cached_tokens) and TTFT.
 llama-server stores keys and values in f16 by default, and so does glassformer serve here
 (--kv-cache-dtype fp16, the default of this benchmark; fp32 or bf16 to compare others).
 
@@ -115,32 +116,41 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def engine_rate(
-    path: Path, prompt: str, new_tokens: int, threads: int, runs: int, kv: str | None
-) -> float:
-    """The engine's decode tokens/s in this process on the same file and precision (the
-    CLI's: the file's own, the fused step), the same prompt: the one-client target's basis."""
-    import glassformer as gf
-    from glassformer.cli.common import DecodeOptions, decode_engine, load_for_decode
-    from glassformer.infer.sampling import NO_EOS
+class InProcess:
+    """The engine in this process on the same file and precision (the CLI's: the file's own, the
+    fused step), the same prompt: the one-client target's basis. compare() runs it between the
+    servers' one-client runs, so that the three see the machine in the same minutes (on a
+    shared machine the rate of either drifted by 10% from one minute to the next)."""
 
-    options = DecodeOptions(threads=threads, kv_cache_dtype=kv)
-    model, tokenizer = load_for_decode(str(path), options, "the benchmark needs one")
-    engine = decode_engine(model, tokenizer, options)
-    ids = tokenizer.encode(prompt)
-    params = gf.SamplingParams(temperature=0.0, max_new_tokens=new_tokens, eos_token_id=NO_EOS)
-    rates = []
-    for _ in range(runs + 1):  # the first warms up
-        row = engine.add(ids, params)
+    def __init__(self, path: Path, prompt: str, threads: int, kv: str | None) -> None:
+        from glassformer.cli.common import DecodeOptions, decode_engine, load_for_decode
+
+        options = DecodeOptions(threads=threads, kv_cache_dtype=kv)
+        model, tokenizer = load_for_decode(str(path), options, "the benchmark needs one")
+        self.engine = decode_engine(model, tokenizer, options)
+        self.ids = tokenizer.encode(prompt)
+        self.rate(8)  # warm-up: the kernels' first build, the cache's first pages
+
+    def rate(self, new_tokens: int) -> float:
+        """One generation's decode tokens/s (after its first token)."""
+        import glassformer as gf
+        from glassformer.infer.sampling import NO_EOS
+
+        params = gf.SamplingParams(temperature=0.0, max_new_tokens=new_tokens, eos_token_id=NO_EOS)
+        row = self.engine.add(self.ids, params)
         while not row.finished:
-            engine.step()
-        rates.append(row.stats.decode_tokens_per_s)
-    return statistics.median(rates[1:])
+            self.engine.step()
+        return row.stats.decode_tokens_per_s
 
 
-def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
+def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], list[dict]]:
+    """Both servers on one file: a row per server and case, and the one-client cases' engine
+    rates in this process (each run: the two servers, then the engine)."""
     slots = max(args.clients)
-    rows = []
+    rows, engine = [], []
+    in_process = InProcess(
+        path, text_prompts(tokenizer, 1, args.prompt_tokens)[0], args.threads, args.kv_cache_dtype
+    )
     with ExitStack() as stack:
         ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
         ours += ["--kv-cache-dtype", args.kv_cache_dtype]
@@ -161,11 +171,27 @@ def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
             prefix = args.shared_prefix if shared else 0
             prompts = text_prompts(tokenizer, clients, args.prompt_tokens, prefix)
             samples = {server.name: [] for server in servers}
+            alone = clients == 1 and not shared
+            engine_rates = []
             for _ in range(args.runs):
                 for server in servers:
                     samples[server.name].append(
                         asyncio.run(burst(server, prompts, new_tokens, server.extra))
                     )
+                if alone:
+                    engine_rates.append(in_process.rate(new_tokens))
+            if alone:
+                rate = statistics.median(engine_rates)
+                served = summarize(samples[servers[0].name])["decode_tok_s"]
+                engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate,
+                               "served_decode_tok_s": served,
+                               "served_vs_engine": served / rate})  # fmt: skip
+                print(
+                    f"{precision}, {new_tokens} tokens: one client's decode {served:.1f} tok/s "
+                    f"through the server, {served / rate:.0%} of the engine's {rate:.1f} in this "
+                    "process (runs in alternation)",
+                    flush=True,
+                )
             pair = [summarize(samples[server.name]) for server in servers]
             for server, summary in zip(servers, pair, strict=True):
                 row = {"precision": precision, "server": server.name, "clients": clients,
@@ -184,7 +210,7 @@ def compare(args, precision: str, path: Path, tokenizer) -> list[dict]:
                 f"{ratio:.2f}x",
                 flush=True,
             )
-    return rows
+    return rows, engine
 
 
 def main() -> None:
@@ -221,29 +247,9 @@ def main() -> None:
             path = source if kind == "Q4_1" else Path(tmp) / f"smollm2-{kind}.gguf"
             if path != source:
                 quantized_with_binary(source, kind, path, args.threads)
-            prompt = text_prompts(tokenizer, 1, args.prompt_tokens)[0]
-            for new_tokens in args.new_tokens:
-                rate = engine_rate(
-                    path, prompt, new_tokens, args.threads, args.runs, args.kv_cache_dtype
-                )
-                engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate})
-                print(f"{precision}: the engine in process, {new_tokens} tokens: {rate:.1f} tok/s")
-            rows += compare(args, precision, path, tokenizer)
-    for entry in engine:
-        key = (entry["precision"], 1, entry["new_tokens"], 0)
-        served = [
-            r for r in rows
-            if (r["precision"], r["clients"], r["new_tokens"], r["shared_prefix"]) == key
-            and r["server"].startswith("glassformer")
-        ]  # fmt: skip
-        if served:
-            entry["served_decode_tok_s"] = served[0]["decode_tok_s"]
-            entry["served_vs_engine"] = served[0]["decode_tok_s"] / entry["tok_s"]
-            print(
-                f"{entry['precision']}, {entry['new_tokens']} tokens: one client's decode "
-                f"{served[0]['decode_tok_s']:.1f} tok/s through the server, "
-                f"{entry['served_vs_engine']:.0%} of the engine's {entry['tok_s']:.1f}"
-            )
+            ours, in_process = compare(args, precision, path, tokenizer)
+            rows += ours
+            engine += in_process
     if args.json:
         settings = {"model": "SmolLM2-135M", "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                     "llama_cpp": llama_cpp_version(),
