@@ -189,9 +189,9 @@ def test_requests_sent_together_are_gathered_into_one_prefill_and_a_lone_one_wai
     scheduler.start()
     try:
         asyncio.run(alone(20))  # the engine thread is in its loop, idle again after this one
-        time.sleep(0.1)
+        time.sleep(0.5)  # (a request queued before its next turn begins is not gathered)
         waited = asyncio.run(alone(21))
-        time.sleep(0.1)
+        time.sleep(0.5)
         asyncio.run(together())
     finally:
         scheduler.stop()
