@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from glassformer.infer.sampling import SamplingParams, filter_logits, sample, sampling_distribution
+from glassformer.models.common import all_finite
 
 torch.set_num_threads(1)
 
@@ -301,3 +302,26 @@ def test_the_engine_applies_the_repetition_penalty_to_the_rows_own_tokens():
         .token_ids
     )
     assert len(set(prompt + penalized)) == len(prompt + penalized)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_numpy_on_nan_inf_and_sums_that_overflow(dtype) -> None:
+    """all_finite sums first; a NaN or an inf anywhere, or both infinities at once, must still
+    be found, and finite values whose sum overflows (float32, float64, bf16 here) must pass."""
+    g = torch.Generator().manual_seed(0)
+    bases = [
+        torch.randn(3, 50, generator=g).to(dtype),
+        torch.full((4, 8), torch.finfo(dtype).max / 2, dtype=dtype),
+    ]
+    cases = list(bases)
+    for base in bases:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            case = base.clone()
+            case.view(-1)[int(torch.randint(case.numel(), (1,), generator=g))] = bad
+            cases.append(case)
+        both = base.clone()
+        both.view(-1)[:2] = torch.tensor([float("inf"), float("-inf")])
+        cases.append(both)
+    verdicts = [all_finite(case) for case in cases]
+    assert verdicts == [bool(np.isfinite(case.double().numpy()).all()) for case in cases]
+    assert verdicts.count(True) == 2  # the two bases

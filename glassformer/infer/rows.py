@@ -31,7 +31,7 @@ from glassformer.infer.sampling import (
     token_logprobs,
 )
 from glassformer.infer.thinking import Segments
-from glassformer.models.common import check_token_ids
+from glassformer.models.common import all_finite, check_token_ids
 
 
 @dataclass
@@ -349,8 +349,7 @@ def argmax_picks(rows: list[Row], logits: Tensor) -> list[int | None]:
     plain = [row.picks_argmax for row in rows]
     if sum(plain) < 2:
         return [None] * len(rows)
-    low, high = torch.aminmax(logits)  # a NaN makes both NaN: finite iff both are
-    if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+    if not all_finite(logits):
         return [None] * len(rows)
     best = logits.argmax(dim=-1).tolist()
     return [token if wanted else None for token, wanted in zip(best, plain, strict=True)]

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from glassformer.infer.constrain import Constraint, check_constraint, constraint_from
+from glassformer.models.common import all_finite
 
 
 def _check_temperature(temperature: float) -> None:
@@ -421,8 +422,9 @@ def filter_logits(
 def check_finite_logits(logits: Tensor, where: str) -> None:
     """Refuse to sample from logits with a NaN or infinite value: a model whose weights or
     adapter are broken would otherwise pick garbage (argmax of NaN is token 0) and succeed.
-    One reduction over the row's V values, next to the forward pass that made them."""
-    if bool(torch.isfinite(logits).all()):
+    One sum over the row's V values (models/common.all_finite), next to the forward pass that
+    made them."""
+    if all_finite(logits):
         return
     bad = logits.numel() - int(torch.isfinite(logits).sum())
     raise ValueError(
