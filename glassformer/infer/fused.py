@@ -127,7 +127,6 @@ class _Model(ctypes.Structure):
         ("att", _P),
         ("scores", _P),
         ("ff", _P),
-        ("x_sums", _P),
         ("max_positions", _I),
     ]
 
@@ -331,7 +330,6 @@ class FusedStep:
             "qkv": (H + 2 * Hkv) * D,
             "att": H * D,
             "ff": (2 if gated else 1) * cfg.d_ff,
-            "x_sums": max(C, H * D, cfg.d_ff) // kernels.Q4_GROUP + 1,
         }
         for name, size in scratch.items():  # per token, for up to max_tokens
             buffer = torch.zeros(self.max_tokens * size)

@@ -180,8 +180,8 @@ def _load(switch: str) -> ctypes.CDLL | None:
         # x, w, scale, y, rows, in, out, group, n_threads
         function.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
         function.restype = None
-    # x, w, scale, mins, y, x_sums, rows, in, out, n_threads
-    library.matvec_q4.argtypes = [pointer] * 6 + [size] * 3 + [ctypes.c_int]
+    # x, w, scale, mins, y, rows, in, out, n_threads
+    library.matvec_q4.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
     library.matvec_q4.restype = None
     # w, scale, out, rows, in, group, n_threads / w, scale, mins, out, rows, in, n_threads
     library.dequant_int8.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
@@ -286,14 +286,12 @@ def matvec(
     rows, n_in, n_out = x2d.shape[0], x2d.shape[1], weight.shape[0]
     y = torch.empty(rows, n_out, dtype=torch.float32)
     if weight.dtype == torch.uint8:
-        sums = torch.empty(rows, n_in // Q4_GROUP)
         library().matvec_q4(
             x2d.data_ptr(),
             weight.data_ptr(),
             scale.data_ptr(),
             mins.data_ptr(),
             y.data_ptr(),
-            sums.data_ptr(),
             rows,
             n_in,
             n_out,

@@ -75,9 +75,8 @@ typedef struct {
     Linear head;
     const Layer *layers;
     /* scratch for up to max_tokens rows: x, h (rows, C); qkv (rows, (H + 2 Hkv) D); att (rows,
-     * H D); ff (rows, 2 d_ff); x_sums (rows, the widest input / 32: int4's group sums); and
-     * scores (H, Tmax) */
-    float *x, *h, *qkv, *att, *scores, *ff, *x_sums;
+     * H D); ff (rows, 2 d_ff); and scores (H, Tmax) */
+    float *x, *h, *qkv, *att, *scores, *ff;
     int64_t max_positions;
 } Model;
 
@@ -100,13 +99,13 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
 static inline __attribute__((always_inline)) float row_dot(const Linear *L, int64_t o,
-                                                           const float *x, const float *x_sums) {
+                                                           const float *x) {
     const int64_t n_groups = L->in / L->group;
     const float *scale = L->scale ? L->scale + o * n_groups : 0;
     float dot;
     if (L->storage == Q4)
         dot = dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
-                     L->mins + o * n_groups, x_sums, L->in);
+                     L->mins + o * n_groups, L->in);
     else if (L->storage == F32)
         dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
     else if (L->storage == BF16)
@@ -117,18 +116,18 @@ static inline __attribute__((always_inline)) float row_dot(const Linear *L, int6
 }
 
 /* W[o + j] . x[r] for `w_rows` weight rows (1, or OUT_TILE where the storage has a wider
- * tile) and ROW_TILE inputs x[r] = x + r * stride (the Q4 group sums at x_sums + r * in / 32)
- * into dots[j * ROW_TILE + r], each bit for bit row_dot's without the bias. */
+ * tile) and ROW_TILE inputs x[r] = x + r * stride into dots[j * ROW_TILE + r], each bit for
+ * bit row_dot's without the bias. */
 static inline int64_t tile_rows(const Linear *L, int64_t left) {
     return (L->storage == F32 || L->storage == BF16) && left >= OUT_TILE ? OUT_TILE : 1;
 }
 static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
-                            int64_t stride, const float *x_sums, float *dots) {
+                            int64_t stride, float *dots) {
     const int64_t n_groups = L->in / L->group;
     const float *scale = L->scale ? L->scale + o * n_groups : 0;
     if (L->storage == Q4)
         dot_q4_tile((const uint8_t *)L->weight + o * (L->in / 2), x, stride, scale,
-                    L->mins + o * n_groups, x_sums, L->in, dots);
+                    L->mins + o * n_groups, L->in, dots);
     else if (L->storage == F32 && w_rows == OUT_TILE)
         dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
                      OUT_TILE, dots);
@@ -161,40 +160,30 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
  * than a tile, one at a time (row_dot). Each input's dot products run in the single-input
  * order, so its outputs are bit for bit what it gets alone. */
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
-                   int accumulate, float *x_sums) {
-    if (rows == 1) { /* int4: each thread sums x's groups itself (the same sums), so no
-                      * barrier between them and the products: SmolLM2 Q4_1's step 4.64-4.81
-                      * against 4.78-5.00 ms, 3 pairs */
-        float own[L->storage == Q4 ? L->in / 32 : 1];
-        if (L->storage == Q4) group_sums(x, L->in, own);
+                   int accumulate) {
+    if (rows == 1) {
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < L->out; ++o)
-            y[o] = accumulate ? y[o] + row_dot(L, o, x, own) : row_dot(L, o, x, own);
+            y[o] = accumulate ? y[o] + row_dot(L, o, x) : row_dot(L, o, x);
         return;
     }
-    if (L->storage == Q4) {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            group_sums(x + r * stride, L->in, x_sums + r * (L->in / 32));
-    }
-    const int64_t sums = L->in / 32, blocks = (L->out + OUT_BLOCK - 1) / OUT_BLOCK;
+    const int64_t blocks = (L->out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp for schedule(static)
     for (int64_t block = 0; block < blocks; ++block) {
         const int64_t first = block * OUT_BLOCK;
         const int64_t last = first + OUT_BLOCK < L->out ? first + OUT_BLOCK : L->out;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            const float *xs = x + r0 * stride, *ss = x_sums ? x_sums + r0 * sums : 0;
+            const float *xs = x + r0 * stride;
             for (int64_t o = first; o < last;) {
                 const int64_t w_rows = n == ROW_TILE ? tile_rows(L, last - o) : 1;
                 float dots[OUT_TILE * ROW_TILE];
-                if (n == ROW_TILE) tile_dot(L, o, w_rows, xs, stride, ss, dots);
+                if (n == ROW_TILE) tile_dot(L, o, w_rows, xs, stride, dots);
                 for (int64_t j = 0; j < w_rows; ++j, ++o)
                     for (int64_t r = 0; r < n; ++r) {
-                        const float *xr = xs + r * stride, *sr = ss ? ss + r * sums : 0;
                         const float d = dots[j * ROW_TILE + r];
                         const float dot = n == ROW_TILE ? (L->bias ? d + L->bias[o] : d)
-                                                        : row_dot(L, o, xr, sr);
+                                                        : row_dot(L, o, xs + r * stride);
                         float *out = y + (r0 + r) * L->out + o;
                         *out = accumulate ? *out + dot : dot;
                     }
@@ -435,7 +424,7 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
         for (int64_t r = 0; r < n; ++r)
             norm(x + r * C, h + r * C, C, layer->attn_norm_weight, layer->attn_norm_bias, rms,
                  m->norm_eps);
-        linear(&layer->qkv, h, C, n, qkv, 0, m->x_sums);
+        linear(&layer->qkv, h, C, n, qkv, 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             float *row = qkv + r * QKV, *k = row + H * D, *v = k + Hkv * D;
@@ -474,19 +463,19 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
                     attend(m, layer, head, r, positions[r], offsets[r],
                            m->scores + head * m->max_positions);
         }
-        linear(&layer->out, m->att, H * D, n, x, 1, m->x_sums);
+        linear(&layer->out, m->att, H * D, n, x, 1);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r)
             norm(x + r * C, h + r * C, C, layer->ffn_norm_weight, layer->ffn_norm_bias, rms,
                  m->norm_eps);
-        linear(&layer->up, h, C, n, ff, 0, m->x_sums);
+        linear(&layer->up, h, C, n, ff, 0);
         activate_all(ff, F, m->activation, (int)m->gated, n);
-        linear(&layer->down, ff, m->gated ? 2 * F : F, n, x, 1, m->x_sums);
+        linear(&layer->down, ff, m->gated ? 2 * F : F, n, x, 1);
     }
     for (int64_t r = 0; r < n; ++r)
         norm(x + r * C, h + r * C, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
 #pragma omp parallel num_threads(n_threads)
-    linear(&m->head, h, C, n, logits, 0, m->x_sums);
+    linear(&m->head, h, C, n, logits, 0);
 }
 
 /* The tokens tokens[0..n-1] at positions pos..pos+n-1 of the cache row the layers point at
@@ -532,7 +521,7 @@ static const LayoutEntry LAYOUT[] = {
     FIELD(Model, tok_emb), FIELD(Model, pos_emb), FIELD(Model, final_norm_weight),
     FIELD(Model, final_norm_bias), FIELD(Model, head), FIELD(Model, layers), FIELD(Model, x),
     FIELD(Model, h), FIELD(Model, qkv), FIELD(Model, att), FIELD(Model, scores),
-    FIELD(Model, ff), FIELD(Model, x_sums), FIELD(Model, max_positions),
+    FIELD(Model, ff), FIELD(Model, max_positions),
 };
 
 /* Up to `capacity` entries of the table above: names[i], and offsets_and_sizes[2i], [2i + 1]

@@ -40,17 +40,16 @@ DEFINE_MATVEC(matvec_f32, float, dot_f32)
 DEFINE_MATVEC(matvec_bf16, uint16_t, dot_bf16)
 DEFINE_MATVEC(matvec_int8, int8_t, dot_int8)
 
-/* int4 (simd.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32); x_sums is
- * scratch for rows * in / 32 floats. `in` must be a multiple of 32. */
+/* int4 (simd.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32). `in` must
+ * be a multiple of 32. */
 void matvec_q4(const float *x, const uint8_t *w, const float *scale, const float *mins, float *y,
-               float *x_sums, int64_t rows, int64_t in, int64_t out, int n_threads) {
+               int64_t rows, int64_t in, int64_t out, int n_threads) {
     const int64_t n_groups = in / 32;
-    for (int64_t b = 0; b < rows; ++b) group_sums(x + b * in, in, x_sums + b * n_groups);
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t o = 0; o < out; ++o)
         for (int64_t b = 0; b < rows; ++b)
             y[b * out + o] = dot_q4(w + o * (in / 2), x + b * in, scale + o * n_groups,
-                                    mins + o * n_groups, x_sums + b * n_groups, in);
+                                    mins + o * n_groups, in);
 }
 
 /* Dequantization for matrix-matrix products (prefill): rows [0, rows) of an int8 or int4
