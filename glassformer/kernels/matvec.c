@@ -69,32 +69,17 @@ void dequant_int8(const int8_t *w, const float *scale, float *out, int64_t rows,
         }
 }
 
-/* 16 nibbles (one per byte) -> 16 floats scale * q + min */
-static inline void store_q4_floats(float *dst, __m128i nibbles, float scale, float min) {
-#ifdef __AVX512F__
-    vec q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
-    vec_store(dst, vec_fma(q, vec_set1(scale), vec_set1(min)));
-#else
-    vec a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
-    vec b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8)));
-    vec_store(dst, vec_fma(a, vec_set1(scale), vec_set1(min)));
-    vec_store(dst + 8, vec_fma(b, vec_set1(scale), vec_set1(min)));
-#endif
-}
-
+/* Each group's 32 weights scale * q + min, as the decode step's dot products take them
+ * (simd.h's q4_weights), so prefill multiplies the same numbers. */
 void dequant_q4(const uint8_t *w, const float *scale, const float *mins, float *out,
                 int64_t rows, int64_t in, int n_threads) {
     const int64_t n_groups = in / 32;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t o = 0; o < rows; ++o)
         for (int64_t g = 0; g < n_groups; ++g) {
-            const float s = scale[o * n_groups + g], m = mins[o * n_groups + g];
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + o * (in / 2) + g * 16));
-            const __m128i mask = _mm_set1_epi8(0x0f);
-            const __m128i low = _mm_and_si128(bytes, mask);  /* weights 0..15 */
-            const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  /* 16..31 */
+            vec weights[Q4_VECS];
             float *dst = out + o * in + g * 32;
-            store_q4_floats(dst, low, s, m);
-            store_q4_floats(dst + 16, high, s, m);
+            q4_weights(w + o * (in / 2), g, scale + o * n_groups, mins + o * n_groups, weights);
+            for (int i = 0; i < Q4_VECS; ++i) vec_store(dst + i * LANES, weights[i]);
         }
 }
