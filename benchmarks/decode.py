@@ -73,7 +73,9 @@ from glassformer.interop.hf import save_hf_model
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
+PRECISIONS = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
+# w8a8 / w4a8: int8 / int4 weights whose inputs are rounded to int8 (glassformer.nn.quant's
+# round_inputs), llama.cpp's own arithmetic for Q8_0 / Q4_1 (Q8_0 / Q8_1 activations)
 
 
 # --- the machine's limit ------------------------------------------------------------------------
@@ -266,15 +268,15 @@ def glassformer_variant(base: nn.Module, precision: str, plain: bool) -> nn.Modu
     model = copy.deepcopy(base)
     if plain:
         return model.to(torch.bfloat16) if precision == "bf16" else model
-    if precision == "int8":
-        from glassformer.nn.quant import quantize_int8
+    from glassformer.nn.quant import quantize_int4, quantize_int8, round_inputs
 
-        return quantize_int8(model)
-    if precision == "int4":
-        from glassformer.nn.quant import quantize_int4
-
-        return quantize_int4(model)
-    return optimize_for_decode(model, precision)
+    if precision in ("int8", "w8a8"):
+        model = quantize_int8(model)
+    elif precision in ("int4", "w4a8"):
+        model = quantize_int4(model)
+    else:
+        return optimize_for_decode(model, precision)
+    return round_inputs(model) if precision.startswith("w") else model
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -313,7 +315,7 @@ def main() -> None:
                 contestants = {"glassformer": glassformer_variant(base, precision, plain=False)}
                 if args.with_plain:
                     contestants["glassformer unfused"] = contestants["glassformer"]
-                if args.with_plain and precision not in ("int8", "int4"):
+                if args.with_plain and precision in ("fp32", "bf16"):
                     contestants["glassformer plain"] = glassformer_variant(base, precision, True)
                 peers = [LLAMA_CPP_TYPES[precision]]
                 llama = {f"llama.cpp {kind}": LlamaBench(gguf[kind], args.threads)

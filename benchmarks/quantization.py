@@ -3,8 +3,10 @@ perplexity and what it buys in bytes and decode speed, against fp32 and bf16, me
 run.
 
 Contestants: the fp32 and bf16 models prepared by optimize_for_decode, int8 with one scale
-per output row ("channel") or per row and group of 64 or 32 columns (--groups), and int4 with a
-scale and a min per 32 weights (llama.cpp's Q4_1 form). SmolLM2's only shipped weights are a
+per output row ("channel") or per row and group of 64 or 32 columns (--groups), int4 with a
+scale and a min per 32 weights (llama.cpp's Q4_1 form), and w8a8 / w4a8: int8 in groups of 32
+and int4 whose every input is rounded to int8 in groups of 32 too (round_inputs), the
+arithmetic llama.cpp uses for Q8_0 and Q4_1 files. SmolLM2's only shipped weights are a
 Q4_1 GGUF file, so "fp32" holds those values dequantized: int4 gives them back (to float
 rounding), and its perplexity is fp32's; int8 rounds them again.
 
@@ -49,7 +51,7 @@ from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.interop.pretrained import from_pretrained
-from glassformer.nn.quant import quantize_int4, quantize_int8, weight_bytes
+from glassformer.nn.quant import quantize_int4, quantize_int8, round_inputs, weight_bytes
 
 
 def held_out_ids(tokenizer, play: str, n_tokens: int) -> list[int]:
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 reference")
     parser.add_argument("--no-int4", action="store_true", help="skip int4")
+    parser.add_argument("--no-a8", action="store_true", help="skip w8a8 and w4a8")
     parser.add_argument(
         "--gguf", nargs="*", default=["Q4_1", "Q4_0", "Q4_K_M"],
         help="GGUF files to load with quantize='int4' (needs llama-cpp-python; none: skip)",
@@ -117,6 +120,9 @@ def main() -> None:
         models[f"int8 {group}"] = quantize_int8(copy.deepcopy(fp32), group_size)
     if not args.no_int4:
         models["int4 32"] = quantize_int4(copy.deepcopy(fp32))
+    if not args.no_a8:  # the inputs rounded to int8 too, as llama.cpp computes Q8_0 and Q4_1
+        models["w8a8 32"] = round_inputs(quantize_int8(copy.deepcopy(fp32), 32))
+        models["w4a8 32"] = round_inputs(quantize_int4(copy.deepcopy(fp32)))
     ids = held_out_ids(tokenizer, args.play, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         files = requantized_smollm2(args.gguf, Path(tmp), args.threads)

@@ -5,6 +5,7 @@ without a cache, and a Q8_0 GGUF file's own dequantized values.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import gguf
@@ -216,7 +217,8 @@ def test_cli_quantize_flag_generates_what_the_quantized_model_does(
 
 def test_unknown_quantize_value_is_one_clear_line(char_checkpoint, capsys):
     with pytest.raises(
-        ValueError, match="quantize='int2' is not known: pick None, 'int8', 'int4' or 'file'"
+        ValueError,
+        match="quantize='int2' is not known: pick None, 'int8', 'int4', 'w8a8', 'w4a8' or 'file'",
     ):
         from_pretrained(char_checkpoint, quantize="int2")
     with pytest.raises(SystemExit):  # argparse: usage and one error line, exit status 2
@@ -273,3 +275,49 @@ def test_q8_0_gguf_loads_as_int8_exactly(tmp_path):
         reference, logits = file_model(ids), model(ids)
     max_error, rms_error = logit_error(reference, logits)
     assert max_error < 1e-5 and rms_error < 1e-6  # the same weights: rounding only
+
+
+# --- inputs rounded to int8 (w8a8, w4a8) -------------------------------------------------------
+
+
+def test_inputs_are_rounded_as_llama_cpp_rounds_q8_0_blocks():
+    """round_to_int8 against gguf-py's Q8_0 quantizer (llama.cpp's reference in numpy): the
+    same q in every block of 32, and d = max|x| / 127, which the file keeps in fp16. Values
+    spread over magnitudes (and a block of zeros, and one with a single large value)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=generator) * torch.logspace(-1, 2, 6)[:, None]
+    x[0, :32] = 0.0
+    x[1, 32:64] = 0.0
+    x[1, 40] = 50.0
+    rounded = quant.round_to_int8(x)
+    blocks = x.unflatten(-1, (-1, 32))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(rounded.unflatten(-1, (-1, 32)) / d), 0.0)
+    raw = gguf.quants.quantize(x.numpy(), Q.Q8_0).reshape(6, 8, 34)  # per block: fp16 d, 32 q
+    file_d = torch.from_numpy(raw[..., :2].copy().view(np.float16).astype(np.float32))
+    file_q = torch.from_numpy(raw[..., 2:].copy().view(np.int8).astype(np.float32))
+    assert torch.equal(q, file_q)
+    torch.testing.assert_close(d, file_d, rtol=5e-4, atol=0)  # fp16: 11 bits
+    assert q.abs().max() == 127 and torch.equal(rounded, (q * d).flatten(-2))
+
+
+def test_round_inputs_makes_w4a8_and_w8a8_models(char_checkpoint):
+    from glassformer.cli.precision import precision_name
+
+    model = tiny_model(**SIZES, scale=1.0)
+    with pytest.raises(ValueError, match="quantize it first"):
+        quant.round_inputs(model)
+    ids = torch.tensor([[5, 17, 3, 60, 2, 9]])
+    with torch.no_grad():
+        reference = model(ids)
+        int4 = quant.quantize_int4(copy.deepcopy(model))
+        w4a8 = quant.round_inputs(quant.quantize_int4(copy.deepcopy(model)))
+        w8a8 = quant.round_inputs(quantize_int8(copy.deepcopy(model), 32))
+        assert [precision_name(m) for m in (int4, w4a8, w8a8)] == ["int4", "w4a8", "w8a8"]
+        assert "inputs=int8" in repr(w4a8.lm_head)
+        # rounding the inputs changes the logits (the function is another), by about what
+        # rounding the weights does
+        weights_only, both = logit_error(reference, int4(ids)), logit_error(reference, w4a8(ids))
+        assert both[1] > 0 and both != weights_only and both[1] < 3 * weights_only[1]
+    loaded, _ = from_pretrained(char_checkpoint, quantize="w8a8")
+    assert precision_name(loaded) == "w8a8"

@@ -354,10 +354,12 @@ def add_decode_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=("int8", "int4"),
+        choices=("int8", "int4", "w8a8", "w4a8"),
         help="int8: weight-only int8, a scale per 64 weights (about 3.7x fewer bytes than fp32); "
         "int4: a scale and a min per 32 weights, llama.cpp's Q4_1 form (about 5x fewer); a "
-        "GGUF file's own blocks are kept where they have that form",
+        "GGUF file's own blocks are kept where they have that form. w8a8, w4a8: int8, int4 with "
+        "each layer's input rounded to int8 too, as llama.cpp computes (integer dot products: "
+        "faster decoding, a small perplexity change, docs/performance.md)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -412,14 +414,19 @@ def load_with_tokenizer(
         model, tokenizer = from_pretrained(model_name, quantize=quantize)
     else:
         model, tokenizer = load_merged(model_name, adapter)
-        if quantize == "int8":
-            from glassformer.nn.quant import DEFAULT_GROUP_SIZE, quantize_int8
+        from glassformer.nn.quant import (
+            DEFAULT_GROUP_SIZE,
+            quantize_int4,
+            quantize_int8,
+            round_inputs,
+        )
 
+        if quantize in ("int8", "w8a8"):
             model = quantize_int8(model, DEFAULT_GROUP_SIZE)
-        elif quantize == "int4":
-            from glassformer.nn.quant import quantize_int4
-
+        elif quantize in ("int4", "w4a8"):
             model = quantize_int4(model)
+        if quantize in ("w8a8", "w4a8"):
+            model = round_inputs(model)
     if tokenizer is None:
         raise ValueError(f"{model_name} has no tokenizer.json: {why}")
     return model, tokenizer

@@ -75,14 +75,13 @@ def resolve_precision(
 
 
 def precision_name(model: nn.Module) -> str:
-    """What a loaded model decodes in: int4 or int8 (its blocks' Linears), else its float
-    dtype (fp32, bf16)."""
+    """What a loaded model decodes in: int4 or int8 (its blocks' Linears), w4a8 or w8a8 when
+    their inputs are rounded to int8 too, else its float dtype (fp32, bf16)."""
     from glassformer.nn.quant import Int4Linear, Int8Linear
 
-    kinds = {type(module) for module in model.modules()}
-    if Int4Linear in kinds:
-        return "int4"
-    if Int8Linear in kinds:
-        return "int8"
+    quantized = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    if quantized:
+        bits = "4" if any(isinstance(m, Int4Linear) for m in quantized) else "8"
+        return f"w{bits}a8" if quantized[0].round_inputs else f"int{bits}"
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

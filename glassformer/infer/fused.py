@@ -71,6 +71,7 @@ class _Linear(ctypes.Structure):
         ("out", _I),
         ("group", _I),
         ("storage", _I),
+        ("round_inputs", _I),
     ]
 
 
@@ -266,6 +267,7 @@ class FusedStep:
             out,
             group,
             _STORAGE[weight.dtype],
+            int(getattr(module, "round_inputs", False)),
         )
 
     def _norm(self, norm: nn.Module) -> tuple[int | None, int | None]:

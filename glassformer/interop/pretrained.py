@@ -69,7 +69,7 @@ def _refuse_pickles(path: Path) -> None:
             safetensors_files(path)  # raises the conversion hint, naming the files
 
 
-QUANTIZE_CHOICES = (None, "int8", "int4", "file")
+QUANTIZE_CHOICES = (None, "int8", "int4", "w8a8", "w4a8", "file")
 
 
 def from_pretrained(
@@ -88,6 +88,11 @@ def from_pretrained(
     are taken as they are, bit for bit, and its matrices stored above 4 bits (Q6_K in a
     Q4_K_M file) become int8 in groups of 32 (glassformer.interop.gguf_blocks).
 
+    quantize="w8a8" / "w4a8": int8 / int4 as above, and every quantized module's input rounded
+    to int8 in groups of 32 before its product (glassformer.nn.quant.round_inputs), as
+    llama.cpp computes Q8_0 and Q4_1 files: integer dot products in the decode step, a
+    different function from the file's (benchmarks/quantization.py measures the perplexity).
+
     quantize="file": the file's own precision, as the CLI runs by default on the CPU: "int4"
     or "int8" where stored_precision finds the weights stored in a form those keep exactly
     (SmolLM2's Q4_1 file), else None (float). None, the default, loads float weights (a
@@ -97,7 +102,16 @@ def from_pretrained(
     Loading is strict: an unsupported architecture or option, a missing, extra or misshapen
     tensor, or pickled weights raise InteropError naming it."""
     if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r} is not known: pick None, 'int8', 'int4' or 'file'")
+        raise ValueError(
+            f"quantize={quantize!r} is not known: pick None, 'int8', 'int4', 'w8a8', 'w4a8' or "
+            "'file'"
+        )
+    if quantize in ("w8a8", "w4a8"):
+        from glassformer.nn.quant import round_inputs
+
+        weights = "int8" if quantize == "w8a8" else "int4"
+        model, tokenizer = from_pretrained(name_or_path, dtype, weights)
+        return round_inputs(model), tokenizer
     if quantize == "file":
         quantize = stored_precision(name_or_path)
     model, tokenizer = _load_float(name_or_path, dtype)

@@ -41,6 +41,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "a8.h"
 #include "simd.h"
 
 enum storage { F32 = 0, BF16 = 1, INT8 = 2, Q4 = 3 };
@@ -53,6 +54,7 @@ typedef struct {
     const float *bias;  /* (out,) or NULL */
     int64_t in, out, group;
     int64_t storage;
+    int64_t round_inputs; /* 1: x rounded to int8 in groups of 32 first (a8.h: w8a8, w4a8) */
 } Linear;
 
 typedef struct {
@@ -145,6 +147,58 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
                       dots);
 }
 
+/* W[o] . x[r] (+ b[o]) for inputs x rounded to int8 (a8.h): ROW_TILE of them (`tile`) or one */
+static inline void a8_dot(const Linear *L, int64_t o, const Rounded *x, int tile, float *out) {
+    const int64_t n_groups = L->in / L->group;
+    const float *scale = L->scale + o * n_groups;
+    if (L->storage == Q4) {
+        const uint8_t *w = (const uint8_t *)L->weight + o * (L->in / 2);
+        if (tile) dot_q4_a8(w, x, scale, L->mins + o * n_groups, L->in, ROW_TILE, out);
+        else dot_q4_a8(w, x, scale, L->mins + o * n_groups, L->in, 1, out);
+    } else {
+        /* a copy per common group size, as dot_int8: 64 * c / group a shift, not a division */
+        const int8_t *w = (const int8_t *)L->weight + o * L->in;
+        const int64_t in = L->in, group = L->group;
+        if (tile && group == 32) dot_i8_a8(w, x, scale, in, 32, ROW_TILE, out);
+        else if (tile && group == 64) dot_i8_a8(w, x, scale, in, 64, ROW_TILE, out);
+        else if (tile) dot_i8_a8(w, x, scale, in, group, ROW_TILE, out);
+        else if (group == 32) dot_i8_a8(w, x, scale, in, 32, 1, out);
+        else if (group == 64) dot_i8_a8(w, x, scale, in, 64, 1, out);
+        else dot_i8_a8(w, x, scale, in, group, 1, out);
+    }
+    for (int r = 0; L->bias && r < (tile ? ROW_TILE : 1); ++r) out[r] += L->bias[o];
+}
+
+/* linear() below for a weight whose inputs are rounded to int8 first (round_inputs). Each
+ * thread rounds every input itself, into its own scratch: the same bytes in each thread, and
+ * no barrier before the products (a few microseconds of work against a barrier's wait). Then
+ * the thread's share of output rows, each weight row against ROW_TILE inputs at a time (read
+ * once for all of them, and in the one-input order, so each input's outputs are bit for bit
+ * what it gets alone). */
+static void linear_a8(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
+                      int accumulate) {
+    const int64_t bytes = rounded_bytes(L->in);
+    char *memory = a8_scratch(rows * bytes);
+    Rounded rounded[rows];
+    for (int64_t r = 0; r < rows; ++r) {
+        rounded[r] = rounded_at(memory + r * bytes, L->in);
+        round_x(x + r * stride, L->in, L->storage == Q4, &rounded[r]);
+    }
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < L->out; ++o)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            float dots[ROW_TILE];
+            const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            if (n == ROW_TILE) a8_dot(L, o, rounded + r0, 1, dots);
+            else
+                for (int64_t r = 0; r < n; ++r) a8_dot(L, o, rounded + r0 + r, 0, dots + r);
+            for (int64_t r = 0; r < n; ++r) {
+                float *out = y + (r0 + r) * L->out + o;
+                *out = accumulate ? *out + dots[r] : dots[r];
+            }
+        }
+}
+
 /* Output rows per block of the batched loop: their weights (OUT_BLOCK x in values, 9 KB of
  * int8 at in = 576) stay in the core's caches while every tile of inputs passes over them. */
 #define OUT_BLOCK 16
@@ -161,6 +215,10 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
  * order, so its outputs are bit for bit what it gets alone. */
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                    int accumulate) {
+    if (L->round_inputs) {
+        linear_a8(L, x, stride, rows, y, accumulate);
+        return;
+    }
     if (rows == 1) {
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < L->out; ++o)
@@ -492,6 +550,15 @@ void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos
 }
 
 
+/* One projection y (rows, out) = x (rows, in) W^T + b as the step computes it, on its own: the
+ * tests hold each storage's products to the torch module's on the same input (inside a step,
+ * an input differs from the torch path's by float rounding, and rounding it to int8 can then
+ * land one step apart). */
+void linear_rows(const Linear *L, const float *x, int64_t rows, float *y, int n_threads) {
+#pragma omp parallel num_threads(n_threads)
+    linear(L, x, L->in, rows, y, 0);
+}
+
 /* --- the layout, for the ctypes mirror -------------------------------------------------------- */
 
 typedef struct {
@@ -506,6 +573,7 @@ static const LayoutEntry LAYOUT[] = {
     STRUCT(Linear),
     FIELD(Linear, weight), FIELD(Linear, scale), FIELD(Linear, mins), FIELD(Linear, bias),
     FIELD(Linear, in), FIELD(Linear, out), FIELD(Linear, group), FIELD(Linear, storage),
+    FIELD(Linear, round_inputs),
     STRUCT(Layer),
     FIELD(Layer, attn_norm_weight), FIELD(Layer, attn_norm_bias), FIELD(Layer, q_norm_weight),
     FIELD(Layer, k_norm_weight), FIELD(Layer, ffn_norm_weight), FIELD(Layer, ffn_norm_bias),

@@ -15,6 +15,12 @@ and Q4_K blocks exactly (interop/gguf_blocks.py reads them into it without going
 float). About 6 bits a weight with float32 scales and mins (5 in llama.cpp's Q4_1, whose scales
 are fp16).
 
+w8a8 and w4a8 (round_inputs) go one step further, as llama.cpp does: each module's input is
+rounded to int8 too, in groups of 32 columns (round_to_int8), so the decode step's products are
+integer sums (glassformer/kernels/a8.h) instead of a float conversion per weight. That changes
+the function computed (benchmarks/quantization.py measures by how much), so it is a precision
+of its own, never what int8 or int4 run.
+
 Shapes: O output features, K input features, G = K / group_size groups per row.
 """
 
@@ -57,10 +63,24 @@ def quantize_groupwise(weight: Tensor, group_size: int | None = DEFAULT_GROUP_SI
     return q.view(O, K), scales
 
 
+def round_to_int8(x: Tensor) -> Tensor:
+    """x (..., K) rounded to int8 in groups of 32 columns and given back as floats: d * q with
+    d = max|x| / 127 over the group and q = round(x * (1 / d)) in -127..127 (ties to even), the
+    rounding the decode step's a8.h applies to every input of a round_inputs module (llama.cpp's
+    Q8_0 activations). K must be a multiple of 32."""
+    groups = x.float().unflatten(-1, (-1, 32))
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(groups * inverse) * d).flatten(-2).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """A Linear with an int8 weight (O, K) and float32 scales (O, G): y = x (q * s)^T + b.
 
-    Inference only (the int8 weight has no gradient). The output has the input's dtype."""
+    Inference only (the int8 weight has no gradient). The output has the input's dtype.
+    round_inputs (w8a8): x is rounded to int8 first (round_to_int8)."""
+
+    round_inputs = False
 
     def __init__(
         self,
@@ -106,6 +126,8 @@ class Int8Linear(nn.Module):
         return kernels.dequantize(self.weight, self.scales, torch.float32)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.round_inputs:
+            x = round_to_int8(x)
         y = kernels.matvec(x, self.weight, self.scales)  # (..., O)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -113,6 +135,7 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={self.group_size}"
+            + (", inputs=int8" if self.round_inputs else "")
         )
 
 
@@ -198,7 +221,10 @@ def quantize_q4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 class Int4Linear(nn.Module):
     """A Linear with int4 weights (uint8 (O, K/2), two a byte), float32 scales and mins (O,
-    K/32): y = x (scale q + min)^T + b. Inference only; the output has the input's dtype."""
+    K/32): y = x (scale q + min)^T + b. Inference only; the output has the input's dtype.
+    round_inputs (w4a8): x is rounded to int8 first (round_to_int8)."""
+
+    round_inputs = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
         super().__init__()
@@ -232,6 +258,8 @@ class Int4Linear(nn.Module):
         return kernels.dequantize(self.weight, self.scales, torch.float32, self.mins)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.round_inputs:
+            x = round_to_int8(x)
         y = kernels.matvec(x, self.weight, self.scales, self.mins)  # (..., O)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -239,6 +267,7 @@ class Int4Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, group_size={kernels.Q4_GROUP}"
+            + (", inputs=int8" if self.round_inputs else "")
         )
 
 
@@ -263,6 +292,28 @@ def quantize_int4(model: nn.Module) -> nn.Module:
         return Int8Linear.from_linear(linear, fitting_group_size(32, linear.in_features))
 
     return replace_linears(model, int4, head, "quantize_int4")
+
+
+def round_inputs(model: nn.Module) -> nn.Module:
+    """w8a8 / w4a8: every Int8Linear and Int4Linear of a quantized model rounds its input to
+    int8 in groups of 32 before its product (round_to_int8; in place, returns the model).
+    Refuses a model with none, and one whose int8 groups are not whole groups of 32."""
+    modules = [m for m in model.modules() if isinstance(m, Int8Linear | Int4Linear)]
+    if not modules:
+        raise ValueError(
+            "round_inputs rounds the inputs of int8 and int4 weights, and this model has none: "
+            "quantize it first (quantize_int8, quantize_int4)"
+        )
+    for module in modules:
+        group = getattr(module, "group_size", kernels.Q4_GROUP)
+        if module.in_features % 32 or group % 32:
+            raise ValueError(
+                f"round_inputs needs widths and weight groups in multiples of 32: a module has "
+                f"{module.in_features} inputs in groups of {group}"
+            )
+    for module in modules:
+        module.round_inputs = True
+    return model
 
 
 def parameter_count(model: nn.Module) -> int:
