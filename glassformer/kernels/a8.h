@@ -263,7 +263,7 @@ static inline vec load_first(const float *p, int64_t count) {
     }
 
 /* int4 row . rounded x, ROWS inputs at once (each int4 chunk unpacked once for all): out[r]
- * is input r's dot product in lanes, for a8_sum4 */
+ * is input r's dot product in lanes, for vec_sum4 */
 static inline __attribute__((always_inline)) void dot_q4_a8(
     const uint8_t *w_row, const Rounded *x, const float *scale_row, const float *min_row,
     int64_t in, const int ROWS, vec *out) {
@@ -291,35 +291,6 @@ static inline __attribute__((always_inline)) void dot_i8_a8(
     for (int r = 0; r < ROWS; ++r) out[r] = vec_add(acc[r][0], acc[r][1]);
 }
 
-/* The lanes of four vectors summed, each in the same order (lane i + lane i + LANES / 2, then
- * the same on the halves, and so on), so that a dot product's value is the same whichever
- * three others it is summed beside: one pass of shuffles for four rows where a sum of each
- * alone took a third of a w4a8 row's instructions. */
-static inline void a8_sum4(const vec v[4], float out[4]) {
-#ifdef __AVX512F__
-    /* [v0 lanes 0-7 + 8-15, v1 ...], [v2 ..., v3 ...] */
-    const vec v01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xee));
-    const vec v23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xee));
-    /* a 128-bit lane per vector: lanes 0-3 + 4-7 */
-    vec t = _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xdd));
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e)); /* 0 + 2, 1 + 3 */
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1)); /* 0 + 1 */
-    float lanes[16];
-    _mm512_storeu_ps(lanes, t);
-    for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
-#else
-    const vec v01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
-    const vec v23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
-    float lanes[2][8];
-    const vec halves[2] = {v01, v23};
-    for (int h = 0; h < 2; ++h) {
-        vec t = _mm256_add_ps(halves[h], _mm256_permute_ps(halves[h], 0x4e));
-        t = _mm256_add_ps(t, _mm256_permute_ps(t, 0xb1));
-        _mm256_storeu_ps(lanes[h], t);
-    }
-    for (int i = 0; i < 4; ++i) out[i] = lanes[i / 2][4 * (i % 2)];
-#endif
-}
 
 /* Each thread's scratch for its rounded rows, grown on demand and kept for the next call. */
 static _Thread_local char *a8_memory;

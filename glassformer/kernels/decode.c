@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void a8_dot(const Linear *L, int64_
 static inline void a8_store(const Linear *L, const vec dots[4], int count, float *y, int64_t o,
                             int64_t o_step, int64_t r, int64_t r_step, int accumulate) {
     float sums[4];
-    a8_sum4(dots, sums);
+    vec_sum4(dots, sums);
     for (int i = 0; i < count; ++i) {
         const int64_t at = o + i * o_step;
         const float value = sums[i] + (L->bias ? L->bias[at] : 0.0f);
@@ -176,7 +176,7 @@ static inline void a8_store(const Linear *L, const vec dots[4], int count, float
 }
 
 /* This thread's share of output rows against the rounded inputs. One input: four output rows
- * at a time, summed together (a8_sum4). More: each weight row against ROW_TILE inputs at a time
+ * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
  * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
  * what it gets alone), then the rest one by one. Inlined once per storage and common group size
  * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
@@ -428,6 +428,36 @@ static inline __attribute__((always_inline)) void weighted_values(
     for (int i = 0; i < VECS; ++i) vec_store(out + i * LANES, vec_add(a[i], b[i]));
 }
 
+/* scores[t] = q . K_t * scale for the n key rows at base + t * stride, for a head of VECS *
+ * LANES floats; returns the largest. q stays in registers, and four keys at a time are summed
+ * in one pass of shuffles (vec_sum4): a sum per key, and a loop over the head's vectors, were
+ * half of the attention's time at position 960 (perf annotate, SmolLM2 w4a8). Always inlined
+ * with VECS a constant. */
+static inline __attribute__((always_inline)) float key_scores(
+    const float *q, const void *cache, int64_t base, int64_t stride, int64_t n, int kind,
+    float scale, float *scores, const int VECS) {
+    vec query[VECS];
+    for (int i = 0; i < VECS; ++i) query[i] = vec_load(q + i * LANES);
+    float best = -INFINITY;
+    for (int64_t t = 0; t < n; t += 4) {
+        const int count = n - t < 4 ? (int)(n - t) : 4;
+        vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+        for (int k = 0; k < count; ++k) {
+            const int64_t at = base + (t + k) * stride;
+            prefetch_row(cache, at + PREFETCH_POSITIONS * stride, VECS * LANES, kind);
+            for (int i = 0; i < VECS; ++i)
+                dots[k] = vec_fma(query[i], cache_load(cache, at + i * LANES, kind), dots[k]);
+        }
+        float sums[4];
+        vec_sum4(dots, sums);
+        for (int k = 0; k < count; ++k) {
+            scores[t + k] = sums[k] * scale;
+            best = scores[t + k] > best ? scores[t + k] : best;
+        }
+    }
+    return best;
+}
+
 /* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
  * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V,
  * with `scores` (pos + 1 floats) the caller's scratch. */
@@ -439,11 +469,16 @@ static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row
     float *out = m->att + (row * H + head) * D;
     const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     float best = -INFINITY;
-    for (int64_t t = 0; t <= pos; ++t) {
-        prefetch_row(layer->k_cache, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-        scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, kind) * m->attn_scale;
-        if (scores[t] > best) best = scores[t];
-    }
+    if (D == 4 * LANES)
+        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 4);
+    else if (D == 8 * LANES)
+        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 8);
+    else
+        for (int64_t t = 0; t <= pos; ++t) {
+            prefetch_row(layer->k_cache, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
+            scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, kind) * m->attn_scale;
+            if (scores[t] > best) best = scores[t];
+        }
     const vec top = vec_set1(best);
     vec sums = vec_zero();
     int64_t t = 0;

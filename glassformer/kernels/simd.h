@@ -123,6 +123,36 @@ static inline vec vec_exp(vec v) {
     return vec_mul(p, vec_pow2(n));
 }
 
+/* The lanes of four vectors summed, each in the same order (lane i + lane i + LANES / 2, then
+ * the same on the halves, and so on), so that a dot product's value is the same whichever
+ * three others it is summed beside: one pass of shuffles for four dot products (four weight rows,
+ * four inputs, four keys) where a sum of each alone cost more than its products' loop. */
+static inline void vec_sum4(const vec v[4], float out[4]) {
+#ifdef __AVX512F__
+    /* [v0 lanes 0-7 + 8-15, v1 ...], [v2 ..., v3 ...] */
+    const vec v01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xee));
+    const vec v23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xee));
+    /* a 128-bit lane per vector: lanes 0-3 + 4-7 */
+    vec t = _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xdd));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e)); /* 0 + 2, 1 + 3 */
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1)); /* 0 + 1 */
+    float lanes[16];
+    _mm512_storeu_ps(lanes, t);
+    for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
+#else
+    const vec v01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+    const vec v23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+    float lanes[2][8];
+    const vec halves[2] = {v01, v23};
+    for (int h = 0; h < 2; ++h) {
+        vec t = _mm256_add_ps(halves[h], _mm256_permute_ps(halves[h], 0x4e));
+        t = _mm256_add_ps(t, _mm256_permute_ps(t, 0xb1));
+        _mm256_storeu_ps(lanes[h], t);
+    }
+    for (int i = 0; i < 4; ++i) out[i] = lanes[i / 2][4 * (i % 2)];
+#endif
+}
+
 /* Software prefetch: each load of weights first asks for the cache line PREFETCH_BYTES further
  * on in the same row (and, past its end, the next rows: a thread's rows are contiguous). The
  * hardware prefetcher alone left the int8 dot waiting on memory at half its instructions: one
