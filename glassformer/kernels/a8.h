@@ -22,9 +22,9 @@
  * perplexity measured (benchmarks/quantization.py), never the default.
  *
  * A chunk is the columns one round of the loop takes: int8 one vector of weights (64 columns
- * with AVX-512, 32 with AVX2); int4 with AVX-512 four groups (128 columns, 64 bytes: their low
- * nibbles are one vector of bytes, their high nibbles another, whose sums add lane by lane),
- * with AVX2 one group (its low and high nibbles one vector). x's rounded bytes are stored in the
+ * with AVX-512, 32 with AVX2); int4 one vector of packed bytes, four groups with AVX-512 (128
+ * columns in 64 bytes) and two with AVX2: their low nibbles are one vector of bytes, their high
+ * nibbles another, whose sums add lane by lane. x's rounded bytes are stored in the
  * order of the storage they meet (round_x): column order for int8; for int4, a chunk's low
  * nibbles' columns [g 0-15, g' 0-15, ...], then its high nibbles' [g 16-31, g' 16-31, ...].
  * Each int32 lane then sums columns of one group, LANES / (groups a chunk) lanes a group in
@@ -49,6 +49,7 @@ typedef struct {
 #define Q4_COLUMNS 128
 #define I8_COLUMNS 64
 typedef __m512i ivec;
+typedef struct { ivec low, high; } Nibbles; /* an int4 chunk's low and high nibbles, as bytes */
 static inline ivec load_bytes(const void *p) { return _mm512_loadu_si512(p); }
 /* acc + the sum of 4 products u * s (unsigned u, signed s) per int32 lane */
 static inline ivec dot_bytes(ivec acc, ivec u, ivec s) {
@@ -65,14 +66,10 @@ static inline ivec load_groups(const void *p, int count, int group_bytes) {
     return count * group_bytes == 64 ? _mm512_loadu_si512(p)
                                      : _mm512_maskz_loadu_epi8((1ull << (count * group_bytes)) - 1, p);
 }
-/* int4 chunk c's sums with a rounded x (its low nibbles' bytes, then its high ones') */
-typedef struct { ivec low, high; } Nibbles;
+/* int4 chunk c: its groups' low nibbles as bytes, and their high ones */
 static inline Nibbles q4_chunk(const uint8_t *w_row, int64_t c, int count) {
     const ivec bytes = load_groups(w_row + 64 * c, count, 16), mask = _mm512_set1_epi8(0x0f);
     return (Nibbles){_mm512_and_si512(bytes, mask), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask)};
-}
-static inline ivec q4_sums(Nibbles u, const int8_t *q) {
-    return dot_bytes(dot_bytes(int_zero(), u.low, load_bytes(q)), u.high, load_bytes(q + 64));
 }
 /* int8 chunk c: |w|, and which bytes are negative (x takes their sign) */
 typedef __mmask64 sign_mask;
@@ -110,22 +107,22 @@ static inline float round_group(const float *x32, int8_t *first16, int8_t *secon
     return d;
 }
 #else
-#define Q4_COLUMNS 32
+#define Q4_COLUMNS 64
 #define I8_COLUMNS 32
 typedef __m256i ivec;
+typedef struct { ivec low, high; } Nibbles;
 static inline ivec load_bytes(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline ivec dot_bytes(ivec acc, ivec u, ivec s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 static inline ivec int_zero(void) { return _mm256_setzero_si256(); }
 static inline vec int_to_vec(ivec v) { return _mm256_cvtepi32_ps(v); }
-typedef struct { ivec both; } Nibbles; /* one group: its low nibbles, then its high ones */
 static inline Nibbles q4_chunk(const uint8_t *w_row, int64_t c, int count) {
-    (void)count;
-    const __m128i b = _mm_loadu_si128((const __m128i *)(w_row + 16 * c)), mask = _mm_set1_epi8(0x0f);
-    return (Nibbles){_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask))};
+    const uint8_t *p = w_row + 32 * c;
+    const ivec bytes = count == 2 ? load_bytes(p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const ivec mask = _mm256_set1_epi8(0x0f);
+    return (Nibbles){_mm256_and_si256(bytes, mask), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)};
 }
-static inline ivec q4_sums(Nibbles u, const int8_t *q) { return dot_bytes(int_zero(), u.both, load_bytes(q)); }
 typedef ivec sign_mask; /* AVX2's vpsignb takes the signs from the weights themselves */
 static inline ivec i8_chunk(const int8_t *w_row, int64_t c, int count, sign_mask *w) { /* |w| */
     (void)count;
@@ -134,8 +131,9 @@ static inline ivec i8_chunk(const int8_t *w_row, int64_t c, int count, sign_mask
 }
 static inline ivec signed_by(ivec x, sign_mask w) { return _mm256_sign_epi8(x, w); }
 static inline vec group_scales(const float *s, int per_chunk, int count) {
-    (void)per_chunk, (void)count;
-    return _mm256_set1_ps(*s);
+    if (per_chunk == 1) return _mm256_set1_ps(*s);
+    const __m128 second = _mm_set1_ps(count > 1 ? s[1] : s[0]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s[0])), second, 1);
 }
 static inline vec wide_scales(const float *scale_row, int64_t c, int64_t group, int count) {
     (void)count;
@@ -165,6 +163,11 @@ static inline float round_group(const float *x32, int8_t *first16, int8_t *secon
     return d;
 }
 #endif
+
+/* int4 chunk c's sums with x rounded (its bytes for the low nibbles, then for the high ones) */
+static inline ivec q4_sums(Nibbles u, const int8_t *q) {
+    return dot_bytes(dot_bytes(int_zero(), u.low, load_bytes(q)), u.high, load_bytes(q + Q4_COLUMNS / 2));
+}
 
 /* Bytes of scratch one rounded row of `in` columns takes (Rounded's arrays, at most: int4's
  * chunks round the columns up to Q4_COLUMNS, int8's lanes take a float per 4 columns). */
