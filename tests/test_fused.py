@@ -310,9 +310,28 @@ def test_quantized_weights_match_the_quantized_modules(arch, bits, simd):
 @pytest.mark.parametrize("d_model", [224, 288])
 def test_each_projection_matches_its_module_on_the_same_input(d_model, bits, rows, simd):
     # decode.c's linear() alone (linear_rows) against the module's forward on the same input,
-    # one row and a tile of inputs and a rest. a8.h takes int4 rows 4 groups of 32 at a time and
-    # int8 rows 2 (AVX-512; AVX2: 1), in pairs of chunks, then one whole chunk and a part where
-    # they are left: widths of 7 and 9 groups (d_model) and 5 and 13 (d_ff) take each branch.
+    # one row and a tile of inputs and a rest. a8.h takes int4 rows 4 groups of 32 at a time
+    # (AVX2: 2) and int8 rows 2 (AVX2: 1), in pairs of chunks, then one whole chunk and a part
+    # where they are left: widths of 7 and 9 groups (d_model) and 5 and 13 (d_ff) take each.
+    _projections_match(d_model, bits, rows)
+
+
+def test_byte_products_without_vnni_are_the_same(monkeypatch):
+    # An AVX-512 CPU without VNNI (Skylake-X) forms a8.h's byte products with maddubs and madd
+    # instead of vpdpbusd: the same integer sums.
+    if "avx512" not in kernels.simd_widths():
+        pytest.skip("no AVX-512 on this CPU")
+    monkeypatch.setattr(kernels, "SWITCH", "on")
+    monkeypatch.setattr(kernels, "VNNI_FLAGS", ())
+    kernels._load.cache_clear()
+    try:
+        _projections_match(224, "w4a8", 7)
+        _projections_match(288, "w8a8", 1)
+    finally:
+        kernels._load.cache_clear()
+
+
+def _projections_match(d_model, bits, rows):
     sizes = {**SIZES, "d_model": d_model, "n_heads": 2, "d_ff": 160 if d_model == 224 else 416}
     model = _quantized(tiny_model(**sizes | LLAMA, seed=2, scale=1), bits)
     step, generator = FusedStep(model), torch.Generator().manual_seed(0)
