@@ -49,7 +49,11 @@ from serve import percentile  # benchmarks/serve.py: nearest-rank
 from servers import glassformer_server, llama_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0",
+               "w4a8": "Q4_1"}  # fmt: skip
+# The file's own precision, except w8a8 / w4a8: its int8 / int4 weights with every input rounded
+# to int8 too (--quantize), the arithmetic llama.cpp uses for Q8_0 and Q4_1
+QUANTIZE = {"w8a8": "w8a8", "w4a8": "w4a8"}
 
 
 def text_prompts(tokenizer, n: int, length: int, shared: int = 0) -> list[str]:
@@ -122,10 +126,12 @@ class InProcess:
     servers' one-client runs, so that the three see the machine in the same minutes (on a
     shared machine the rate of either drifted by 10% from one minute to the next)."""
 
-    def __init__(self, path: Path, prompt: str, threads: int, kv: str | None) -> None:
+    def __init__(
+        self, path: Path, prompt: str, threads: int, kv: str | None, quantize: str | None = None
+    ) -> None:
         from glassformer.cli.common import DecodeOptions, decode_engine, load_for_decode
 
-        options = DecodeOptions(threads=threads, kv_cache_dtype=kv)
+        options = DecodeOptions(threads=threads, kv_cache_dtype=kv, quantize=quantize)
         model, tokenizer = load_for_decode(str(path), options, "the benchmark needs one")
         self.engine = decode_engine(model, tokenizer, options)
         self.ids = tokenizer.encode(prompt)
@@ -148,12 +154,12 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
     rates in this process (each run: the two servers, then the engine)."""
     slots = max(args.clients)
     rows, engine = [], []
-    in_process = InProcess(
-        path, text_prompts(tokenizer, 1, args.prompt_tokens)[0], args.threads, args.kv_cache_dtype
-    )
+    prompt, quantize = text_prompts(tokenizer, 1, args.prompt_tokens)[0], QUANTIZE.get(precision)
+    in_process = InProcess(path, prompt, args.threads, args.kv_cache_dtype, quantize)
     with ExitStack() as stack:
         ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
         ours += ["--kv-cache-dtype", args.kv_cache_dtype]
+        ours += ["--quantize", quantize] if quantize else []
         url = stack.enter_context(glassformer_server(ours, args.threads))
         peer = stack.enter_context(
             llama_server(path, args.threads, parallel=slots, ctx_per_slot=args.prompt_tokens + 640)
