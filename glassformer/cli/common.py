@@ -382,7 +382,7 @@ def decode_device(options: DecodeOptions) -> torch.device:
     --quantize or --compile, auto means the CPU, and a GPU named outright is an error."""
     if options.quantize and options.dtype == "bf16":
         raise ValueError(
-            f"--quantize {options.quantize} keeps activations in fp32: drop --dtype {options.dtype}"
+            f"--quantize {options.quantize} computes in fp32: drop --dtype {options.dtype}"
         )
     if options.compile and options.kv_cache_dtype:
         raise ValueError(
