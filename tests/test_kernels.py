@@ -290,3 +290,22 @@ def test_prefill_matmuls_go_to_the_library_chosen_for_the_cpu(monkeypatch):
         got = kernels.linear(x, layer.weight)
     assert "mkldnn::_linear_pointwise" not in {event.name for event in trace.events()}
     torch.testing.assert_close(got, x @ layer.weight.T.detach(), rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 100, 49152])
+def test_argmax_picks_the_index_torch_picks(width, simd):
+    # matvec.c's argmax_rows against torch.argmax: random rows, rows of few values (ties: the
+    # first of the largest), a row of -inf, -inf beside values, and a NaN (torch's answer).
+    generator = torch.Generator().manual_seed(width)
+    rows = [torch.randn(width, generator=generator),
+            torch.randint(0, 3, (width,), generator=generator).float(),
+            torch.full((width,), float("-inf")),
+            torch.randn(width, generator=generator).masked_fill(torch.arange(width) % 3 == 0,
+                                                                 float("-inf"))]  # fmt: skip
+    nan = torch.randn(width, generator=generator)
+    nan[width // 2] = float("nan")
+    logits = torch.stack([*rows, nan])
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(logits[:4]), logits[:4].argmax(dim=-1))
+    assert kernels.argmax(logits[1:2].double()).tolist() == logits[1:2].argmax(dim=-1).tolist()

@@ -15,6 +15,7 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
+from glassformer import kernels
 from glassformer.detokenize import IncrementalDecoder, StopStringsAfter
 from glassformer.infer.constrain import RowGrammar
 from glassformer.infer.sampling import (
@@ -351,5 +352,5 @@ def argmax_picks(rows: list[Row], logits: Tensor) -> list[int | None]:
         return [None] * len(rows)
     if not all_finite(logits):
         return [None] * len(rows)
-    best = logits.argmax(dim=-1).tolist()
+    best = kernels.argmax(logits).tolist()
     return [token if wanted else None for token, wanted in zip(best, plain, strict=True)]
