@@ -354,7 +354,8 @@ def test_ctrl_c_or_sigterm_at_any_moment_stops_the_run_and_releases_the_lock(
     )
 
 
-FINETUNE_SIGNAL_STEPS = 40  # each trial advances a few steps; the rest is trained after the last
+FINETUNE_SIGNAL_STEPS = 200  # each trial advances a few steps; the rest is trained after the last
+# (40 were too few: a quiet CI machine trained all of them within the start-up trial's 1.9 s)
 # When each trial's signal lands: SIGINT (even trials) once the run holds its lock, since a
 # Ctrl-C while Python still imports torch is Python's own KeyboardInterrupt traceback, before
 # any glassformer code runs; SIGTERM (odd trials) from the very start too.
