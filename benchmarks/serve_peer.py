@@ -44,16 +44,19 @@ from pathlib import Path
 import openai
 import record  # benchmarks/record.py
 import torch
-from llama_cpp_peer import llama_cpp_binary, llama_cpp_version, quantized_with_binary
+from llama_cpp_peer import (
+    LLAMA_CPP_TYPES,
+    llama_cpp_binary,
+    llama_cpp_version,
+    quantized_with_binary,
+)
 from serve import percentile  # benchmarks/serve.py: nearest-rank
 from servers import glassformer_server, llama_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0",
-               "w4a8": "Q4_1"}  # fmt: skip
 # The file's own precision, except w8a8 / w4a8: its int8 / int4 weights with every input rounded
 # to int8 too (--quantize), the arithmetic llama.cpp uses for Q8_0 and Q4_1
-QUANTIZE = {"w8a8": "w8a8", "w4a8": "w4a8"}
+ROUNDED_INPUTS = ("w8a8", "w4a8")
 
 
 def text_prompts(tokenizer, n: int, length: int, shared: int = 0) -> list[str]:
@@ -154,7 +157,8 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
     rates in this process (each run: the two servers, then the engine)."""
     slots = max(args.clients)
     rows, engine = [], []
-    prompt, quantize = text_prompts(tokenizer, 1, args.prompt_tokens)[0], QUANTIZE.get(precision)
+    prompt = text_prompts(tokenizer, 1, args.prompt_tokens)[0]
+    quantize = precision if precision in ROUNDED_INPUTS else None
     in_process = InProcess(path, prompt, args.threads, args.kv_cache_dtype, quantize)
     with ExitStack() as stack:
         ours = ["--model", str(path), "--max-batch", str(slots), "--max-queue", "256"]
@@ -166,7 +170,7 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
         )
         servers = [
             Server(f"glassformer serve {precision}", url, {}),
-            Server(f"llama-server {LLAMA_TYPES[precision]}", peer, {}),
+            Server(f"llama-server {LLAMA_CPP_TYPES[precision]}", peer, {}),
         ]
         for server in servers:  # warm-up: first requests, the kernels' first compile
             asyncio.run(burst(server, text_prompts(tokenizer, 2, 16), 8, server.extra))
@@ -222,7 +226,7 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "int8", "int4"],
-                        choices=sorted(LLAMA_TYPES))  # fmt: skip
+                        choices=sorted(LLAMA_CPP_TYPES))  # fmt: skip
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -249,7 +253,7 @@ def main() -> None:
     rows, engine = [], []
     with tempfile.TemporaryDirectory(prefix="glassformer-serve-peer-") as tmp:
         for precision in args.precisions:
-            kind = LLAMA_TYPES[precision]
+            kind = LLAMA_CPP_TYPES[precision]
             path = source if kind == "Q4_1" else Path(tmp) / f"smollm2-{kind}.gguf"
             if path != source:
                 quantized_with_binary(source, kind, path, args.threads)
