@@ -97,7 +97,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import glassformer as gf
     from glassformer.cli.common import load_for_decode
-    from glassformer.cli.precision import DecodeOptions, precision_name
+    from glassformer.cli.precision import DecodeOptions
+    from glassformer.nn.quant import precision_name
 
     model, tokenizer = load_for_decode("smollm2", DecodeOptions(threads=args.threads), "needed")
     texts = windows(tokenizer, args.windows, args.window_tokens)

@@ -171,7 +171,7 @@ def test_decoding_commands_run_the_file_precision_unless_told(tmp_path, vocab): 
     from gguf import GGMLQuantizationType as Q
 
     from glassformer.cli.common import DecodeOptions, load_for_decode
-    from glassformer.cli.precision import precision_name
+    from glassformer.nn.quant import precision_name
 
     hf = tiny_hf_model(hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
     qtypes = [Q.Q8_0] + [Q.Q4_1] * 7 * hf.config.num_hidden_layers

@@ -302,7 +302,7 @@ def test_inputs_are_rounded_as_llama_cpp_rounds_q8_0_blocks():
 
 
 def test_round_inputs_makes_w4a8_and_w8a8_models(char_checkpoint):
-    from glassformer.cli.precision import precision_name
+    from glassformer.nn.quant import precision_name
 
     model = tiny_model(**SIZES, scale=1.0)
     with pytest.raises(ValueError, match="quantize it first"):

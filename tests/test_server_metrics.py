@@ -190,3 +190,24 @@ def test_health_is_503_once_the_engine_has_stopped():
         app.state.scheduler.stop()
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+
+
+def test_the_fingerprint_names_the_precision_the_model_decodes_in():
+    """A Q4_1 file served on its own blocks said float32 (its embeddings' dtype): the fingerprint
+    names the weights' precision, so replies from an int4 and an fp32 server differ."""
+    from glassformer.nn.quant import quantize_int4, round_inputs
+
+    tokenizer = CharTokenizer.from_text("abcdefgh ")
+    cfg = gf.ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                         max_seq_len=32)  # fmt: skip
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2}
+    for convert, want in [(None, "fp32"), (quantize_int4, "int4"), (round_inputs, "w4a8")]:
+        torch.manual_seed(0)
+        model = gf.build_model(cfg)
+        if convert is round_inputs:
+            model = round_inputs(quantize_int4(model))
+        elif convert is not None:
+            model = convert(model)
+        with TestClient(create_app(Served(model, tokenizer, "tiny"))) as http:
+            fingerprint = http.post("/v1/completions", json=body).json()["system_fingerprint"]
+        assert fingerprint.endswith(f"-tiny-{want}"), fingerprint

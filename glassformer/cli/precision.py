@@ -1,6 +1,6 @@
 """How a decoding command (generate, chat, serve, rag ask) runs a model: its options (device,
-precision, kernels), the precision it runs in (the flags as given, else the file's own), and the
-name of what a loaded model decodes in."""
+precision, kernels) and the precision it runs in (the flags as given, else the file's own); the
+name of what a loaded model decodes in is nn.quant.precision_name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 # --kv-cache-dtype: what the keys/values are stored in (the Engine's kv_dtype)
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,16 +71,3 @@ def resolve_precision(
     if device.type == "cpu" and not (options.adapter or options.plain):
         own = stored_precision(model_name)
     return replace(options, dtype="fp32", quantize=own)
-
-
-def precision_name(model: nn.Module) -> str:
-    """What a loaded model decodes in: int4 or int8 (its blocks' Linears), w4a8 or w8a8 when
-    their inputs are rounded to int8 too, else its float dtype (fp32, bf16)."""
-    from glassformer.nn.quant import Int4Linear, Int8Linear
-
-    quantized = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
-    if quantized:
-        bits = "4" if any(isinstance(m, Int4Linear) for m in quantized) else "8"
-        return f"w{bits}a8" if quantized[0].round_inputs else f"int{bits}"
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

@@ -27,9 +27,9 @@ from glassformer.cli.common import (
     tcp_port,
     thinking_options,
 )
-from glassformer.cli.precision import precision_name
 from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.memory import available_memory_bytes
+from glassformer.nn.quant import precision_name
 
 _ADDRESS_HINT = "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
 

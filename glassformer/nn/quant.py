@@ -316,6 +316,17 @@ def round_inputs(model: nn.Module) -> nn.Module:
     return model
 
 
+def precision_name(model: nn.Module) -> str:
+    """What a model decodes in: int4 or int8 (its blocks' Linears), w4a8 or w8a8 when their
+    inputs are rounded to int8 too, else its float dtype (fp32, bf16, fp16)."""
+    quantized = [m for m in model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    if quantized:
+        bits = "4" if any(isinstance(m, Int4Linear) for m in quantized) else "8"
+        return f"w{bits}a8" if quantized[0].round_inputs else f"int{bits}"
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
 def parameter_count(model: nn.Module) -> int:
     """Parameters, with an Int8Linear's weight counted as the parameters it stands for (it is a
     buffer) and shared (tied) parameters once: a tied lm_head's int8 copy of the embedding

@@ -37,6 +37,7 @@ from glassformer.infer.engine import Engine
 from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
+from glassformer.nn.quant import precision_name
 from glassformer.server.body_limit import BodyLimit
 from glassformer.server.gate import Gate, api_error, http_error, server_error
 from glassformer.server.lab import mount_static
@@ -212,8 +213,9 @@ class API:
         )
         self.created = int(time.time())
         cfg = served.model.cfg
-        dtype = str(next(served.model.parameters()).dtype).removeprefix("torch.")
-        self.fingerprint = f"glassformer-{glassformer.__version__}-{served.name}-{dtype}"
+        # the precision the model decodes in (int4 for a Q4_1 file run on its own blocks)
+        precision = precision_name(served.model)
+        self.fingerprint = f"glassformer-{glassformer.__version__}-{served.name}-{precision}"
         tokenizer = served.tokenizer
         stops = end_of_turn_ids(tokenizer)
         if cfg.eos_token_id is not None and 0 <= cfg.eos_token_id < cfg.vocab_size:
