@@ -473,12 +473,15 @@ def serve_peer(result: dict) -> list[str]:
             f"{e['tok_s']:.1f}",
             f"{e['served_decode_tok_s']:.1f}",
             f"{e['served_vs_engine']:.0%}",
+            f"{e['bare_decode_tok_s']:.1f}" if "bare_vs_engine" in e else "",
+            f"{e['bare_vs_engine']:.0%}" if "bare_vs_engine" in e else "",
         ]
         for e in result["engine"]
         if "served_vs_engine" in e
     ]
     engine_head = ["precision", "new tokens", "engine in process tok/s",
-                   "one client through the server tok/s", "server / engine"]  # fmt: skip
+                   "one openai client through the server tok/s", "server / engine",
+                   "one bare client tok/s", "bare / engine"]  # fmt: skip
     m = result["machine"]
     kv = result.get("kv_cache")  # recorded since the --kv-cache-dtype option
     caches = (
@@ -492,7 +495,7 @@ def serve_peer(result: dict) -> list[str]:
         f"{result['prompt_tokens']}-token prompts, median of {result['runs']} runs, the servers "
         f"alternating{caches})."
     )
-    engine_table = [*markdown(engine_head, engine, "-::::"), ""] if engine else []
+    engine_table = [*markdown(engine_head, engine, "-::::::"), ""] if engine else []
     return [*markdown(head, rows, "--:::::::"), "", *engine_table, note]
 
 

@@ -14,7 +14,9 @@ two servers alternating, --runs times. It prints the aggregate tokens/s (the str
 over the wall time, median of the runs), p50/p99 time to first token and p50 inter-token gap
 (pooled over the runs), and glassformer's ratio. One client's decode rate through the server
 (after its first token) is set beside the engine's in this process on the same file, the
-engine run after the two servers in each run (target: >= 95%). --shared-prefix T adds a run
+engine run after the two servers in each run (target: >= 95%), with the openai client and with a
+bare one (http.client, next to no CPU: the server's own cost, without the client's share of the
+two cores). --shared-prefix T adds a run
 where every prompt starts with the same T tokens: the prefix cache's hit (glassformer's
 usage.prompt_tokens_details.cached_tokens) and TTFT.
 llama-server stores keys and values in f16 by default, and so does glassformer serve here
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import json
 import os
 import statistics
 import tempfile
@@ -100,6 +104,33 @@ async def stream(client, server: Server, prompt: str, new_tokens: int, extra: di
         "cached_tokens": cached or 0,
         "decode_tok_s": (usage.completion_tokens - 1) / (arrivals[-1] - arrivals[0]),
     }
+
+
+def bare_stream(server: Server, prompt: str, new_tokens: int) -> float:
+    """One streamed completion read by a client that costs next to no CPU (http.client, one
+    json.loads an event): its decode tokens/s, as stream() reckons it. The openai client spends
+    a fraction of a millisecond of CPU on each event, on the same 2 cores as the step's threads;
+    this one leaves the server's own cost."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = {"model": server.model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}  # fmt: skip
+    connection = http.client.HTTPConnection(host, int(port), timeout=900)
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    arrivals, tokens = [], None
+    for line in iter(response.readline, b""):
+        if not line.startswith(b"data: {"):
+            continue
+        now, event = time.perf_counter(), json.loads(line[6:])
+        if event["choices"] and event["choices"][0]["text"]:
+            arrivals.append(now)
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    connection.close()
+    return (tokens - 1) / (arrivals[-1] - arrivals[0])
 
 
 async def burst(server: Server, prompts: list[str], new_tokens: int, extra: dict) -> dict:
@@ -182,24 +213,28 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
             prompts = text_prompts(tokenizer, clients, args.prompt_tokens, prefix)
             samples = {server.name: [] for server in servers}
             alone = clients == 1 and not shared
-            engine_rates = []
+            engine_rates, bare_rates = [], []
             for _ in range(args.runs):
                 for server in servers:
                     samples[server.name].append(
                         asyncio.run(burst(server, prompts, new_tokens, server.extra))
                     )
                 if alone:
+                    bare_rates.append(bare_stream(servers[0], prompts[0], new_tokens))
                     engine_rates.append(in_process.rate(new_tokens))
             if alone:
                 rate = statistics.median(engine_rates)
                 served = summarize(samples[servers[0].name])["decode_tok_s"]
+                bare = statistics.median(bare_rates)
                 engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate,
-                               "served_decode_tok_s": served,
-                               "served_vs_engine": served / rate})  # fmt: skip
+                               "served_decode_tok_s": served, "served_vs_engine": served / rate,
+                               "bare_decode_tok_s": bare,
+                               "bare_vs_engine": bare / rate})  # fmt: skip
                 print(
-                    f"{precision}, {new_tokens} tokens: one client's decode {served:.1f} tok/s "
-                    f"through the server, {served / rate:.0%} of the engine's {rate:.1f} in this "
-                    "process (runs in alternation)",
+                    f"{precision}, {new_tokens} tokens: one client's decode through the server "
+                    f"{served:.1f} tok/s with the openai client, {bare:.1f} with a bare one: "
+                    f"{served / rate:.0%} and {bare / rate:.0%} of the engine's {rate:.1f} in "
+                    "this process (runs in alternation)",
                     flush=True,
                 )
             pair = [summarize(samples[server.name]) for server in servers]

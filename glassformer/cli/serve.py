@@ -189,6 +189,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         "(OpenAI API at /v1, the lab at /); Ctrl-C stops",
         file=sys.stderr,
     )
+    # loop and http "auto": uvloop and httptools, installed with glassformer (asyncio's loop and
+    # h11 where uvloop does not build)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
