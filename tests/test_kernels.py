@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,6 +291,29 @@ def test_prefill_matmuls_go_to_the_library_chosen_for_the_cpu(monkeypatch):
         got = kernels.linear(x, layer.weight)
     assert "mkldnn::_linear_pointwise" not in {event.name for event in trace.events()}
     torch.testing.assert_close(got, x @ layer.weight.T.detach(), rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 63, 64, 65, 100, 49152])
+def test_all_finite_finds_every_nan_and_infinity_numpy_finds(width, simd):
+    # matvec.c's all_finite against numpy: a NaN, +inf or -inf in the first value, in the four-
+    # vector loop, in the one-vector loop and in the tail; finite values near float32's largest
+    # (whose sum overflows) pass; anything but contiguous float32 is left to torch (None).
+    generator = torch.Generator().manual_seed(width)
+    cases = [torch.randn(width, generator=generator),
+             torch.full((width,), torch.finfo(torch.float32).max)]  # fmt: skip
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in sorted({0, width // 2, width - 17, width - 5, width - 1} - {-1}):
+            case = torch.randn(width, generator=generator)
+            case[max(at, 0)] = bad
+            cases.append(case)
+    verdicts = [kernels.all_finite(case) for case in cases]
+    assert verdicts == [bool(np.isfinite(case.numpy()).all()) for case in cases]
+    assert verdicts.count(True) == 2
+    assert kernels.all_finite(cases[0].double()) is None
+    assert kernels.all_finite(torch.randn(4, width, generator=generator).T) is (
+        None if width > 1 else True
+    )
 
 
 @needs_kernels

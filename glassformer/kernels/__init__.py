@@ -192,6 +192,8 @@ def _load(switch: str) -> ctypes.CDLL | None:
     library.dequant_int8.restype = library.dequant_q4.restype = None
     library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
     library.argmax_rows.restype = None
+    library.all_finite.argtypes = [pointer, size]  # x, n
+    library.all_finite.restype = ctypes.c_int
     return library
 
 
@@ -476,6 +478,18 @@ def argmax(x: Tensor) -> Tensor:
     if bool(nan.any()):
         picks[nan] = x[nan].argmax(dim=-1)
     return picks
+
+
+def all_finite(x: Tensor) -> bool | None:
+    """Whether no value of a contiguous float32 CPU tensor is NaN or infinite, through
+    matvec.c's all_finite (one pass, one thread: meant for a step's logits); None where the
+    kernels are not built or x is anything else (the caller asks torch)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    found = _library()
+    if found is None or torch.compiler.is_compiling():
+        return None
+    return bool(found.all_finite(x.data_ptr(), x.numel()))
 
 
 @torch.library.custom_op("glassformer::matvec", mutates_args=())

@@ -84,6 +84,22 @@ void dequant_q4(const uint8_t *w, const float *scale, const float *mins, float *
         }
 }
 
+/* 1 if none of x's n floats is a NaN or an infinity, else 0: v * 0 is 0 for a finite v and
+ * NaN for the others, and a NaN stays in a sum. One FMA a vector, four sums in flight; the
+ * engine asks it of every step's logits (SmolLM2: 49,152 floats, under a microsecond against
+ * torch's sum and isfinite at 20-60 us). */
+int all_finite(const float *x, int64_t n) {
+    vec acc[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+    const vec zero = vec_zero();
+    int64_t i = 0;
+    for (; i + 4 * LANES <= n; i += 4 * LANES)
+        for (int k = 0; k < 4; ++k) acc[k] = vec_fma(vec_load(x + i + k * LANES), zero, acc[k]);
+    for (; i + LANES <= n; i += LANES) acc[0] = vec_fma(vec_load(x + i), zero, acc[0]);
+    float sum = vec_sum(vec_add(vec_add(acc[0], acc[1]), vec_add(acc[2], acc[3])));
+    for (; i < n; ++i) sum += x[i] * 0.0f;
+    return sum == 0.0f;
+}
+
 /* out[r] = the index of the largest of x's row r (n floats), the first where several are equal,
  * as torch.argmax: each lane keeps its largest value and the first index it was seen at, then
  * the lanes' winners are compared, the smaller index winning a tie; -1 for a row holding a NaN
