@@ -191,7 +191,7 @@ def _load(switch: str) -> ctypes.CDLL | None:
     library.dequant_q4.argtypes = [pointer] * 4 + [size] * 2 + [ctypes.c_int]
     library.dequant_int8.restype = library.dequant_q4.restype = None
     library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
-    library.argmax_rows.restype = None
+    library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n
     library.all_finite.restype = ctypes.c_int
     return library
@@ -473,9 +473,8 @@ def argmax(x: Tensor) -> Tensor:
         return x.argmax(dim=-1)
     x = x.contiguous()
     picks = torch.empty(x.shape[0], dtype=torch.int64)
-    found.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], picks.data_ptr())
-    nan = picks < 0
-    if bool(nan.any()):
+    if found.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], picks.data_ptr()):
+        nan = picks < 0
         picks[nan] = x[nan].argmax(dim=-1)
     return picks
 

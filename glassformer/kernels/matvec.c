@@ -103,9 +103,11 @@ int all_finite(const float *x, int64_t n) {
 /* out[r] = the index of the largest of x's row r (n floats), the first where several are equal,
  * as torch.argmax: each lane keeps its largest value and the first index it was seen at, then
  * the lanes' winners are compared, the smaller index winning a tie; -1 for a row holding a NaN
- * (torch's answer is the NaN's index: the caller asks torch). For greedy decoding's pick over a
- * vocabulary's logits (SmolLM2: 49,152 floats), where torch's argmax took 66 us a row. */
-void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+ * (torch's answer is the NaN's index: the caller asks torch). Returns how many rows held one.
+ * For greedy decoding's pick over a vocabulary's logits (SmolLM2: 49,152 floats), where torch's
+ * argmax took 66 us a row. */
+int64_t argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    int64_t with_nan = 0;
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * n;
         float best = -INFINITY;
@@ -152,5 +154,7 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
             if (row[i] > best) best = row[i], at = i;
         }
         out[r] = nan ? -1 : at;
+        with_nan += nan != 0;
     }
+    return with_nan;
 }
