@@ -466,6 +466,8 @@ def serve_peer(result: dict) -> list[str]:
     head = ["precision", "clients x new tokens", "glassformer tok/s", "llama-server tok/s",
             "ratio", "glassformer TTFT p50 / p99 s", "llama-server TTFT p50 / p99 s",
             "p50 gap ms (ours / peer)", "cached tokens"]  # fmt: skip
+    measured = [e for e in result["engine"] if "served_vs_engine" in e]
+    bare = any("bare_vs_engine" in e for e in measured)  # recorded since the bare client
     engine = [
         [
             e["precision"],
@@ -473,15 +475,13 @@ def serve_peer(result: dict) -> list[str]:
             f"{e['tok_s']:.1f}",
             f"{e['served_decode_tok_s']:.1f}",
             f"{e['served_vs_engine']:.0%}",
-            f"{e['bare_decode_tok_s']:.1f}" if "bare_vs_engine" in e else "",
-            f"{e['bare_vs_engine']:.0%}" if "bare_vs_engine" in e else "",
+            *([f"{e['bare_decode_tok_s']:.1f}", f"{e['bare_vs_engine']:.0%}"] if bare else []),
         ]
-        for e in result["engine"]
-        if "served_vs_engine" in e
+        for e in measured
     ]
     engine_head = ["precision", "new tokens", "engine in process tok/s",
                    "one openai client through the server tok/s", "server / engine",
-                   "one bare client tok/s", "bare / engine"]  # fmt: skip
+                   *(["one bare client tok/s", "bare / engine"] if bare else [])]  # fmt: skip
     m = result["machine"]
     kv = result.get("kv_cache")  # recorded since the --kv-cache-dtype option
     caches = (
@@ -495,7 +495,9 @@ def serve_peer(result: dict) -> list[str]:
         f"{result['prompt_tokens']}-token prompts, median of {result['runs']} runs, the servers "
         f"alternating{caches})."
     )
-    engine_table = [*markdown(engine_head, engine, "-::::::"), ""] if engine else []
+    engine_table = (
+        [*markdown(engine_head, engine, "-" + ":" * (len(engine_head) - 1)), ""] if engine else []
+    )
     return [*markdown(head, rows, "--:::::::"), "", *engine_table, note]
 
 

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "step.h"
 
 /* x rounded for one weight storage: q, a chunk's columns of bytes a chunk (zero past the last
  * group); lanes, LANES floats a chunk (each int32 lane's d); sums, d * sum(q) per group (the
@@ -305,6 +306,85 @@ static char *a8_scratch(int64_t bytes) {
         a8_memory = aligned_alloc(64, (size_t)a8_capacity);
     }
     return a8_memory;
+}
+
+/* --- a projection with rounded inputs (decode.c's linear, for round_inputs) ------------- */
+
+/* W[o] . x[r] for inputs x rounded to int8 (a8.h), in lanes: `tile` ROW_TILE of them, or one;
+ * the storage (int4, else int8 in groups of `group`) a constant where inlined */
+static inline __attribute__((always_inline)) void a8_dot(const Linear *L, int64_t o,
+                                                         const Rounded *x, int tile, vec *out,
+                                                         const int q4, const int64_t group) {
+    const int64_t in = L->in, n_groups = in / group;
+    const float *scale = L->scale + o * n_groups;
+    if (q4 && tile) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
+                              L->mins + o * n_groups, in, ROW_TILE, out);
+    else if (q4) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
+                           L->mins + o * n_groups, in, 1, out);
+    else if (tile) dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, ROW_TILE, out);
+    else dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, 1, out);
+}
+
+/* y[r][o] (+)= dot + b[o] for `count` (up to 4) dot products in lanes, at y + r * out + o */
+static inline void a8_store(const Linear *L, const vec dots[4], int count, float *y, int64_t o,
+                            int64_t o_step, int64_t r, int64_t r_step, int accumulate) {
+    float sums[4];
+    vec_sum4(dots, sums);
+    for (int i = 0; i < count; ++i) {
+        const int64_t at = o + i * o_step;
+        const float value = sums[i] + (L->bias ? L->bias[at] : 0.0f);
+        float *out = y + (r + i * r_step) * L->out + at;
+        *out = accumulate ? *out + value : value;
+    }
+}
+
+/* This thread's share of output rows against the rounded inputs. One input: four output rows
+ * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
+ * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
+ * what it gets alone), then the rest one by one. Inlined once per storage and common group size
+ * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
+ * storage's branches per row were 15% of a w4a8 step. */
+static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const Rounded *x,
+                                                          int64_t rows, float *y, int accumulate,
+                                                          const int q4, const int64_t group) {
+    if (rows == 1) {
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < (L->out + 3) / 4; ++block) {
+            vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+            const int count = L->out - 4 * block < 4 ? (int)(L->out - 4 * block) : 4;
+            for (int i = 0; i < count; ++i) a8_dot(L, 4 * block + i, x, 0, &dots[i], q4, group);
+            a8_store(L, dots, count, y, 4 * block, 1, 0, 0, accumulate);
+        }
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < L->out; ++o)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+            const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            if (n == ROW_TILE) a8_dot(L, o, x + r0, 1, dots, q4, group);
+            else
+                for (int64_t r = 0; r < n; ++r) a8_dot(L, o, x + r0 + r, 0, &dots[r], q4, group);
+            a8_store(L, dots, (int)n, y, o, 0, r0, 1, accumulate);
+        }
+}
+
+/* decode.c's linear() for a weight whose inputs are rounded to int8 first (round_inputs). Each
+ * thread rounds every input itself, into its own scratch: the same bytes in each thread, and
+ * no barrier before the products (a few microseconds of work against a barrier's wait). */
+static void linear_a8(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
+                      int accumulate) {
+    const int64_t bytes = rounded_bytes(L->in);
+    char *memory = a8_scratch(rows * bytes);
+    Rounded rounded[rows];
+    for (int64_t r = 0; r < rows; ++r) {
+        rounded[r] = rounded_at(memory + r * bytes, L->in);
+        round_x(x + r * stride, L->in, L->storage == Q4, &rounded[r]);
+    }
+    if (L->storage == Q4) a8_rows(L, rounded, rows, y, accumulate, 1, 32);
+    else if (L->group == 32) a8_rows(L, rounded, rows, y, accumulate, 0, 32);
+    else if (L->group == 64) a8_rows(L, rounded, rows, y, accumulate, 0, 64);
+    else a8_rows(L, rounded, rows, y, accumulate, 0, L->group);
 }
 
 #endif

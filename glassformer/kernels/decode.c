@@ -32,9 +32,11 @@
  * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
  * and sines are computed once per token for every layer and head.
  *
- * glassformer/infer/fused.py fills these structs through ctypes. glassformer_layout() hands it
- * every struct's size and every field's offset and size as this compiler lays them out, and
- * it refuses to run when its mirror differs: one field out of order would be read as another.
+ * glassformer/infer/fused.py fills the structs (step.h) through ctypes. glassformer_layout()
+ * hands it every struct's size and every field's offset and size as this compiler lays them
+ * out, and it refuses to run when its mirror differs: one field out of order would be read as
+ * another. A query head's attention is attention.h's; a projection whose inputs are rounded to
+ * int8 first (w8a8, w4a8), a8.h's; the dot products of each weight storage, simd.h's.
  */
 #include <math.h>
 #include <omp.h>
@@ -42,62 +44,11 @@
 #include <string.h>
 
 #include "a8.h"
+#include "attention.h"
 #include "simd.h"
-
-enum storage { F32 = 0, BF16 = 1, INT8 = 2, Q4 = 3 };
-enum activation { RELU = 0, GELU = 1, GELU_TANH = 2, SILU = 3 };
-
-typedef struct {
-    const void *weight; /* (out, in); int4: (out, in / 2) bytes */
-    const float *scale; /* int8, int4: (out, in / group); else NULL */
-    const float *mins;  /* int4: (out, in / 32); else NULL */
-    const float *bias;  /* (out,) or NULL */
-    int64_t in, out, group;
-    int64_t storage;
-    int64_t round_inputs; /* 1: x rounded to int8 in groups of 32 first (a8.h: w8a8, w4a8) */
-} Linear;
-
-typedef struct {
-    const float *attn_norm_weight, *attn_norm_bias; /* bias: LayerNorm with a shift only */
-    const float *q_norm_weight, *k_norm_weight;     /* Qwen3's per-head gains, or NULL */
-    const float *ffn_norm_weight, *ffn_norm_bias;
-    Linear qkv, out, up, down;
-    void *k_cache, *v_cache; /* this layer's block of the cache row: (Hkv, Tmax, D) */
-} Layer;
-
-typedef struct {
-    int64_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size;
-    int64_t cache_head_stride, cache_pos_stride; /* in elements */
-    int64_t rms_norm, gated, activation, cache_kind, emb_storage; /* cache_kind: CACHE_* */
-    float norm_eps, attn_scale, rope_factor;
-    const float *inv_freq; /* (D/2,) RoPE frequencies, or NULL: no RoPE */
-    const void *tok_emb;   /* (V, C) f32 or bf16 */
-    const float *pos_emb;  /* (Tmax, C) learned or sinusoidal table, or NULL */
-    const float *final_norm_weight, *final_norm_bias;
-    Linear head;
-    const Layer *layers;
-    /* scratch for up to max_tokens rows: x, h (rows, C); qkv (rows, (H + 2 Hkv) D); att (rows,
-     * H D); ff (rows, 2 d_ff); and scores (H, Tmax) */
-    float *x, *h, *qkv, *att, *scores, *ff;
-    int64_t max_positions;
-} Model;
+#include "step.h"
 
 /* --- pieces ---------------------------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 64); /* NaN */
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
 static inline __attribute__((always_inline)) float row_dot(const Linear *L, int64_t o,
@@ -145,83 +96,6 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
     else
         dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
                       dots);
-}
-
-/* W[o] . x[r] for inputs x rounded to int8 (a8.h), in lanes: `tile` ROW_TILE of them, or one;
- * the storage (int4, else int8 in groups of `group`) a constant where inlined */
-static inline __attribute__((always_inline)) void a8_dot(const Linear *L, int64_t o,
-                                                         const Rounded *x, int tile, vec *out,
-                                                         const int q4, const int64_t group) {
-    const int64_t in = L->in, n_groups = in / group;
-    const float *scale = L->scale + o * n_groups;
-    if (q4 && tile) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
-                              L->mins + o * n_groups, in, ROW_TILE, out);
-    else if (q4) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
-                           L->mins + o * n_groups, in, 1, out);
-    else if (tile) dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, ROW_TILE, out);
-    else dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, 1, out);
-}
-
-/* y[r][o] (+)= dot + b[o] for `count` (up to 4) dot products in lanes, at y + r * out + o */
-static inline void a8_store(const Linear *L, const vec dots[4], int count, float *y, int64_t o,
-                            int64_t o_step, int64_t r, int64_t r_step, int accumulate) {
-    float sums[4];
-    vec_sum4(dots, sums);
-    for (int i = 0; i < count; ++i) {
-        const int64_t at = o + i * o_step;
-        const float value = sums[i] + (L->bias ? L->bias[at] : 0.0f);
-        float *out = y + (r + i * r_step) * L->out + at;
-        *out = accumulate ? *out + value : value;
-    }
-}
-
-/* This thread's share of output rows against the rounded inputs. One input: four output rows
- * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
- * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
- * what it gets alone), then the rest one by one. Inlined once per storage and common group size
- * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
- * storage's branches per row were 15% of a w4a8 step. */
-static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const Rounded *x,
-                                                          int64_t rows, float *y, int accumulate,
-                                                          const int q4, const int64_t group) {
-    if (rows == 1) {
-#pragma omp for schedule(static)
-        for (int64_t block = 0; block < (L->out + 3) / 4; ++block) {
-            vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
-            const int count = L->out - 4 * block < 4 ? (int)(L->out - 4 * block) : 4;
-            for (int i = 0; i < count; ++i) a8_dot(L, 4 * block + i, x, 0, &dots[i], q4, group);
-            a8_store(L, dots, count, y, 4 * block, 1, 0, 0, accumulate);
-        }
-        return;
-    }
-#pragma omp for schedule(static)
-    for (int64_t o = 0; o < L->out; ++o)
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
-            const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            if (n == ROW_TILE) a8_dot(L, o, x + r0, 1, dots, q4, group);
-            else
-                for (int64_t r = 0; r < n; ++r) a8_dot(L, o, x + r0 + r, 0, &dots[r], q4, group);
-            a8_store(L, dots, (int)n, y, o, 0, r0, 1, accumulate);
-        }
-}
-
-/* linear() below for a weight whose inputs are rounded to int8 first (round_inputs). Each
- * thread rounds every input itself, into its own scratch: the same bytes in each thread, and
- * no barrier before the products (a few microseconds of work against a barrier's wait). */
-static void linear_a8(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
-                      int accumulate) {
-    const int64_t bytes = rounded_bytes(L->in);
-    char *memory = a8_scratch(rows * bytes);
-    Rounded rounded[rows];
-    for (int64_t r = 0; r < rows; ++r) {
-        rounded[r] = rounded_at(memory + r * bytes, L->in);
-        round_x(x + r * stride, L->in, L->storage == Q4, &rounded[r]);
-    }
-    if (L->storage == Q4) a8_rows(L, rounded, rows, y, accumulate, 1, 32);
-    else if (L->group == 32) a8_rows(L, rounded, rows, y, accumulate, 0, 32);
-    else if (L->group == 64) a8_rows(L, rounded, rows, y, accumulate, 0, 64);
-    else a8_rows(L, rounded, rows, y, accumulate, 0, L->group);
 }
 
 /* Output rows per block of the batched loop: their weights (OUT_BLOCK x in values, 9 KB of
@@ -338,172 +212,6 @@ static void activate_all(float *ff, int64_t F, int64_t kind, int gated, int64_t 
         }
         for (int64_t i = start; i < end; ++i)
             row[i] = gated ? activate(row[i], kind) * row[F + i] : activate(row[i], kind);
-    }
-}
-
-enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 }; /* how the keys/values are stored */
-
-static inline float cache_get(const void *cache, int64_t i, int kind) {
-    const uint16_t *half = (const uint16_t *)cache;
-    if (kind == CACHE_BF16) return bf16_to_f32(half[i]);
-    if (kind == CACHE_F16) return _cvtsh_ss(half[i]);
-    return ((const float *)cache)[i];
-}
-
-static inline void cache_set(void *cache, int64_t i, float v, int kind) {
-    if (kind == CACHE_BF16)
-        ((uint16_t *)cache)[i] = f32_to_bf16(v);
-    else if (kind == CACHE_F16) /* round to nearest even, as torch's .half() does */
-        ((uint16_t *)cache)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
-    else
-        ((float *)cache)[i] = v;
-}
-
-static inline vec cache_load(const void *cache, int64_t at, int kind) {
-    if (kind == CACHE_BF16) return load_bf16((const uint16_t *)cache + at);
-    if (kind == CACHE_F16) return load_f16((const uint16_t *)cache + at);
-    return load_f32((const float *)cache + at);
-}
-
-/* q . k for one cached key row of D floats (f32, bf16 or f16), in SIMD when D is a multiple of
- * LANES; and out += p * v for one cached value row. */
-static inline float key_dot(const float *q, const void *cache, int64_t at, int64_t D, int kind) {
-    if (D % LANES == 0) {
-        vec acc = vec_zero();
-        for (int64_t d = 0; d < D; d += LANES)
-            acc = vec_fma(vec_load(q + d), cache_load(cache, at + d, kind), acc);
-        return vec_sum(acc);
-    }
-    float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * cache_get(cache, at + d, kind);
-    return dot;
-}
-
-static inline void add_value(float *out, float p, const void *cache, int64_t at, int64_t D,
-                             int kind) {
-    if (D % LANES == 0) {
-        const vec weight = vec_set1(p);
-        for (int64_t d = 0; d < D; d += LANES)
-            vec_store(out + d, vec_fma(weight, cache_load(cache, at + d, kind), vec_load(out + d)));
-        return;
-    }
-    for (int64_t d = 0; d < D; ++d) out[d] += p * cache_get(cache, at + d, kind);
-}
-
-/* Ask for every line of the cache row at element `at`, a few positions before it is read: the
- * rows of a head are read in order, and without this a step's attention waited on them (a third
- * of an int4 step's time at position 950 went to these loops' loads). A prefetch past the end of
- * the cache is harmless: it never faults. */
-#define PREFETCH_POSITIONS 8
-static inline void prefetch_row(const void *cache, int64_t at, int64_t D, int kind) {
-    const int64_t size = kind == CACHE_F32 ? 4 : 2;
-    const char *row = (const char *)cache + at * size;
-    for (int64_t b = 0; b < D * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-}
-
-/* out = sum_t p[t] * inverse * V[t] over the n value rows at base + t * stride, for a head of
- * VECS * LANES floats: the sums stay in registers, in two sets that take alternate positions
- * (accumulating into `out` in memory made each position wait for the last one's store, and one
- * set would wait on each FMA). Always inlined with VECS a constant, so the sets are registers. */
-static inline __attribute__((always_inline)) void weighted_values(
-    float *out, const float *p, float inverse, const void *cache, int64_t base, int64_t stride,
-    int64_t n, int kind, const int VECS) {
-    vec a[VECS], b[VECS];
-    for (int i = 0; i < VECS; ++i) a[i] = b[i] = vec_zero();
-    int64_t t = 0;
-    for (; t + 1 < n; t += 2) {
-        prefetch_row(cache, base + (t + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
-        prefetch_row(cache, base + (t + 1 + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
-        const vec pa = vec_set1(p[t] * inverse), pb = vec_set1(p[t + 1] * inverse);
-        for (int i = 0; i < VECS; ++i) {
-            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
-            b[i] = vec_fma(pb, cache_load(cache, base + (t + 1) * stride + i * LANES, kind), b[i]);
-        }
-    }
-    if (t < n) {
-        const vec pa = vec_set1(p[t] * inverse);
-        for (int i = 0; i < VECS; ++i)
-            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
-    }
-    for (int i = 0; i < VECS; ++i) vec_store(out + i * LANES, vec_add(a[i], b[i]));
-}
-
-/* scores[t] = q . K_t * scale for the n key rows at base + t * stride, for a head of VECS *
- * LANES floats; returns the largest. q stays in registers, and four keys at a time are summed
- * in one pass of shuffles (vec_sum4): a sum per key, and a loop over the head's vectors, were
- * half of the attention's time at position 960 (perf annotate, SmolLM2 w4a8). Always inlined
- * with VECS a constant. */
-static inline __attribute__((always_inline)) float key_scores(
-    const float *q, const void *cache, int64_t base, int64_t stride, int64_t n, int kind,
-    float scale, float *scores, const int VECS) {
-    vec query[VECS];
-    for (int i = 0; i < VECS; ++i) query[i] = vec_load(q + i * LANES);
-    float best = -INFINITY;
-    for (int64_t t = 0; t < n; t += 4) {
-        const int count = n - t < 4 ? (int)(n - t) : 4;
-        vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
-        for (int k = 0; k < count; ++k) {
-            const int64_t at = base + (t + k) * stride;
-            prefetch_row(cache, at + PREFETCH_POSITIONS * stride, VECS * LANES, kind);
-            for (int i = 0; i < VECS; ++i)
-                dots[k] = vec_fma(query[i], cache_load(cache, at + i * LANES, kind), dots[k]);
-        }
-        float sums[4];
-        vec_sum4(dots, sums);
-        for (int k = 0; k < count; ++k) {
-            scores[t + k] = sums[k] * scale;
-            best = scores[t + k] > best ? scores[t + k] : best;
-        }
-    }
-    return best;
-}
-
-/* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
- * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V,
- * with `scores` (pos + 1 floats) the caller's scratch. */
-static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
-                   int64_t offset, float *scores) {
-    const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
-    const int kind = (int)m->cache_kind;
-    const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
-    float *out = m->att + (row * H + head) * D;
-    const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
-    float best = -INFINITY;
-    if (D == 4 * LANES)
-        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 4);
-    else if (D == 8 * LANES)
-        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 8);
-    else
-        for (int64_t t = 0; t <= pos; ++t) {
-            prefetch_row(layer->k_cache, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-            scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, kind) * m->attn_scale;
-            if (scores[t] > best) best = scores[t];
-        }
-    const vec top = vec_set1(best);
-    vec sums = vec_zero();
-    int64_t t = 0;
-    for (; t + LANES <= pos + 1; t += LANES) {
-        const vec e = vec_exp(vec_sub(vec_load(scores + t), top));
-        vec_store(scores + t, e);
-        sums = vec_add(sums, e);
-    }
-    float total = vec_sum(sums);
-    for (; t <= pos; ++t) {
-        scores[t] = expf(scores[t] - best);
-        total += scores[t];
-    }
-    const float inverse = 1.0f / total; /* one division, not one per position */
-    const void *values = layer->v_cache;
-    if (D == 4 * LANES) /* 64 (AVX-512) or 32: SmolLM2, GPT-2, Llama 3.2 1B ... */
-        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 4);
-    else if (D == 8 * LANES) /* 128 (AVX-512) or 64 (AVX2): Llama, Qwen, Mistral */
-        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 8);
-    else { /* any other head size, through memory */
-        for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-        for (int64_t t = 0; t <= pos; ++t) {
-            prefetch_row(values, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-            add_value(out, scores[t] * inverse, values, base + t * stride, D, kind);
-        }
     }
 }
 
