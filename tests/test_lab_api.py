@@ -132,11 +132,17 @@ def test_capture_during_eight_streams_equals_the_idle_capture_and_leaves_them_al
         thread.start()
     started.wait(timeout=60)  # every stream is decoding
     during = []
-    while not any(event.is_set() for event in finished):
-        taken = capture(server)
-        if not any(event.is_set() for event in finished):  # all eight still decoding throughout
-            during.append(taken)
-    for thread in threads:
+
+    def take() -> None:  # three at once: more captures land between the streams' steps
+        while not any(event.is_set() for event in finished):
+            taken = capture(server)
+            if not any(event.is_set() for event in finished):  # all eight decoding throughout
+                during.append(taken)
+
+    takers = [threading.Thread(target=take) for _ in range(3)]
+    for thread in takers:
+        thread.start()
+    for thread in [*takers, *threads]:
         thread.join(timeout=120)
     assert len(during) >= 5, f"only {len(during)} captures overlapped the streams"
     for taken in during:
