@@ -41,6 +41,10 @@ ARCHS = {
     "head-dim-32": {**LLAMA, "n_heads": 2, "n_kv_heads": 1},
     "head-dim-64": {**LLAMA, "d_model": 128, "n_heads": 2, "n_kv_heads": 1},
     "head-dim-128": {**LLAMA, "d_model": 256, "n_heads": 2, "n_kv_heads": 1},
+    # three query heads to a key/value head, which go over its rows together: SmolLM2's 9 on 3
+    # (64 floats, three at a time over the keys), and 128-float heads (two at a time, then one)
+    "smollm2-heads": {**LLAMA, "d_model": 576, "n_heads": 9, "n_kv_heads": 3},
+    "gqa-128": {**LLAMA, "d_model": 384, "n_heads": 3, "n_kv_heads": 1},
 }
 
 
@@ -99,6 +103,18 @@ def test_long_attention_matches_the_modules_at_every_head_size(arch, simd):
     # registers for heads of 4 or 8 vectors, prefetch 8 positions ahead; each head size takes
     # its own branch.
     assert _compare(_model(arch), n_steps=140) < 1e-4
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("arch", ["smollm2-heads", "gqa-128"])
+def test_query_heads_of_one_key_value_head_attend_together(arch, threads, simd, monkeypatch):
+    # attention.h's attend takes the query heads of one key/value head in one pass over its
+    # keys and values; one row's heads are shared out in contiguous runs, which can end inside
+    # such a group (SmolLM2's 9 heads on 2 threads: 0-4 and 5-8). Against the modules over 140
+    # positions, and bit for bit against the batched step, which takes one head at a time.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert _compare(_model(arch), n_steps=140) < 1e-4
+    _batch_matches(arch, 32, 7)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -1,6 +1,7 @@
-/* One query head's attention over the keys and values of its cache row (decode.c's step):
+/* The attention of query heads over the keys and values of their cache row (decode.c's step):
  * softmax(q . K * scale) . V, the keys and values stored as f32, bf16 or f16 (step.h's
- * CACHE_*), read a position at a time with the next ones prefetched. */
+ * CACHE_*), read a position at a time with the next ones prefetched; the query heads that share
+ * a key/value head (GQA) in one pass over its rows. */
 #ifndef GLASSFORMER_ATTENTION_H
 #define GLASSFORMER_ATTENTION_H
 #include <math.h>
@@ -66,108 +67,173 @@ static inline void prefetch_row(const void *cache, int64_t at, int64_t D, int ki
     for (int64_t b = 0; b < D * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
-/* out = sum_t p[t] * inverse * V[t] over the n value rows at base + t * stride, for a head of
- * VECS * LANES floats: the sums stay in registers, in two sets that take alternate positions
- * (accumulating into `out` in memory made each position wait for the last one's store, and one
- * set would wait on each FMA). Always inlined with VECS a constant, so the sets are registers. */
-static inline __attribute__((always_inline)) void weighted_values(
-    float *out, const float *p, float inverse, const void *cache, int64_t base, int64_t stride,
-    int64_t n, int kind, const int VECS) {
-    vec a[VECS], b[VECS];
-    for (int i = 0; i < VECS; ++i) a[i] = b[i] = vec_zero();
-    int64_t t = 0;
-    for (; t + 1 < n; t += 2) {
-        prefetch_row(cache, base + (t + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
-        prefetch_row(cache, base + (t + 1 + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
-        const vec pa = vec_set1(p[t] * inverse), pb = vec_set1(p[t + 1] * inverse);
-        for (int i = 0; i < VECS; ++i) {
-            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
-            b[i] = vec_fma(pb, cache_load(cache, base + (t + 1) * stride + i * LANES, kind), b[i]);
-        }
-    }
-    if (t < n) {
-        const vec pa = vec_set1(p[t] * inverse);
-        for (int i = 0; i < VECS; ++i)
-            a[i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[i]);
-    }
-    for (int i = 0; i < VECS; ++i) vec_store(out + i * LANES, vec_add(a[i], b[i]));
-}
-
-/* scores[t] = q . K_t * scale for the n key rows at base + t * stride, for a head of VECS *
- * LANES floats; returns the largest. q stays in registers, and four keys at a time are summed
- * in one pass of shuffles (vec_sum4): a sum per key, and a loop over the head's vectors, were
- * half of the attention's time at position 960 (perf annotate, SmolLM2 w4a8). Always inlined
- * with VECS a constant. */
-static inline __attribute__((always_inline)) float key_scores(
-    const float *q, const void *cache, int64_t base, int64_t stride, int64_t n, int kind,
-    float scale, float *scores, const int VECS) {
-    vec query[VECS];
-    for (int i = 0; i < VECS; ++i) query[i] = vec_load(q + i * LANES);
-    float best = -INFINITY;
-    for (int64_t t = 0; t < n; t += 4) {
-        const int count = n - t < 4 ? (int)(n - t) : 4;
-        vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
-        for (int k = 0; k < count; ++k) {
-            const int64_t at = base + (t + k) * stride;
-            prefetch_row(cache, at + PREFETCH_POSITIONS * stride, VECS * LANES, kind);
-            for (int i = 0; i < VECS; ++i)
-                dots[k] = vec_fma(query[i], cache_load(cache, at + i * LANES, kind), dots[k]);
-        }
-        float sums[4];
-        vec_sum4(dots, sums);
-        for (int k = 0; k < count; ++k) {
-            scores[t + k] = sums[k] * scale;
-            best = scores[t + k] > best ? scores[t + k] : best;
-        }
-    }
-    return best;
-}
-
-/* One query head of token `row` over the keys 0..pos of its key/value head, in the cache row
- * that starts `offset` elements after the layer's k_cache/v_cache: softmax(q . K * scale) . V,
- * with `scores` (pos + 1 floats) the caller's scratch. */
-static void attend(const Model *m, const Layer *layer, int64_t head, int64_t row, int64_t pos,
-                   int64_t offset, float *scores) {
-    const int64_t D = m->head_dim, H = m->n_heads, kv_head = head / (H / m->n_kv_heads);
-    const int kind = (int)m->cache_kind;
-    const float *q = m->qkv + row * (H + 2 * m->n_kv_heads) * D + head * D;
-    float *out = m->att + (row * H + head) * D;
-    const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
-    float best = -INFINITY;
-    if (D == 4 * LANES)
-        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 4);
-    else if (D == 8 * LANES)
-        best = key_scores(q, layer->k_cache, base, stride, pos + 1, kind, m->attn_scale, scores, 8);
-    else
-        for (int64_t t = 0; t <= pos; ++t) {
-            prefetch_row(layer->k_cache, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-            scores[t] = key_dot(q, layer->k_cache, base + t * stride, D, kind) * m->attn_scale;
-            if (scores[t] > best) best = scores[t];
-        }
+/* scores[t] = e^(scores[t] - best) for the n scores; returns 1 / their sum (one division, not
+ * one per position) */
+static inline float softmax(float *scores, int64_t n, float best) {
     const vec top = vec_set1(best);
     vec sums = vec_zero();
     int64_t t = 0;
-    for (; t + LANES <= pos + 1; t += LANES) {
+    for (; t + LANES <= n; t += LANES) {
         const vec e = vec_exp(vec_sub(vec_load(scores + t), top));
         vec_store(scores + t, e);
         sums = vec_add(sums, e);
     }
     float total = vec_sum(sums);
-    for (; t <= pos; ++t) {
+    for (; t < n; ++t) {
         scores[t] = expf(scores[t] - best);
         total += scores[t];
     }
-    const float inverse = 1.0f / total; /* one division, not one per position */
-    const void *values = layer->v_cache;
-    if (D == 4 * LANES) /* 64 (AVX-512) or 32: SmolLM2, GPT-2, Llama 3.2 1B ... */
-        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 4);
-    else if (D == 8 * LANES) /* 128 (AVX-512) or 64 (AVX2): Llama, Qwen, Mistral */
-        weighted_values(out, scores, inverse, values, base, stride, pos + 1, kind, 8);
-    else { /* any other head size, through memory */
-        for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    return 1.0f / total;
+}
+
+/* out[g] = sum_t p[g][t] * inverse[g] * V[t] over the n value rows at base + t * stride, for
+ * G query heads of one key/value head (each of VECS * LANES floats): each value row is loaded
+ * (and converted) once for all G. The sums stay in registers, in two sets that take alternate
+ * positions (accumulating into `out` in memory made each position wait for the last one's
+ * store, and one set would wait on each FMA); each head's run in the one-head order, so its
+ * output is bit for bit what it gets alone. Always inlined with VECS and G constants, so the
+ * sets are registers. */
+static inline __attribute__((always_inline)) void weighted_values(
+    float *const out[], const float *const p[], const float inverse[], const void *cache,
+    int64_t base, int64_t stride, int64_t n, int kind, const int VECS, const int G) {
+    vec a[G][VECS], b[G][VECS];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < VECS; ++i) a[g][i] = b[g][i] = vec_zero();
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+        prefetch_row(cache, base + (t + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
+        prefetch_row(cache, base + (t + 1 + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
+        vec pa[G], pb[G];
+        for (int g = 0; g < G; ++g) {
+            pa[g] = vec_set1(p[g][t] * inverse[g]);
+            pb[g] = vec_set1(p[g][t + 1] * inverse[g]);
+        }
+        for (int i = 0; i < VECS; ++i) {
+            const vec va = cache_load(cache, base + t * stride + i * LANES, kind);
+            const vec vb = cache_load(cache, base + (t + 1) * stride + i * LANES, kind);
+            for (int g = 0; g < G; ++g) {
+                a[g][i] = vec_fma(pa[g], va, a[g][i]);
+                b[g][i] = vec_fma(pb[g], vb, b[g][i]);
+            }
+        }
+    }
+    if (t < n)
+        for (int g = 0; g < G; ++g) {
+            const vec pa = vec_set1(p[g][t] * inverse[g]);
+            for (int i = 0; i < VECS; ++i)
+                a[g][i] = vec_fma(pa, cache_load(cache, base + t * stride + i * LANES, kind), a[g][i]);
+        }
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < VECS; ++i) vec_store(out[g] + i * LANES, vec_add(a[g][i], b[g][i]));
+}
+
+/* scores[g][t] = q[g] . K_t * scale for the n key rows at base + t * stride, for G query heads
+ * of one key/value head (each of VECS * LANES floats); best[g], each head's largest. The
+ * queries stay in registers, each key row is loaded (and converted) once for all G, and four
+ * keys at a time are summed in one pass of shuffles (vec_sum4): a sum per key, and a loop over
+ * the head's vectors, were half of the attention's time at position 960 (perf annotate, SmolLM2
+ * w4a8). Each head's sums run in the one-head order, so its scores are bit for bit what it gets
+ * alone. Always inlined with VECS and G constants. */
+static inline __attribute__((always_inline)) void key_scores(
+    const float *const q[], const void *cache, int64_t base, int64_t stride, int64_t n, int kind,
+    float scale, float *const scores[], float best[], const int VECS, const int G) {
+    vec query[G][VECS];
+    for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < VECS; ++i) query[g][i] = vec_load(q[g] + i * LANES);
+        best[g] = -INFINITY;
+    }
+    for (int64_t t = 0; t < n; t += 4) {
+        const int count = n - t < 4 ? (int)(n - t) : 4;
+        vec dots[G][4];
+        for (int g = 0; g < G; ++g)
+            for (int k = 0; k < 4; ++k) dots[g][k] = vec_zero();
+        for (int k = 0; k < count; ++k) {
+            const int64_t at = base + (t + k) * stride;
+            prefetch_row(cache, at + PREFETCH_POSITIONS * stride, VECS * LANES, kind);
+            for (int i = 0; i < VECS; ++i) {
+                const vec key = cache_load(cache, at + i * LANES, kind);
+                for (int g = 0; g < G; ++g) dots[g][k] = vec_fma(query[g][i], key, dots[g][k]);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            float sums[4];
+            vec_sum4(dots[g], sums);
+            for (int k = 0; k < count; ++k) {
+                scores[g][t + k] = sums[k] * scale;
+                best[g] = scores[g][t + k] > best[g] ? scores[g][t + k] : best[g];
+            }
+        }
+    }
+}
+
+/* How many query heads one pass takes, by the registers their sums need: AVX-512 has 32, so a
+ * 64-float head (VECS 4) takes three at a time over the keys (12 for the queries, 12 for the
+ * sums) and two over the values (16 sums); a 128-float head (VECS 8) two and one. AVX2's 16
+ * hold one. */
+#define KEY_HEADS(VECS) (LANES == 16 ? (VECS == 4 ? 3 : 2) : 1)
+#define VALUE_HEADS(VECS) (LANES == 16 && VECS == 4 ? 2 : 1)
+
+/* key_scores, then the softmax and weighted_values, for `count` query heads of one key/value
+ * head, in passes of as many as the registers hold */
+static inline __attribute__((always_inline)) void attend_in_registers(
+    const float *const q[], float *const out[], float *const scores[], int64_t count,
+    const void *keys, const void *values, int64_t base, int64_t stride, int64_t n, int kind,
+    float scale, const int VECS) {
+    float best[count], inverse[count];
+    int64_t h = 0;
+    for (; KEY_HEADS(VECS) >= 3 && h + 3 <= count; h += 3)
+        key_scores(q + h, keys, base, stride, n, kind, scale, scores + h, best + h, VECS, 3);
+    for (; KEY_HEADS(VECS) >= 2 && h + 2 <= count; h += 2)
+        key_scores(q + h, keys, base, stride, n, kind, scale, scores + h, best + h, VECS, 2);
+    for (; h < count; ++h)
+        key_scores(q + h, keys, base, stride, n, kind, scale, scores + h, best + h, VECS, 1);
+    for (h = 0; h < count; ++h) inverse[h] = softmax(scores[h], n, best[h]);
+    for (h = 0; VALUE_HEADS(VECS) >= 2 && h + 2 <= count; h += 2)
+        weighted_values(out + h, (const float *const *)scores + h, inverse + h, values, base,
+                        stride, n, kind, VECS, 2);
+    for (; h < count; ++h)
+        weighted_values(out + h, (const float *const *)scores + h, inverse + h, values, base,
+                        stride, n, kind, VECS, 1);
+}
+
+/* Query heads first..first+count-1 of token `row`, which share one key/value head, over its
+ * keys 0..pos, in the cache row that starts `offset` elements after the layer's
+ * k_cache/v_cache: softmax(q . K * scale) . V for each, with scores[h] (pos + 1 floats) head
+ * first + h's scratch. */
+static void attend(const Model *m, const Layer *layer, int64_t first, int64_t count, int64_t row,
+                   int64_t pos, int64_t offset, float *const scores[]) {
+    const int64_t D = m->head_dim, H = m->n_heads, kv_head = first / (H / m->n_kv_heads);
+    const int kind = (int)m->cache_kind;
+    const float *q[count];
+    float *out[count];
+    for (int64_t h = 0; h < count; ++h) {
+        q[h] = m->qkv + row * (H + 2 * m->n_kv_heads) * D + (first + h) * D;
+        out[h] = m->att + (row * H + first + h) * D;
+    }
+    const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
+    const void *keys = layer->k_cache, *values = layer->v_cache;
+    if (D == 4 * LANES) { /* 64 (AVX-512) or 32: SmolLM2, GPT-2, Llama 3.2 1B ... */
+        attend_in_registers(q, out, scores, count, keys, values, base, stride, pos + 1, kind,
+                            m->attn_scale, 4);
+        return;
+    }
+    if (D == 8 * LANES) { /* 128 (AVX-512) or 64 (AVX2): Llama, Qwen, Mistral */
+        attend_in_registers(q, out, scores, count, keys, values, base, stride, pos + 1, kind,
+                            m->attn_scale, 8);
+        return;
+    }
+    for (int64_t h = 0; h < count; ++h) { /* any other head size, through memory */
+        float best = -INFINITY;
+        for (int64_t t = 0; t <= pos; ++t) {
+            prefetch_row(keys, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
+            scores[h][t] = key_dot(q[h], keys, base + t * stride, D, kind) * m->attn_scale;
+            if (scores[h][t] > best) best = scores[h][t];
+        }
+        const float inverse = softmax(scores[h], pos + 1, best);
+        for (int64_t d = 0; d < D; ++d) out[h][d] = 0.0f;
         for (int64_t t = 0; t <= pos; ++t) {
             prefetch_row(values, base + (t + PREFETCH_POSITIONS) * stride, D, kind);
-            add_value(out, scores[t] * inverse, values, base + t * stride, D, kind);
+            add_value(out[h], scores[h][t] * inverse, values, base + t * stride, D, kind);
         }
     }
 }

@@ -273,21 +273,34 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
          * one row's key/value head with all its query heads, one after the other, each thread
          * with its own scores: the keys and values come from memory once, then from the
          * nearest cache (32 rows of SmolLM2, 9 query heads on 3: 13.2 against 14.4 ms a
-         * step). Else (one row: 3 such units for 2 threads) a unit is a query head. */
+         * step). Else (one row: 3 such units for 2 threads) each thread takes a contiguous
+         * share of the query heads (as OpenMP's static schedule would), and those of its share
+         * that have one key/value head go through its rows in one pass (attend). */
         if (n * Hkv >= 4 * n_threads && n_threads <= H) {
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < n * Hkv; ++u) {
                 const int64_t r = u / Hkv, first = (u % Hkv) * (H / Hkv);
                 float *scores = m->scores + omp_get_thread_num() * m->max_positions;
                 for (int64_t head = first; head < first + H / Hkv; ++head)
-                    attend(m, layer, head, r, positions[r], offsets[r], scores);
+                    attend(m, layer, head, 1, r, positions[r], offsets[r], &scores);
             }
         } else {
-#pragma omp for schedule(static)
-            for (int64_t head = 0; head < H; ++head)
-                for (int64_t r = 0; r < n; ++r)
-                    attend(m, layer, head, r, positions[r], offsets[r],
-                           m->scores + head * m->max_positions);
+            const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+            const int64_t share = H / threads, extra = H % threads;
+            const int64_t start = me * share + (me < extra ? me : extra);
+            const int64_t end = start + share + (me < extra);
+            const int64_t group = H / Hkv; /* query heads per key/value head */
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t head = start; head < end;) {
+                    const int64_t next = (head / group + 1) * group; /* the next key/value head */
+                    const int64_t count = (next < end ? next : end) - head;
+                    float *scores[count];
+                    for (int64_t h = 0; h < count; ++h)
+                        scores[h] = m->scores + (head + h) * m->max_positions;
+                    attend(m, layer, head, count, r, positions[r], offsets[r], scores);
+                    head += count;
+                }
+#pragma omp barrier
         }
         linear(&layer->out, m->att, H * D, n, x, 1);
 #pragma omp for schedule(static)
