@@ -89,8 +89,10 @@ def test_an_engine_moves_the_callers_weights_only_when_asked():
 
 
 def test_a_tensor_advised_in_place_keeps_its_memory_and_values():
-    # 3 whole huge pages lie inside 8 MB plus an odd start; the advice covers those alone.
-    tensor = torch.arange(2 * 2**20 + 5, dtype=torch.float32)[5:].clone()
+    # 19 whole huge pages lie inside 40 MB plus an odd start; the advice covers those alone.
+    # 40 MB is above glibc's largest mmap threshold (32 MB): a mapping of its own, so the flags
+    # of its head are this call's, not those of memory an earlier test advised and freed.
+    tensor = torch.arange(10 * 2**20 + 5, dtype=torch.float32)[5:].clone()
     copy, where = tensor.clone(), tensor.data_ptr()
     advised = advise_in_place(tensor)
     first = -(-where // HUGE_PAGE) * HUGE_PAGE
