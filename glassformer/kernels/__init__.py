@@ -466,10 +466,8 @@ def argmax(x: Tensor) -> Tensor:
     matvec.c's argmax_rows where the kernels are built: the same index, the first of equal
     largest values, in a tenth of torch's time over a vocabulary. Anything else, and a row
     holding a NaN, goes to torch."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0:
-        return x.argmax(dim=-1)
-    found = _library()
-    if found is None or torch.compiler.is_compiling():
+    found = _for_float32(x) if x.dim() == 2 and x.shape[1] > 0 else None
+    if found is None:
         return x.argmax(dim=-1)
     x = x.contiguous()
     picks = torch.empty(x.shape[0], dtype=torch.int64)
@@ -483,12 +481,15 @@ def all_finite(x: Tensor) -> bool | None:
     """Whether no value of a contiguous float32 CPU tensor is NaN or infinite, through
     matvec.c's all_finite (one pass, one thread: meant for a step's logits); None where the
     kernels are not built or x is anything else (the caller asks torch)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+    found = _for_float32(x) if x.is_contiguous() else None
+    return None if found is None else bool(found.all_finite(x.data_ptr(), x.numel()))
+
+
+def _for_float32(x: Tensor) -> ctypes.CDLL | None:
+    """The library, for a float32 CPU tensor outside torch.compile; else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    found = _library()
-    if found is None or torch.compiler.is_compiling():
-        return None
-    return bool(found.all_finite(x.data_ptr(), x.numel()))
+    return _library()
 
 
 @torch.library.custom_op("glassformer::matvec", mutates_args=())
