@@ -340,7 +340,7 @@ def test_byte_products_without_vnni_are_the_same(monkeypatch):
     if "avx512" not in kernels.simd_widths():
         pytest.skip("no AVX-512 on this CPU")
     monkeypatch.setattr(kernels, "SWITCH", "on")
-    monkeypatch.setattr(kernels, "VNNI_FLAGS", ())
+    monkeypatch.setattr(kernels.build, "VNNI_FLAGS", ())
     kernels._load.cache_clear()
     try:
         _projections_match(224, "w4a8", 7)

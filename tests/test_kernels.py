@@ -25,6 +25,28 @@ def test_kernels_build_on_this_machine():
     assert kernels.available()
 
 
+@needs_kernels
+def test_a_failed_build_warns_and_falls_back_to_linear(monkeypatch, tmp_path):
+    # A compiler that fails (here `false`) into an empty cache: one warning that says the
+    # kernels are unavailable and why, then torch's F.linear for every product, with its numbers.
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "SWITCH", "avx2")  # a library this process has not loaded yet
+    kernels._load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="decode kernels unavailable.*false failed"):
+            assert not kernels.available()
+        weight, scale = int8_weight(24, 64)
+        x = torch.randn(2, 64)
+        assert not kernels.can_use(x, weight, scale)
+        torch.testing.assert_close(
+            kernels.matvec(x, weight, scale), F.linear(x, weight.float() * scale[:, None])
+        )
+        assert not list(tmp_path.rglob("*.so"))  # nothing half-built left under a final name
+    finally:
+        kernels._load.cache_clear()
+
+
 def int8_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randn(out_features, in_features)
     scale = w.abs().amax(dim=1) / 127

@@ -7,10 +7,10 @@ int8 or int4 weight one dequantized slice at a time (the C loop fills a small re
 anything else (other CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized
 weight, which is also the reference the tests hold the kernels to.
 
-The C file is compiled on first use with the system C compiler into a cache folder keyed by
-the source, flags and CPU (~1 s), and called through ctypes on the tensors' memory. A plain C
-shared object rather than a torch C++ extension: it builds in a second instead of a minute, and
-needs no torch headers.
+The C files are compiled on first use with the system C compiler into a cache folder keyed by
+the sources, flags and CPU (~1 s; kernels/build.py), and called through ctypes on the tensors'
+memory. A plain C shared object rather than a torch C++ extension: it builds in a second
+instead of a minute, and needs no torch headers.
 
 One switch, the environment variable GLASSFORMER_KERNELS, read at import: `on` (the default:
 AVX-512 loops where the CPU has them, else AVX2), `avx2` (the AVX2 loops even on an AVX-512
@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -37,31 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
-HEADERS = tuple(HERE / name for name in ("simd.h", "a8.h", "attention.h", "step.h"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
-VNNI_FLAGS = ("-mavx512vnni",)  # a8.h's byte dot products in one instruction, where it has those
+from glassformer.kernels import build
+from glassformer.kernels.build import simd_widths
+
 # Most activation rows the kernel takes per storage; more go to torch's matmul. The loop
 # converts each weight once per row, so with bf16 weights several rows are faster on oneDNN's
 # bf16 matmul (measured: batch 8 at 0.93x transformers through the kernel).
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.int8: 8, torch.uint8: 8}
 Q4_GROUP = 32  # int4 (uint8 storage, two weights a byte): weights per scale and min
 _STORAGES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty off Linux or off x86)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return set()
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(
-        next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    )
 
 
 def _switch(value: str) -> str:
@@ -80,86 +59,10 @@ def _switch(value: str) -> str:
 SWITCH = _switch(os.environ.get("GLASSFORMER_KERNELS", "on"))
 
 
-def build_flags(avx512: bool | None = None) -> tuple[str, ...]:
-    """Compiler flags: AVX2 + FMA, plus AVX-512 where `avx512` (default: where the CPU has
-    it)."""
-    if avx512 is None:
-        avx512 = "avx512" in simd_widths()
-    if not avx512:
-        return FLAGS
-    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if "avx512_vnni" in _cpu_flags() else ())
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 def missing() -> str | None:
     """What keeps the kernels off before any build is tried: the switch, the CPU (x86-64 with
     AVX2, FMA and F16C) or the C compiler; None where they should build and run."""
-    return "GLASSFORMER_KERNELS=off" if SWITCH == "off" else _missing_on_this_machine()
-
-
-def _missing_on_this_machine() -> str | None:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the CPU is {platform.machine() or 'unknown'}, not x86-64"
-    if not Path("/proc/cpuinfo").exists():
-        return "no /proc/cpuinfo to read the CPU's AVX2/FMA/F16C flags from (not Linux)"
-    if "avx2" not in simd_widths():
-        return "the CPU has no AVX2/FMA/F16C"
-    if _compiler() is None:
-        return "no C compiler (cc or gcc) on PATH"
-    return None
-
-
-def simd_widths() -> list[str]:
-    """The SIMD widths this CPU runs the kernels at: ["avx2", "avx512"], ["avx2"] or []."""
-    flags = _cpu_flags()
-    return [
-        width
-        for width, needs in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw"}))
-        if needs <= flags
-    ]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "glassformer" / "kernels"
-
-
-def _build(flags: tuple[str, ...]) -> Path:
-    """Compile the C files once per (sources, flags, compiler, CPU model); return the .so path."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    cpu = next(
-        (
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "",
-    )
-    key = hashlib.sha256(
-        "\n".join(
-            [*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version, cpu]
-        ).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent build or an interrupted one never
-    # leaves a half-written library under the final name.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / "kernels.so"
-        command = [compiler, *flags, *map(str, SOURCES), "-lm", "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on the kernels: {result.stderr.strip()}")
-        os.replace(built, target)
-    return target
+    return "GLASSFORMER_KERNELS=off" if SWITCH == "off" else build.missing_on_this_machine()
 
 
 def _library() -> ctypes.CDLL | None:
@@ -170,31 +73,13 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _load(switch: str) -> ctypes.CDLL | None:
     """The kernels built for `switch`, or None (with one warning when a build fails)."""
-    if switch == "off" or _missing_on_this_machine() is not None:
+    if switch == "off" or build.missing_on_this_machine() is not None:
         return None
     try:
-        library = ctypes.CDLL(str(_build(build_flags(avx512=None if switch == "on" else False))))
+        return build.load(avx512="avx512" in simd_widths() if switch == "on" else False)
     except (OSError, RuntimeError) as error:
         warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=4)
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for storage in _STORAGES.values():
-        function = getattr(library, f"matvec_{storage}")
-        # x, w, scale, y, rows, in, out, group, n_threads
-        function.argtypes = [pointer] * 4 + [size] * 4 + [ctypes.c_int]
-        function.restype = None
-    # x, w, scale, mins, y, rows, in, out, n_threads
-    library.matvec_q4.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
-    library.matvec_q4.restype = None
-    # w, scale, out, rows, in, group, n_threads / w, scale, mins, out, rows, in, n_threads
-    library.dequant_int8.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
-    library.dequant_q4.argtypes = [pointer] * 4 + [size] * 2 + [ctypes.c_int]
-    library.dequant_int8.restype = library.dequant_q4.restype = None
-    library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
-    library.argmax_rows.restype = size  # the rows holding a NaN
-    library.all_finite.argtypes = [pointer, size]  # x, n
-    library.all_finite.restype = ctypes.c_int
-    return library
 
 
 def library() -> ctypes.CDLL:
