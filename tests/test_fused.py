@@ -16,11 +16,11 @@ from conftest import needs_kernels, tiny_model
 
 from glassformer import kernels
 from glassformer.config import ModelConfig
-from glassformer.infer import fused as fused_module
 from glassformer.infer.engine import Engine
 from glassformer.infer.fused import FusedStep, unsupported
 from glassformer.infer.optimize import optimize_for_decode
 from glassformer.inspect.capture import capture
+from glassformer.kernels import step as step_h
 from glassformer.models import build_model
 from glassformer.nn.lora import apply_lora, lora_parameters, merge_lora
 from glassformer.nn.quant import quantize_int4, quantize_int8, round_inputs
@@ -426,14 +426,14 @@ def test_the_ctypes_structs_are_checked_against_decode_c(monkeypatch):
     # decode.c reports each struct's size and each field's offset and size as its compiler laid
     # them out; a ctypes mirror with two fields swapped (in and out of a Linear, both int64)
     # would hand every matrix-vector product its sizes crossed, and is refused.
-    fused_module.check_layout(kernels.library())
-    fields = list(fused_module._Linear._fields_)
+    step_h.check_layout(kernels.library())
+    fields = list(step_h.Linear._fields_)
     i, o = fields.index(("in_", ctypes.c_int64)), fields.index(("out", ctypes.c_int64))
     fields[i], fields[o] = fields[o], fields[i]
-    swapped = type("_Linear", (ctypes.Structure,), {"_fields_": fields})
-    monkeypatch.setattr(fused_module, "_Linear", swapped)
+    swapped = type("Linear", (ctypes.Structure,), {"_fields_": fields})
+    monkeypatch.setattr(step_h, "Linear", swapped)
     with pytest.raises(RuntimeError, match=r"at Linear\.in: 8 bytes at offset 32 in C, 8 bytes at "
-                       r"offset 40 in Python; make the _fields_ of _Linear"):  # fmt: skip
+                       r"offset 40 in Python; make the _fields_ of Linear"):  # fmt: skip
         FusedStep(_model("llama-gqa"))
 
 

@@ -11,9 +11,9 @@ all of them; prefill and every other model run the torch modules, which stay the
 tests hold this path to.
 The step reads the weights where they are; moved into 2 MB pages first (infer/huge_pages.py,
 which the Engine does with huge_pages=True) they stream faster (fp32 steps 1.05-1.18x in
-benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs below mirror
-decode.c's; the library's own sizes and offsets are checked against them before the first
-call (check_layout).
+benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs it fills mirror
+step.h's (kernels/step.py); the library's own sizes and offsets are checked against them before
+the first call (check_layout).
 
 The model may change after the step is built, and every call checks (~0.08 ms on SmolLM2, under
 1% of its fp32 step): weights written in place, replaced or loaded are read again (the structs
@@ -42,130 +42,10 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from glassformer import kernels
+from glassformer.kernels import step as step_h
 from glassformer.nn.kv_cache import KVCache
 
-_STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}  # uint8: int4
-_CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode.c's CACHE_*
-_ACTIVATION = {
-    "relu": 0,
-    "gelu": 1,
-    "gelu_tanh": 2,
-    "silu": 3,
-    "swiglu": 3,
-    "geglu": 1,
-    "geglu_tanh": 2,
-}
-_GATED = ("swiglu", "geglu", "geglu_tanh")
 _VERSION = attrgetter("_version")
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("weight", _P),
-        ("scale", _P),
-        ("mins", _P),
-        ("bias", _P),
-        ("in_", _I),
-        ("out", _I),
-        ("group", _I),
-        ("storage", _I),
-        ("round_inputs", _I),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("attn_norm_weight", _P),
-        ("attn_norm_bias", _P),
-        ("q_norm_weight", _P),
-        ("k_norm_weight", _P),
-        ("ffn_norm_weight", _P),
-        ("ffn_norm_bias", _P),
-        ("qkv", _Linear),
-        ("out", _Linear),
-        ("up", _Linear),
-        ("down", _Linear),
-        ("k_cache", _P),
-        ("v_cache", _P),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        (name, _I)
-        for name in (
-            "n_layers",
-            "d_model",
-            "n_heads",
-            "n_kv_heads",
-            "head_dim",
-            "d_ff",
-            "vocab_size",
-            "cache_head_stride",
-            "cache_pos_stride",
-            "rms_norm",
-            "gated",
-            "activation",
-            "cache_kind",
-            "emb_storage",
-        )
-    ] + [
-        ("norm_eps", _F),
-        ("attn_scale", _F),
-        ("rope_factor", _F),
-        ("inv_freq", _P),
-        ("tok_emb", _P),
-        ("pos_emb", _P),
-        ("final_norm_weight", _P),
-        ("final_norm_bias", _P),
-        ("head", _Linear),
-        ("layers", ctypes.POINTER(_Layer)),
-        ("x", _P),
-        ("h", _P),
-        ("qkv", _P),
-        ("att", _P),
-        ("scores", _P),
-        ("ff", _P),
-        ("max_positions", _I),
-    ]
-
-
-def check_layout(library: ctypes.CDLL) -> None:
-    """Refuse a ctypes struct above whose fields differ from decode.c's as the C compiler laid
-    them out (glassformer_layout: each struct's size, each field's offset and size): a field
-    out of order, missing or of another type would make the C step read one value as another."""
-    function = library.glassformer_layout
-    function.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_I), _I]
-    function.restype = _I
-    capacity = 256
-    names, numbers = (ctypes.c_char_p * capacity)(), (_I * (2 * capacity))()
-    count = function(names, numbers, capacity)
-    if count > capacity:
-        raise RuntimeError(f"decode.c's layout has {count} entries: raise capacity above")
-    in_c = {names[i].decode(): (numbers[2 * i], numbers[2 * i + 1]) for i in range(count)}
-    in_python = {}
-    for name, struct in (("Linear", _Linear), ("Layer", _Layer), ("Model", _Model)):
-        in_python[name] = (0, ctypes.sizeof(struct))
-        for field, *_ in struct._fields_:
-            descriptor = getattr(struct, field)
-            in_python[f"{name}.{field.rstrip('_')}"] = (descriptor.offset, descriptor.size)
-    for entry in sorted(in_c.keys() | in_python.keys()):
-        c, python = in_c.get(entry), in_python.get(entry)
-        if c != python:
-            raise RuntimeError(
-                f"infer/fused.py's ctypes structs do not match kernels/decode.c at {entry}: "
-                f"{_place(c)} in C, {_place(python)} in Python; make the _fields_ of "
-                f"_{entry.split('.')[0]} list decode.c's fields in its order, with its types"
-            )
-
-
-def _place(offset_and_size: tuple[int, int] | None) -> str:
-    if offset_and_size is None:
-        return "missing"
-    offset, size = offset_and_size
-    return f"{size} bytes at offset {offset}"
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -195,7 +75,9 @@ def unsupported(model: nn.Module) -> str | None:
             if problem:
                 return f"attn.{name}: {problem}"
         ffn = block.ffn
-        for layer in (ffn.gate_up, ffn.down) if cfg.ffn in _GATED else (ffn.fc_in, ffn.fc_out):
+        for layer in (
+            (ffn.gate_up, ffn.down) if cfg.ffn in step_h.GATED else (ffn.fc_in, ffn.fc_out)
+        ):
             problem = _linear_problem(layer)
             if problem:
                 return f"ffn: {problem}"
@@ -215,7 +97,7 @@ def _linear_problem(module: nn.Module) -> str | None:
         name = type(module).__name__
         return f"{name} is not a plain, decode or quantized Linear (merge adapters)"
     weight = module.weight
-    if weight.dtype not in _STORAGE or weight.dim() != 2 or not weight.is_contiguous():
+    if weight.dtype not in step_h.STORAGE or weight.dim() != 2 or not weight.is_contiguous():
         return f"a {weight.dtype} weight of shape {tuple(weight.shape)} is not supported"
     width = kernels.in_features(weight)
     group = width // module.scales.shape[1] if hasattr(module, "scales") else width
@@ -234,7 +116,7 @@ class FusedStep:
         if reason:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.model, self.cfg, self.max_tokens = model, model.cfg, max_tokens
-        self._function, self._rows_function = _library_functions()
+        self._function, self._rows_function = step_h.decode_functions(kernels.library())
         self._build()
 
     @classmethod
@@ -254,13 +136,13 @@ class FusedStep:
         self._keep.append(values)
         return values.data_ptr()
 
-    def _linear(self, module: nn.Module) -> _Linear:
+    def _linear(self, module: nn.Module) -> step_h.Linear:
         weight = module.weight.detach()
         self._keep.append(weight)
         scales, mins = getattr(module, "scales", None), getattr(module, "mins", None)
         out, width = weight.shape[0], kernels.in_features(weight)
         group = width // scales.shape[1] if scales is not None else width
-        return _Linear(
+        return step_h.Linear(
             weight.data_ptr(),
             self._f32(scales),
             self._f32(mins),
@@ -268,7 +150,7 @@ class FusedStep:
             width,
             out,
             group,
-            _STORAGE[weight.dtype],
+            step_h.STORAGE[weight.dtype],
             int(getattr(module, "round_inputs", False)),
         )
 
@@ -283,10 +165,10 @@ class FusedStep:
         self._cache_key: tuple | None = None  # the new layers point at no cache yet
         self._watch()
 
-    def _structs(self) -> _Model:
+    def _structs(self) -> step_h.Model:
         model, cfg = self.model, self.cfg
-        gated = cfg.ffn in _GATED
-        layers = (_Layer * cfg.n_layers)()
+        gated = cfg.ffn in step_h.GATED
+        layers = (step_h.Layer * cfg.n_layers)()
         for layer, block in zip(layers, model.blocks, strict=True):
             attn, ffn = block.attn, block.ffn
             layer.attn_norm_weight, layer.attn_norm_bias = self._norm(block.attn_norm)
@@ -307,7 +189,7 @@ class FusedStep:
         C, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         scale = cfg.attention_scale if cfg.attention_scale is not None else D**-0.5
         rope = model.rope
-        struct = _Model(
+        struct = step_h.Model(
             n_layers=cfg.n_layers,
             d_model=C,
             n_heads=H,
@@ -317,8 +199,8 @@ class FusedStep:
             vocab_size=cfg.vocab_size,
             rms_norm=int(cfg.norm == "rms"),
             gated=int(gated),
-            activation=_ACTIVATION[cfg.ffn],
-            emb_storage=_STORAGE[tok_emb.dtype],
+            activation=step_h.ACTIVATION[cfg.ffn],
+            emb_storage=step_h.STORAGE[tok_emb.dtype],
             norm_eps=cfg.norm_eps,
             attn_scale=scale,
             rope_factor=rope.attention_factor if rope is not None else 1.0,
@@ -401,7 +283,7 @@ class FusedStep:
             layer.k_cache, layer.v_cache = k[l].data_ptr(), v[l].data_ptr()
         s = self._struct
         s.cache_head_stride, s.cache_pos_stride = k.stride(1), k.stride(2)
-        s.cache_kind = _CACHE_KINDS[cache.k.dtype]
+        s.cache_kind = step_h.CACHE_KINDS[cache.k.dtype]
         scores = torch.zeros(self.cfg.n_heads, cache.max_seq_len)
         self._scores = scores  # replaced with the cache, so it always fits its length
         s.scores, s.max_positions = scores.data_ptr(), cache.max_seq_len
@@ -410,7 +292,11 @@ class FusedStep:
     def supports(self, cache: Any) -> bool:
         """Whether this cache is one the C step reads: a full KVCache of f32, bf16 or f16
         whose head dim is contiguous."""
-        return type(cache) is KVCache and cache.k.dtype in _CACHE_KINDS and cache.k.stride(-1) == 1
+        return (
+            type(cache) is KVCache
+            and cache.k.dtype in step_h.CACHE_KINDS
+            and cache.k.stride(-1) == 1
+        )
 
     def takes(self, cache: Any, n_tokens: int) -> bool:
         """Whether `many` can run n_tokens tokens on this cache (else: the torch modules)."""
@@ -513,15 +399,3 @@ def _versions(tensors: list[Tensor]) -> list[int]:
         return list(map(_VERSION, tensors))
     except RuntimeError:
         return [-1 if t.is_inference() else t._version for t in tensors]
-
-
-def _library_functions():
-    """decode.c's decode_tokens (one cache row) and decode_rows (a row per cache row)."""
-    library = kernels.library()
-    check_layout(library)
-    tokens, rows = library.decode_tokens, library.decode_rows
-    tokens.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
-    rows.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_I), _I, ctypes.POINTER(_I),
-                     ctypes.POINTER(_I), _P, ctypes.c_int]  # fmt: skip
-    tokens.restype = rows.restype = None
-    return tokens, rows

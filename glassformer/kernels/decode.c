@@ -32,10 +32,10 @@
  * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
  * and sines are computed once per token for every layer and head.
  *
- * glassformer/infer/fused.py fills the structs (step.h) through ctypes. glassformer_layout()
- * hands it every struct's size and every field's offset and size as this compiler lays them
- * out, and it refuses to run when its mirror differs: one field out of order would be read as
- * another. A query head's attention is attention.h's; a projection whose inputs are rounded to
+ * glassformer/infer/fused.py fills the structs (step.h) through their ctypes mirror,
+ * kernels/step.py. glassformer_layout() hands the mirror every struct's size and every field's
+ * offset and size as this compiler lays them out, and the step refuses to run when they differ:
+ * one field out of order would be read as another. A query head's attention is attention.h's; a projection whose inputs are rounded to
  * int8 first (w8a8, w4a8), a8.h's; the dot products of each weight storage, simd.h's.
  */
 #include <math.h>

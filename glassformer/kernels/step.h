@@ -1,6 +1,6 @@
 /* The structs of one decode step (decode.c), which glassformer/infer/fused.py fills through
- * ctypes (glassformer_layout() checks its mirror field by field), and the scalar bf16 <-> f32
- * conversions the step and the attention share. */
+ * their ctypes mirror, kernels/step.py (glassformer_layout() lets it check them field by
+ * field), and the scalar bf16 <-> f32 conversions the step and the attention share. */
 #ifndef GLASSFORMER_STEP_H
 #define GLASSFORMER_STEP_H
 #include <stdint.h>
