@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp's own binaries as a benchmark peer: llama-server, llama-bench and llama-quantize,
 # built from the llama.cpp source that llama-cpp-python's sdist vendors, so that every
-# comparison names one llama.cpp version. Nothing is installed: the binaries land in
+# comparison names one llama.cpp version, and llama-window-ppl (benchmarks/llama_window_ppl.c,
+# linked against the libraries of that build). Nothing is installed: the binaries land in
 # build/llama.cpp/bin (git ignores build/), where benchmarks/llama_cpp_peer.py looks for them.
 #
 #   bash benchmarks/build_llama_cpp.sh            # about 10 minutes on 2 cores
@@ -47,6 +48,12 @@ mkdir -p "$out/bin"
 for binary in llama-server llama-bench llama-quantize; do
     cp "$out/cmake/bin/$binary" "$out/bin/$binary"
 done
+# llama.cpp's C API on token windows (quantization.py's "llama.cpp ppl"), against the static
+# libraries the targets above built
+"${CXX:-c++}" -O2 -x c "$root/benchmarks/llama_window_ppl.c" -x none \
+    -I"$src/include" -I"$src/ggml/include" "$out/cmake/src/libllama.a" \
+    "$out/cmake/ggml/src/libggml.a" "$out/cmake/ggml/src/libggml-cpu.a" \
+    "$out/cmake/ggml/src/libggml-base.a" -fopenmp -lpthread -lm -o "$out/bin/llama-window-ppl"
 echo "$version" > "$out/bin/VERSION"
 "$out/bin/llama-server" --version 2>&1 | head -n 2
 echo "llama.cpp binaries in $out/bin"

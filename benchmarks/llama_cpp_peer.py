@@ -1,20 +1,21 @@
-"""llama.cpp as a benchmark peer, in two forms.
+"""llama.cpp as a benchmark peer: its own binaries, built by benchmarks/build_llama_cpp.sh into
+build/llama.cpp/bin (or found in $LLAMA_CPP_BIN).
 
-- Its own binaries (llama-server, llama-bench, llama-quantize), built by
-  benchmarks/build_llama_cpp.sh into build/llama.cpp/bin (or found in $LLAMA_CPP_BIN): the
-  servers' side-by-sides start `llama-server` on a GGUF file (benchmarks/servers.py);
-  benchmarks/decode.py times batch-1 decoding with `llama-bench` on the shipped SmolLM2 Q4_1
-  file and llama-quantize's requantizations of it (F32, BF16, Q8_0).
-- llama-cpp-python (`pip install -e .[bench]`): llama.cpp's requantizations through its
-  bindings (llama_model_quantize) into Q4_0 or Q4_K_M for benchmarks/quantization.py. (Its
-  0.3.36 wheel built here segfaults in Llama.eval, so nothing here runs a model through it.)
+- `llama-server`: the servers' side-by-sides start it on a GGUF file (benchmarks/servers.py).
+- `llama-bench`: benchmarks/decode.py times batch-1 decoding with it on the shipped SmolLM2
+  Q4_1 file and llama-quantize's requantizations of it (F32, BF16, Q8_0).
+- `llama-quantize`: those requantizations, and Q4_0 / Q4_K_M for benchmarks/quantization.py.
+- `llama-window-ppl` (benchmarks/llama_window_ppl.c, built against the same libraries): the
+  negative log-likelihood llama.cpp computes on given token windows, quantization.py's
+  "llama.cpp ppl" column.
 
-Without either, no peer: the benchmarks run without these rows."""
+No Python bindings: llama-cpp-python's 0.3.36 wheel built on these machines segfaults in
+Llama.eval. Without the binaries, no peer: the benchmarks run without these rows."""
 
 from __future__ import annotations
 
-import ctypes
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -91,12 +92,9 @@ class LlamaBench:
         return length / self.rate(length, 0, 0), self.rate(0, new_tokens, length), None
 
 
-# llama.cpp's file type for each precision: llama_ftype's names in llama-cpp-python
+# llama.cpp's file type (llama-quantize's name for it) for each precision
 LLAMA_CPP_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0",
                    "w4a8": "Q4_1"}  # fmt: skip
-_FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
-           "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
-           "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # fmt: skip
 
 
 def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str, Path]:
@@ -119,42 +117,39 @@ def llama_cpp_files(name: str, precisions, tmp: Path, threads: int) -> dict[str,
 
 
 def requantized_smollm2(kinds, tmp: Path, threads: int) -> dict[str, Path]:
-    """{kind: a GGUF file} for each kind of _FTYPES or "Q4_1" (the shipped SmolLM2 file),
-    requantized by llama.cpp's own llama_model_quantize into `tmp`; {} without llama-cpp-python.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
+    """{kind: a GGUF file} for each of `kinds` (llama-quantize's names: Q4_0, Q4_K_M, ...; Q4_1
+    is the shipped SmolLM2 file itself), requantized by llama-quantize into `tmp`; {} when it
+    is not built."""
+    if not kinds or llama_cpp_binary("llama-quantize") is None:
         return {}
-    import llama_cpp
-
     from glassformer.interop.pretrained import resolve
 
-    _quiet_llama_cpp(llama_cpp)
     source = resolve("smollm2")
-    files = {"Q4_1": source}
-    for kind in kinds:
-        if kind in files:
-            continue  # the shipped file itself
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.allow_requantize, params.nthread = (
-            getattr(llama_cpp, _FTYPES[kind]), True, threads)  # fmt: skip
-        target = tmp / f"smollm2-{kind}.gguf"
-        status = llama_cpp.llama_model_quantize(
-            str(source).encode(), str(target).encode(), ctypes.byref(params)
+    return {
+        kind: source
+        if kind == "Q4_1"
+        else quantized_with_binary(source, kind, tmp / f"smollm2-{kind}.gguf", threads)
+        for kind in kinds
+    }
+
+
+def window_perplexity(path: Path, ids: list[int], window: int, threads: int) -> float | None:
+    """exp(mean NLL) as llama.cpp computes it on the GGUF file at `path`: `ids` cut into
+    non-overlapping windows of `window` tokens, each from an empty cache, every position
+    predicting the next (llama-window-ppl); None when llama-window-ppl is not built."""
+    binary = llama_cpp_binary("llama-window-ppl")
+    if binary is None:
+        return None
+    windows = [ids[start : start + window] for start in range(0, len(ids) - 1, window)]
+    windows = [w for w in windows if len(w) > 1]
+    lines = "".join(" ".join(map(str, w)) + "\n" for w in windows)
+    result = subprocess.run(
+        [str(binary), str(path), str(threads)], input=lines, capture_output=True, text=True
+    )
+    sums = [line.split() for line in result.stdout.splitlines()]
+    if result.returncode != 0 or len(sums) != len(windows):
+        raise RuntimeError(
+            f"llama-window-ppl scored {len(sums)} of {len(windows)} windows of {path.name}: "
+            f"{result.stderr[-1000:]}"
         )
-        if status != 0:
-            raise RuntimeError(f"llama_model_quantize to {kind} failed with status {status}")
-        files[kind] = target
-    return {kind: path for kind, path in files.items() if kind in kinds}
-
-
-def _quiet_llama_cpp(llama_cpp) -> None:
-    """Silence llama.cpp's own log (the quantizer prints a line per tensor)."""
-
-    @llama_cpp.llama_log_callback
-    def ignore(level, text, user_data):
-        pass
-
-    _quiet_llama_cpp.callback = ignore  # kept alive: C holds only the pointer
-    llama_cpp.llama_log_set(ignore, ctypes.c_void_p(0))
+    return math.exp(sum(float(nll) for nll, _ in sums) / sum(int(n) for _, n in sums))

@@ -10,11 +10,13 @@ arithmetic llama.cpp uses for Q8_0 and Q4_1 files. SmolLM2's only shipped weight
 Q4_1 GGUF file, so "fp32" holds those values dequantized: int4 gives them back (to float
 rounding), and its perplexity is fp32's; int8 rounds them again.
 
-With llama-cpp-python installed (the bench extra), --gguf adds GGUF files: the shipped Q4_1
-and llama.cpp's own requantizations of it (Q4_0, Q4_K_M by default), each loaded with
-quantize="int4" (its 4-bit blocks kept bit for bit, its Q6_K matrices at int8), and for each
-file the perplexity llama.cpp itself computes on the same windows ("llama.cpp ppl"): the same
-file read by two programs, so the two columns should agree to the arithmetic's rounding.
+With llama.cpp's binaries built (bash benchmarks/build_llama_cpp.sh), --gguf adds GGUF files:
+the shipped Q4_1 and llama-quantize's requantizations of it (Q4_0, Q4_K_M by default), each
+loaded with quantize="int4" (its 4-bit blocks kept bit for bit, its Q6_K matrices at int8), and
+for each file the perplexity llama.cpp itself computes on the same windows ("llama.cpp ppl",
+benchmarks/llama_window_ppl.c): the same file read by two programs. llama.cpp multiplies Q4
+blocks by activations rounded to 8 bits (Q8_1), so its column is the w4a8 arithmetic's, and the
+two columns agree to that rounding.
 
 Perplexity: the first --tokens tokens of one play (held-out text: SmolLM2 was not tuned on this
 file), cut into non-overlapping --window-token windows; each window is scored on its own, every
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import record  # benchmarks/record.py
-from llama_cpp_peer import requantized_smollm2  # benchmarks/: llama.cpp requantizes SmolLM2
+from llama_cpp_peer import requantized_smollm2, window_perplexity  # benchmarks/
 
 from glassformer.data import shakespeare_plays
 from glassformer.infer.engine import Engine
@@ -99,7 +101,7 @@ def main() -> None:
     parser.add_argument("--no-a8", action="store_true", help="skip w8a8 and w4a8")
     parser.add_argument(
         "--gguf", nargs="*", default=["Q4_1", "Q4_0", "Q4_K_M"],
-        help="GGUF files to load with quantize='int4' (needs llama-cpp-python; none: skip)",
+        help="GGUF files to load with quantize='int4' (needs llama.cpp's binaries; none: skip)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
     parser.add_argument(
@@ -126,12 +128,12 @@ def main() -> None:
     ids = held_out_ids(tokenizer, args.play, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         files = requantized_smollm2(args.gguf, Path(tmp), args.threads)
-        llama_ppl = {f"gguf {kind}": llama_cpp_perplexity(path, ids, args.window, args.threads)
+        llama_ppl = {f"gguf {kind}": window_perplexity(path, ids, args.window, args.threads)
                      for kind, path in files.items()}  # fmt: skip
         for kind, path in files.items():
             models[f"gguf {kind}"] = from_pretrained(path, quantize="int4")[0]
     if args.gguf and not files:
-        print("llama-cpp-python is not installed: no GGUF rows (pip install -e '.[bench]')\n")
+        print("no llama-quantize: no GGUF rows (bash benchmarks/build_llama_cpp.sh builds it)\n")
 
     prompt = ids[: args.prompt_tokens]
     engines = {name: Engine(model, huge_pages=True) for name, model in models.items()}
@@ -176,26 +178,6 @@ def main() -> None:
         settings |= {"play": args.play, "prompt_tokens": args.prompt_tokens}
         settings |= {"new_tokens": args.new_tokens, "runs": args.runs}
         record.write(args.json, args.threads, {**settings, "rows": rows})
-
-
-def llama_cpp_perplexity(path, ids: list[int], window: int, threads: int) -> float:
-    """perplexity() of llama.cpp on the GGUF file at `path`: the same windows, its logits."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(path), n_ctx=window, n_batch=window, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, verbose=False)  # fmt: skip
-    total_nll, total_targets = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
-        if len(chunk) < 2:
-            break
-        llm.reset()
-        llm.eval(chunk)
-        logits = torch.from_numpy(llm.scores[: len(chunk)].copy()).float()  # (T, V)
-        total_nll += float(F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum"))
-        total_targets += len(chunk) - 1
-    llm.close()
-    return math.exp(total_nll / total_targets)
 
 
 if __name__ == "__main__":

@@ -612,7 +612,6 @@ TABLES = {
     "kv-cache": Table("kv_cache.json", kv_cache),
     "kv-dtype": Table("kv_dtype.json", kv_dtype),
     "quantization": Table("quantization.json", quantization),
-    "quantization-a8": Table("quantization_a8.json", quantization),
     "training": Table("train_throughput.json", training),
     "training-processes": Table("train_processes.json", training_processes),
     "serve-load": Table("serve.json", serve_load),
