@@ -619,6 +619,7 @@ TABLES = {
     "serve-peer": Table("serve_peer.json", serve_peer),
     "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
     "serve-peer-256": Table("serve_peer_256.json", serve_peer),
+    "serve-peer-one-client": Table("serve_peer_one_client.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),
