@@ -35,14 +35,8 @@ from glassformer.interop.integrity import InteropError
 from glassformer.interop.peft import _update_overflow, load_adapter, save_adapter
 from glassformer.nn.lora import LoRALinear, apply_lora, lora_parameters
 from glassformer.server.protocol import APIError, parse_json
-from glassformer.tokenizers import (
-    BPETokenizer,
-    CharTokenizer,
-    PretrainedTokenizer,
-    chars_per_token_cap,
-    load_tokenizer,
-    longest_token_chars,
-)
+from glassformer.tokenizers import BPETokenizer, CharTokenizer, PretrainedTokenizer, load_tokenizer
+from glassformer.tokenizers.span import chars_per_token_cap, longest_token_chars
 from glassformer.train.checkpoint import save_checkpoint
 from glassformer.train.finetune import FinetuneDataError, encode_records, read_jsonl
 

@@ -31,12 +31,8 @@ from glassformer.cli.serve import check_address, check_cache_fits
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
 from glassformer.interop.pretrained import resolve
 from glassformer.server.gate import resolve_api_key
-from glassformer.tokenizers import (
-    PretrainedTokenizer,
-    TokenizerRegexError,
-    load_tokenizer,
-    panic_reports_hidden,
-)
+from glassformer.tokenizers import PretrainedTokenizer, load_tokenizer
+from glassformer.tokenizers.guards import TokenizerRegexError, panic_reports_hidden
 
 MESSAGES = [{"role": "user", "content": "Hello there!"}]
 

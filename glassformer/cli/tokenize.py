@@ -13,7 +13,7 @@ from glassformer.tokenize import (
     tokenize,
     vocabulary_for,
 )
-from glassformer.tokenizers import panic_reports_hidden
+from glassformer.tokenizers.guards import panic_reports_hidden
 
 
 def _shown(piece: str) -> str:

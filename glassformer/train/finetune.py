@@ -50,7 +50,7 @@ from glassformer.interop.integrity import clip
 from glassformer.interop.peft import write_adapter_files
 from glassformer.interop.pretrained import from_pretrained, resolve
 from glassformer.nn.lora import apply_lora, trainable_fraction
-from glassformer.tokenizers import chars_per_token_cap, longest_token_chars
+from glassformer.tokenizers.span import chars_per_token_cap, longest_token_chars
 from glassformer.train.checkpoint import publish_adapter
 from glassformer.train.config import FOLIO_DATA, FinetuneConfig, FinetuneRunConfig
 from glassformer.train.tasks import Task

@@ -2,18 +2,14 @@
 
 Seed 002 "token ≠ 字" (pipeline step ①): a model sees token ids, not characters. A byte-level
 BPE may split one Chinese character or emoji across several tokens (streaming them back out as
-text is glassformer.detokenize's job).
+text is glassformer.detokenize's job). A tokenizer file is read and run with guards
+(tokenizers/guards.py); how much text one token can cover is tokenizers/span.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
-import sys
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from glassformer import json_input, templates
+from glassformer.tokenizers.guards import _hf_encode, read_tokenizer_json
 
 TOKENIZER_FILE = "tokenizer.json"
 ENDOFTEXT = "<|endoftext|>"
@@ -59,93 +56,6 @@ def _as_int_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-class TokenizerRegexError(ValueError):
-    """A tokenizer file's own regex fails on a text (the file is at fault, not the text)."""
-
-
-def _hf_encode(
-    hf: HFTokenizer, text: str, add_special_tokens: bool, source: Path | None = None
-) -> list[int]:
-    """hf.encode(text).ids, with a one-line error for text that is not valid Unicode (a lone
-    surrogate, which is what undecodable bytes become in argv or with errors='surrogateescape'),
-    and for a regex in the file (source) that gives up on the text."""
-    try:
-        # encode_batch, not encode: only the batch call releases the GIL, so a server thread
-        # tokenizing a 10 MB prompt (6 s) does not stall the event loop beside it.
-        return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-    except TypeError:
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, got {type(text).__name__}") from None
-        position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
-        raise ValueError(
-            f"text has a lone surrogate {text[position]!r} at index {position}, which is "
-            f"not encodable as UTF-8; fix the text's decoding (e.g. errors='replace')"
-        ) from None
-    except BaseException as err:
-        if type(err).__name__ != "PanicException":
-            raise
-        raise _panic_error(err, source) from None
-
-
-def _panic_error(panic: BaseException, source: Path | None) -> TokenizerRegexError:
-    """The one line for a Rust panic inside encode, which pyo3 raises as a BaseException (not an
-    Exception). A pre-tokenizer like Split("(a+)+$") backtracks without end on "aaa...ab"; the
-    Oniguruma engine gives up at its retry limit and panics."""
-    detail = " ".join(str(panic).split())
-    where = str(source) if source is not None else "the tokenizer"
-    return TokenizerRegexError(
-        f"{where}: the tokenizer's pre-tokenizer or normalizer regex fails on this text "
-        f"({detail}): the tokenizer.json is broken or hostile; use another model file"
-    )
-
-
-# Rust's panic hook writes its report straight to file descriptor 2 before pyo3 raises the
-# panic in Python: a blank line, "thread '<unnamed>' (PID) panicked at FILE:LINE:COL:", the
-# message, then "note: run with `RUST_BACKTRACE=1` ..." or a backtrace that (unless
-# RUST_BACKTRACE=full) ends in a "note: ..." line.
-_PANIC_HEADER = re.compile(rb"thread '[^'\n]*'(?: \(\d+\))? panicked at ")
-
-
-@contextlib.contextmanager
-def panic_reports_hidden() -> Iterator[None]:
-    """Keep the report of a Rust panic inside the block off the terminal (the panic's message
-    is in the one error line that TokenizerRegexError makes); anything else the block writes to
-    stderr is passed on when it ends. For a command's main thread only: file descriptor 2 is
-    the process's, so nothing else may write to stderr while the block runs."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with tempfile.TemporaryFile() as captured:
-            os.dup2(captured.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                captured.seek(0)
-                kept = _without_panic_reports(captured.read())
-                if kept:
-                    os.write(2, kept)
-    finally:
-        os.close(saved)
-
-
-def _without_panic_reports(written: bytes) -> bytes:
-    kept: list[bytes] = []
-    in_report = False
-    for line in written.splitlines(keepends=True):
-        if _PANIC_HEADER.match(line):
-            in_report = True
-            if kept and not kept[-1].strip():
-                kept.pop()  # the blank line the hook writes first
-        elif in_report and line.startswith(b"note: "):
-            in_report = False
-            continue
-        if not in_report:
-            kept.append(line)
-    return b"".join(kept)
-
-
 def byte_level_chars() -> dict[int, str]:
     """GPT-2's byte-level alphabet: byte value -> the printable character standing for it."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
@@ -154,19 +64,6 @@ def byte_level_chars() -> dict[int, str]:
     unprintable = [b for b in range(_N_BYTES) if b not in chars]
     chars.update({b: chr(_N_BYTES + n) for n, b in enumerate(unprintable)})
     return chars
-
-
-def read_tokenizer_json(path: Path, fix: str) -> HFTokenizer:
-    """A Hugging Face tokenizer.json, or one ValueError line naming the file."""
-    try:
-        return HFTokenizer.from_file(str(path))
-    except Exception as error:
-        if type(error) is not Exception:
-            raise  # the Rust side reports bad files as a bare Exception; anything else is a bug
-        message = " ".join(str(error).split())
-        raise ValueError(
-            f"{path} is not a Hugging Face tokenizer.json ({message}): {fix}"
-        ) from None
 
 
 def _check_ids(ids: list[int], vocab_size: int) -> None:
@@ -564,92 +461,3 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     if not isinstance(payload.get("chars"), list):
         raise ValueError(f"{file}: a char tokenizer needs a 'chars' list; re-save it")
     return CharTokenizer(payload["chars"])
-
-
-# --- how much text one token can cover ----------------------------------------------------------
-
-# Normalizers and pre-tokenizers that never drop a character: they keep, add, split or replace
-# one character by one or more (Replace only where its content is no shorter than its pattern).
-# With only these, and a BPE that gives every character a token (byte-level or byte fallback),
-# each character of a text lies inside the string of some token of its encoding.
-_KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase", "ByteLevel", "Replace"}
-_KEEPING_PRE_TOKENIZERS = {
-    "ByteLevel",
-    "Metaspace",
-    "Digits",
-    "Punctuation",
-    "Split",
-    "UnicodeScripts",
-}
-
-
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """The most characters of text one token can stand for, where that bounds every encoding:
-    a text of N characters then has at least N / longest_token_chars tokens, so a text too long
-    for a context is known before it is tokenized. None where a tokenizer may drop or merge text
-    without a token each (a whitespace pre-tokenizer, WordPiece's one [UNK] per unknown word, a
-    strip normalizer, special tokens that swallow the spaces beside them)."""
-    if isinstance(tokenizer, CharTokenizer):
-        return 1
-    hf = getattr(tokenizer, "hf", None)
-    if not isinstance(hf, HFTokenizer) or not _keeps_every_char(hf):
-        return None
-    return max(map(len, hf.get_vocab(with_added_tokens=True)), default=None)
-
-
-# Real text averages a few characters a token (about 4 in English, fewer in Chinese); 100
-# (WordPiece's own longest word) is 25 times that, so no real example is refused, and at most
-# max_seq_len x 100 characters are ever tokenized (8,192 positions: 0.8 MB, about a second).
-SPARSE_TEXT_CHARS_PER_TOKEN = 100
-
-
-def chars_per_token_cap(tokenizer: Any) -> int:
-    """For a tokenizer whose encodings no length bounds (longest_token_chars is None): the most
-    characters a token may stand for on average in a text that is taken to fit a context. Such a
-    tokenizer drops text (spaces, control characters) or turns a whole unknown word into one
-    [UNK], so only tokenizing counts its tokens; a text sparser than this is mostly what the
-    model never sees. The longest of: the vocabulary's longest token, WordPiece's longest word,
-    SPARSE_TEXT_CHARS_PER_TOKEN."""
-    hf = getattr(tokenizer, "hf", None)
-    if not isinstance(hf, HFTokenizer):
-        return SPARSE_TEXT_CHARS_PER_TOKEN
-    longest = max(map(len, hf.get_vocab(with_added_tokens=True)), default=0)
-    word = getattr(hf.model, "max_input_chars_per_word", None) or 0
-    return max(SPARSE_TEXT_CHARS_PER_TOKEN, longest, word)
-
-
-def _keeps_every_char(hf: HFTokenizer) -> bool:
-    model = hf.model
-    if type(model).__name__ != "BPE":
-        return False
-    pre = json.loads(hf.pre_tokenizer.__getstate__()) if hf.pre_tokenizer is not None else None
-    normalizer = json.loads(hf.normalizer.__getstate__()) if hf.normalizer is not None else None
-    pres = _parts(pre, "pretokenizers")
-    byte_level = any(p.get("type") == "ByteLevel" for p in pres)
-    every_char_known = model.byte_fallback or byte_level or (model.unk_token and not model.fuse_unk)
-    swallowing = any(t.lstrip or t.rstrip for t in hf.get_added_tokens_decoder().values())
-    return (
-        bool(every_char_known)
-        and not swallowing
-        and all(_keeps(p, _KEEPING_PRE_TOKENIZERS) for p in pres)
-        and all(_keeps(n, _KEEPING_NORMALIZERS) for n in _parts(normalizer, "normalizers"))
-    )
-
-
-def _parts(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
-    """A normalizer or pre-tokenizer as the list of its steps (a Sequence's, or itself)."""
-    if component is None:
-        return []
-    if component.get("type") == "Sequence":
-        return [p for part in component.get(key, []) for p in _parts(part, key)]
-    return [component]
-
-
-def _keeps(step: dict[str, Any], keeping: set[str]) -> bool:
-    kind = step.get("type")
-    if kind not in keeping or str(step.get("behavior", "")).lower() == "removed":
-        return False
-    if kind == "Replace":  # a literal pattern by content at least as long; no regex
-        pattern = step.get("pattern", {}).get("String")
-        return isinstance(pattern, str) and len(step.get("content", "")) >= len(pattern)
-    return True
