@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (seed 002's opening and exercise 2, against a model you can look
-inside): FastAPI routes for /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings,
-/health and /metrics, in front of the engine thread (server/scheduler.py), and the browser
-lab (server/lab.py) at `/`.
+inside): FastAPI routes for /v1/models, /v1/completions, /v1/chat/completions, /health and
+/metrics, in front of the engine thread (server/scheduler.py), with /v1/embeddings
+(server/embeddings.py), /tokenize and /detokenize (server/tokenize.py), RAG (server/rag.py) and
+the browser lab (server/lab.py) at `/`.
 
 Text becomes token ids here and token ids become text here; the engine sees ids only. Chat
 messages go through the model's chat template with their text encoded as text, so a user who
@@ -11,7 +12,6 @@ types "<|im_start|>system" gets those characters, never a new turn.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,25 +20,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch import nn
 
 import glassformer
 from glassformer.detokenize import TokenBytes
 from glassformer.infer.constrain import ConstraintError, check_constraint, constraint_from
-from glassformer.infer.embed import embed
 from glassformer.infer.engine import Engine
 from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
 from glassformer.nn.quant import precision_name
 from glassformer.server.body_limit import BodyLimit
+from glassformer.server.embeddings import router as embeddings_router
 from glassformer.server.gate import Gate, api_error, http_error, server_error
 from glassformer.server.lab import mount_static
 from glassformer.server.lab import router as lab_router
@@ -47,18 +45,15 @@ from glassformer.server.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
     SamplingFields,
-    TokenizeRequest,
     engine_stopped,
-    parse_json,
-    validate,
 )
 from glassformer.server.rag import router as rag_router
+from glassformer.server.requests import check_ids, check_model, encoded, read_body
 from glassformer.server.responses import Reply
 from glassformer.server.scheduler import QueueFull, Scheduler, Stopped
 from glassformer.server.scheduler import Request as Work
+from glassformer.server.tokenize import router as tokenize_router
 from glassformer.server.tools import (
     ToolError,
     conversation,
@@ -66,7 +61,7 @@ from glassformer.server.tools import (
     response_format_schema,
     tool_use,
 )
-from glassformer.templates import ConversationTooLong, end_of_turn_ids
+from glassformer.templates import end_of_turn_ids
 
 log = logging.getLogger("glassformer.server")
 
@@ -157,9 +152,8 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
-    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.include_router(embeddings_router)  # /v1/embeddings (serve --embed-model)
+    app.include_router(tokenize_router)  # /tokenize and /detokenize (vLLM's)
     app.include_router(rag_router)  # /rag/search and /lab/api/rag (serve --rag-store)
     app.include_router(lab_router)  # the browser lab: /lab/api/* and the page at /
     mount_static(app)
@@ -171,19 +165,6 @@ def _warm_up(engine: Engine) -> None:
     kernels are built on first use): the browser lab's first chat turn waited 2.8 s for its
     first token without it, 0.41 s with it (tests/test_browser_lab.py's screenshot)."""
     engine.generate([0], max_new_tokens=2, temperature=0.0, eos_token_id=NO_EOS)
-
-
-# Bodies above this are parsed in a worker thread: a 10 MB prompt took seconds of JSON, validation
-# and tokenizing, and on the event loop that stalled /health and every running stream.
-BIG_BODY_BYTES = 256 * 1024
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> Any:
-    """The request body parsed and validated as `model`, a large one off the event loop."""
-    raw = await request.body()
-    if len(raw) < BIG_BODY_BYTES:
-        return validate(model, parse_json(raw))
-    return await run_in_threadpool(lambda: validate(model, parse_json(raw)))
 
 
 async def _client_gone(request: Request) -> None:
@@ -273,7 +254,7 @@ class API:
         self._check_model(body.model)
         if isinstance(body.prompt, str):
             encode = partial(self.served.tokenizer.encode, body.prompt)
-            prompt = await run_in_threadpool(self._encode, encode, "prompt")
+            prompt = await run_in_threadpool(encoded, encode, "prompt")
         else:
             prompt = self._check_ids(body.prompt, "prompt")
         limit = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -335,7 +316,7 @@ class API:
             suffix = no_think_suffix(self.markers) if no_think else []
             return ids + suffix if suffix and suffix[-1] not in ids[-4:] else ids
 
-        prompt = await run_in_threadpool(self._encode, encode, "messages")
+        prompt = await run_in_threadpool(encoded, encode, "messages")
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         work = self._work(
@@ -355,33 +336,10 @@ class API:
         return await self._respond(request, body, work, reply)
 
     def _check_model(self, name: str) -> None:
-        if name != self.served.name:
-            raise APIError(
-                404,
-                f"model {name!r} is not served here: use {self.served.name!r} (GET /v1/models)",
-                "model",
-                code="model_not_found",
-            )
-
-    def _encode(self, encode, param: str) -> list[int]:
-        try:
-            ids = encode()
-        except ConversationTooLong as err:  # too long to render: a length error, as a prompt's
-            raise APIError(400, str(err), param, code="context_length_exceeded") from None
-        except ValueError as err:  # uncodable bytes, a template that refuses the conversation
-            raise APIError(400, str(err), param) from None
-        if not ids:
-            raise APIError(400, f"{param} encodes to no tokens: send some text", param)
-        return ids
+        check_model(self.served, name)
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = self.served.model.cfg.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise APIError(
-                400, f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}", param
-            )
-        return ids
+        return check_ids(ids, self.served.model.cfg.vocab_size, param)
 
     def _work(
         self,
@@ -529,109 +487,3 @@ class API:
         finally:
             if not reply.done:
                 self.scheduler.cancel(work)
-
-    # --- tokenize / detokenize (vLLM's) -------------------------------------------------------
-
-    async def tokenize(self, request: Request) -> dict:
-        body = await read_body(request, TokenizeRequest)
-        self._check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give one of prompt or messages", "prompt")
-        tokenizer = self.served.tokenizer
-        if body.messages is not None and not getattr(tokenizer, "chat_template", None):
-            raise APIError(
-                400, f"{self.served.name} has no chat template: send a prompt", "messages"
-            )
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in body.messages or []
-        ]
-
-        def encode() -> list[int]:
-            if body.prompt is not None:
-                return tokenizer.encode(body.prompt)
-            return tokenizer.encode_chat(messages)
-
-        try:
-            ids = await run_in_threadpool(encode)
-        except ValueError as err:
-            param = "prompt" if body.prompt is not None else "messages"
-            raise APIError(400, str(err), param) from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.slot_len}
-
-    async def detokenize(self, request: Request) -> dict:
-        body = await read_body(request, DetokenizeRequest)
-        self._check_model(body.model)
-        ids = self._check_ids(body.tokens, "tokens")
-        return {"prompt": await run_in_threadpool(self.served.tokenizer.decode, ids)}
-
-    # --- embeddings -----------------------------------------------------------------------------
-
-    async def embeddings(self, request: Request) -> dict:
-        body = await read_body(request, EmbeddingRequest)
-        request.state.ignored_fields = body.ignored_fields
-        served = self.served
-        if served.embed_model is None:
-            raise APIError(
-                404,
-                f"no embedding model is loaded: start the server with --embed-model "
-                f"(e.g. minilm); {body.model!r} cannot embed",
-                "model",
-                code="model_not_found",
-            )
-        if body.model != served.embed_name:
-            raise APIError(
-                404,
-                f"model {body.model!r} is not served for embeddings: use {served.embed_name!r}",
-                "model",
-                code="model_not_found",
-            )
-        limit, vocab = served.embed_model.cfg.max_seq_len, served.embed_model.cfg.vocab_size
-
-        def tokenize() -> list[list[int]]:  # in a worker thread: a 5 MB input took seconds
-            sequences = []
-            for i, item in enumerate(body.input):
-                param = f"input.{i}" if len(body.input) > 1 else "input"
-                if isinstance(item, str):
-                    ids = self._encode(partial(served.embed_tokenizer.encode, item), param)
-                else:
-                    ids = item
-                    if any(not 0 <= t < vocab for t in ids):
-                        raise APIError(
-                            400, f"a token id is outside the vocabulary 0..{vocab - 1}", param
-                        )
-                if len(ids) > limit:
-                    raise APIError(
-                        400,
-                        f"{param} is {len(ids)} tokens; {body.model} reads at most {limit}: "
-                        "shorten it",
-                        param,
-                        code="context_length_exceeded",
-                    )
-                sequences.append(ids)
-            return sequences
-
-        sequences = await run_in_threadpool(tokenize)
-
-        def run() -> torch.Tensor:
-            return embed(served.embed_model, sequences)
-
-        try:  # on the engine thread, between two decode steps, as every forward here
-            vectors = await asyncio.wrap_future(self.scheduler.call(run))
-        except Stopped:
-            raise engine_stopped() from None
-        vectors = vectors.cpu().numpy().astype(np.float32)
-        data = []
-        for index, vector in enumerate(vectors):
-            if body.encoding_format == "base64":
-                value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode()
-            else:
-                value = vector.tolist()
-            data.append({"object": "embedding", "index": index, "embedding": value})
-        n_tokens = sum(len(s) for s in sequences)
-        return {
-            "object": "list",
-            "data": data,
-            "model": body.model,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
