@@ -355,7 +355,7 @@ def test_kill_during_checkpoint_writes_never_breaks_latest(tmp_path):
 def _sharded_step_is_whole(step_dir: Path, config: Path) -> None:
     """Every file of a committed FSDP step is readable, and its per-rank shards put together
     (in one process) are exactly the weights of its model.safetensors: one step, not a mix."""
-    from glassformer.train.distributed import load_sharded
+    from glassformer.train.sharded import load_sharded
     from glassformer.train.trainer import make_optimizer
 
     state, _ = read_train_state(step_dir)

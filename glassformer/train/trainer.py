@@ -49,16 +49,7 @@ from glassformer.train.checkpoint import (
     write_step_files,
 )
 from glassformer.train.config import RunConfig, run_config_json
-from glassformer.train.distributed import (
-    Parallel,
-    full_weights,
-    load_full_optimizer,
-    load_sharded,
-    local_part,
-    restart_count,
-    save_sharded,
-    sharded_step,
-)
+from glassformer.train.distributed import Parallel, restart_count
 from glassformer.train.guards import (
     ResumePoint,
     check_training_memory,
@@ -75,6 +66,14 @@ from glassformer.train.run_dir import (
     previous_run,
     remove_step_dirs,
     save_failed,
+)
+from glassformer.train.sharded import (
+    full_weights,
+    load_full_optimizer,
+    load_sharded,
+    local_part,
+    save_sharded,
+    sharded_step,
 )
 from glassformer.train.signals import StopRequests
 from glassformer.train.steps import evaluate, progress_bar, to_device
@@ -101,9 +100,6 @@ class TrainResult:
     baseline_name: str = "baseline"
     baseline_loss: float | None = None  # e.g. unigram entropy: what ignoring context scores
     tokens_per_s: float = 0.0  # under torchrun: all ranks together
-
-
-# --- optimization -------------------------------------------------------------------------------
 
 
 # --- the loop -----------------------------------------------------------------------------------
