@@ -1,7 +1,8 @@
 """Calculators from a config, no weights needed (seed 000 §2.1, §2.3, §2.5.3; seed 002):
 parameter tables, KV-cache bytes, FLOPs, training memory and inference cost.
 
-formulas.py  the numbers: parameter rows and counts, KV bytes, FLOPs, the count-only MLA/MoE config
+parameters.py the parameter table: rows and counts, and the count-only MLA/MoE config
+formulas.py  KV-cache bytes and FLOPs
 presets.py   the names `glassformer calc --preset` takes (ModelConfig presets and deepseek-v3)
 render.py    the printed tables and the byte/count/FLOP formatters
 memory_cost.py  training memory (parameters, gradients, optimizer, activations) and the
@@ -10,18 +11,10 @@ memory_cost.py  training memory (parameters, gradients, optimizer, activations) 
 
 from glassformer.calc.formulas import (
     DTYPE_BYTES,
-    AnyConfig,
-    MLAMoEConfig,
-    Row,
     attention_width,
-    component_of,
     flops_per_token,
     kv_bytes_per_token,
     kv_cache_bytes,
-    norm_size,
-    parameter_counts,
-    parameter_rows,
-    parameter_table,
     rnn_state_bytes,
 )
 from glassformer.calc.memory_cost import (
@@ -34,6 +27,16 @@ from glassformer.calc.memory_cost import (
     measure_peaks,
     prefill_flops,
     training_memory,
+)
+from glassformer.calc.parameters import (
+    AnyConfig,
+    MLAMoEConfig,
+    Row,
+    component_of,
+    norm_size,
+    parameter_counts,
+    parameter_rows,
+    parameter_table,
 )
 from glassformer.calc.presets import COUNT_ONLY_PRESETS, DEEPSEEK_V3, preset_names, resolve_preset
 from glassformer.calc.render import (

@@ -10,14 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glassformer.calc.formulas import (
-    _meta_model,
-    attention_width,
-    flops_per_token,
-    kv_cache_bytes,
-    parameter_counts,
-    parameter_rows,
-)
+from glassformer.calc.formulas import attention_width, flops_per_token, kv_cache_bytes
+from glassformer.calc.parameters import _meta_model, parameter_counts, parameter_rows
 from glassformer.calc.render import format_bytes, format_count, format_flop_count
 from glassformer.config import ModelConfig
 

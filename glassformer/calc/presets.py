@@ -4,7 +4,7 @@ glassformer counts but cannot build, such as DeepSeek-V3 (Multi-head Latent Atte
 
 from __future__ import annotations
 
-from glassformer.calc.formulas import AnyConfig, MLAMoEConfig
+from glassformer.calc.parameters import AnyConfig, MLAMoEConfig
 from glassformer.config import PRESETS, ConfigError, ModelConfig
 
 DEEPSEEK_V3 = MLAMoEConfig(

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 from glassformer.calc.formulas import (
     DTYPE_BYTES,
-    AnyConfig,
-    MLAMoEConfig,
     attention_width,
     flops_per_token,
     kv_bytes_per_token,
     kv_cache_bytes,
-    parameter_counts,
-    parameter_rows,
 )
+from glassformer.calc.parameters import AnyConfig, MLAMoEConfig, parameter_counts, parameter_rows
 from glassformer.config import ModelConfig
 
 
