@@ -16,13 +16,13 @@ from glassformer.inspect import capture
 from glassformer.lab.base import RunContext
 from glassformer.lab.char_gpt import cache_dir, recipe_for, trained
 from glassformer.lab.exp_head_pruning import FixedEval, removal_curve, split_windows, top_share
-from glassformer.lab.exp_induction_heads import (
+from glassformer.lab.fit import random_windows
+from glassformer.lab.induction import (
     chosen_head,
     copy_losses,
     induction_scores,
     repeated_random,
 )
-from glassformer.lab.fit import random_windows
 from glassformer.models import build_model
 
 

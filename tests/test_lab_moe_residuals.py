@@ -19,12 +19,12 @@ from glassformer.lab.exp_moe import (
     MOE,
     N_EXPERTS,
     TOP_K,
-    Timer,
     expert_load,
     model_configs,
 )
 from glassformer.lab.exp_residuals import gradient_norms
 from glassformer.lab.fit import Schedule
+from glassformer.lab.timing import Timer
 from glassformer.models import build_model
 from glassformer.nn.attention import AttentionMask
 from glassformer.nn.ffn import MoE

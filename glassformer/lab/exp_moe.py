@@ -16,14 +16,12 @@ not a measurement that could disagree with the claim.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from glassformer.calc import parameter_counts, resolve_preset
 from glassformer.config import ModelConfig
-from glassformer.infer.engine import Engine
 from glassformer.lab import base as lab
 from glassformer.lab.fit import (
     Schedule,
@@ -33,9 +31,9 @@ from glassformer.lab.fit import (
     unigram_entropy,
     window_batches,
 )
+from glassformer.lab.timing import time_models
 from glassformer.models import build_model
 from glassformer.nn.ffn import MoE
-from glassformer.train.trainer import make_optimizer
 
 N_EXPERTS, TOP_K = 8, 2
 LEARNING_RATE = 2e-3  # a usual rate for a small char-level GPT (nanoGPT's baby GPT uses 1e-3)
@@ -142,52 +140,6 @@ def worst_plateau(what: str, runs: list[list[float]]) -> lab.Check:
         (lab.converged(what, losses, window, PLATEAU_TOLERANCE) for losses in runs),
         key=lambda c: c.measured,
     )
-
-
-class Timer:
-    """Times one model: a training step (forward, backward, AdamW) on a fixed batch, and greedy
-    generation with the Engine (seconds per prompt token and per generated token). All three run
-    the same PyTorch modules: the fused C decode step (infer/fused.py) has no MoE, so it is off
-    for the dense models too, and the times compare architectures, not kernels."""
-
-    def __init__(self, model, batch: dict[str, torch.Tensor], prompt: list[int], n_new: int):
-        self.model, self.batch, self.prompt, self.n_new = model, batch, prompt, n_new
-        self.optimizer = make_optimizer(model, Schedule(max_steps=1))
-
-    def train_step(self) -> float:
-        self.model.train()
-        start = time.perf_counter()
-        self.model.loss(**self.batch).loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    def generate(self) -> tuple[float, float]:
-        stats = (
-            Engine(self.model.eval(), fast=False)
-            .generate(self.prompt, self.n_new, temperature=0.0)
-            .stats
-        )
-        return 1 / stats.prefill_tokens_per_s, 1 / stats.decode_tokens_per_s
-
-
-def time_models(models: dict, batch, prompt: list[int], n_new: int, rounds: int) -> dict:
-    """Median seconds per train step / prompt token / generated token of each model, timed in
-    turns (each round times every model once) so that a busy machine slows all alike. The first
-    round is dropped: it pays one-time costs (allocations, AdamW's state)."""
-    timers = {name: Timer(model, batch, prompt, n_new) for name, model in models.items()}
-    times = {name: {"train step": [], "prefill token": [], "decode token": []} for name in models}
-    for round_ in range(rounds + 1):
-        for name, timer in timers.items():
-            step = timer.train_step()
-            prefill, decode = timer.generate()
-            if round_ > 0:
-                for kind, t in zip(times[name], (step, prefill, decode), strict=True):
-                    times[name][kind].append(t)
-    return {
-        name: {kind: statistics.median(ts) for kind, ts in by_kind.items()}
-        for name, by_kind in times.items()
-    }
 
 
 @dataclass
