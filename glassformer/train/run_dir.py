@@ -1,5 +1,6 @@
 """A run directory (out_dir): which files belong to a run, the lock that keeps a second trainer
-out of it, and the one-line message a failed save (a full disk) gives.
+out of it, what a new run may replace and where a resume starts, and the one-line message a
+failed save (a full disk) gives.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +22,17 @@ from glassformer import json_input
 from glassformer.config import ConfigError
 from glassformer.files import check_destination, folder_kind, with_article
 from glassformer.interop.checkpoint import (
+    CONFIG_FILE,
     LATEST_FILE,
     STEP_DIR_RE,
     CheckpointError,
+    list_checkpoints,
     resolve_checkpoint,
     step_dir_name,
     weights_to_save,
 )
 from glassformer.train.checkpoint import LOCK_FILE, RUN_CONFIG_FILE
-from glassformer.train.guards import make_out_dir
+from glassformer.train.guards import ResumePoint, make_out_dir, read_resume_state, step_number
 
 _LOCK_WRITE_GRACE_S = 10.0  # a lock this young may be empty because its owner is writing it
 
@@ -204,3 +208,69 @@ def _owner_is_gone(owner: dict[str, Any]) -> bool:
     except PermissionError:
         return False  # alive, under another user
     return False
+
+
+def old_run_to_replace(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
+    """What a previous run left in out_dir, for --overwrite to delete once this run saves its
+    first checkpoint; an error naming the choices when it holds a run and neither flag is set."""
+    found = previous_run(out_dir)
+    if resume or not found:
+        return []
+    shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    if not overwrite:
+        raise ConfigError(
+            f"train.out_dir={str(out_dir)!r} already holds a run ({shown}): pass"
+            " --resume to continue it or --overwrite to start over, or pick another"
+            " train.out_dir"
+        )
+    print(
+        f"note: --overwrite: the old run in {out_dir} ({shown}) is deleted once this"
+        " run saves its first checkpoint"
+    )
+    return found
+
+
+def resume_point(
+    out_dir: Path, check: Callable[[Path, dict[str, Any]], None]
+) -> ResumePoint | None:
+    """The newest checkpoint of out_dir whose trainer state is intact, passed to check(step_dir,
+    state) (the trainer's: max_steps, unchanged [data] and [model]); a damaged newest step falls
+    back to the one before it, with a note naming it. None (and a note) when there is none."""
+    if (out_dir / CONFIG_FILE).exists():
+        raise CheckpointError(
+            f"{out_dir} holds a model's config.json at its top, beside the run's steps,"
+            " so the model would be mistaken for a checkpoint: move config.json out of the"
+            " run folder, then resume"
+        )
+    newest = newest_checkpoint(out_dir)
+    if newest is None:
+        print(f"no checkpoint in {out_dir} to resume from: starting fresh")
+        return None
+    steps = list_checkpoints(out_dir)
+    older = [s for s in reversed(steps) if step_number(s) < step_number(newest)]
+    damaged: list[str] = []
+    for step_dir in [newest, *older]:
+        try:
+            state, tensors = read_resume_state(step_dir)
+        except CheckpointError as err:
+            print(f"note: cannot resume from {step_dir.name}: {err}")
+            damaged.append(step_dir.name)
+            continue
+        if damaged:
+            print(f"note: resuming from {step_dir.name} instead of the damaged {damaged[0]}")
+        check(step_dir, state)
+        return ResumePoint(step_dir, state, tensors)
+    raise CheckpointError(
+        f"no checkpoint in {out_dir} can be resumed ({', '.join(damaged)} are damaged,"
+        " see the notes above): start over with --overwrite"
+    )
+
+
+def saved_run_config(out_dir: Path) -> dict[str, Any] | None:
+    """out_dir's run_config.json, or None when there is none to compare against (the
+    checkpoint alone then decides)."""
+    try:
+        saved = json_input.loads((out_dir / RUN_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None

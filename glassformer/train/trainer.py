@@ -21,15 +21,12 @@ from typing import Any
 import safetensors
 import torch
 
-from glassformer import json_input
 from glassformer.config import ConfigError
 from glassformer.devices import autocast, grad_scaler, half_dtype, resolve_device
 from glassformer.files import atomic_write_text, write_kind
 from glassformer.interop.checkpoint import (
-    CONFIG_FILE,
     CheckpointError,
     checkpoint_folders,
-    list_checkpoints,
     load_model_weights,
     resolve_checkpoint,
     save_model_files,
@@ -50,22 +47,18 @@ from glassformer.train.checkpoint import (
 )
 from glassformer.train.config import RunConfig, run_config_json
 from glassformer.train.distributed import Parallel, restart_count
-from glassformer.train.guards import (
-    ResumePoint,
-    check_training_memory,
-    config_changes,
-    read_resume_state,
-    step_number,
-)
+from glassformer.train.guards import ResumePoint, check_training_memory, config_changes
 from glassformer.train.optim import learning_rate, make_optimizer
 from glassformer.train.run_dir import (
     RunLock,
     check_run_folder,
     checkpoint_nbytes,
     newest_checkpoint,
-    previous_run,
+    old_run_to_replace,
     remove_step_dirs,
+    resume_point,
     save_failed,
+    saved_run_config,
 )
 from glassformer.train.sharded import (
     full_weights,
@@ -170,7 +163,7 @@ class Trainer:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         torch.manual_seed(self.cfg.seed)
-        self.old_run = self._old_run_to_replace(resume, overwrite)
+        self.old_run = old_run_to_replace(self.out_dir, resume, overwrite)
         start = self._resume_point() if resume else None
         self.device = self.parallel.device  # under torchrun on GPUs: cuda:LOCAL_RANK
         self.half = half_dtype(self.device, self.cfg.dtype)  # None: fp32
@@ -208,54 +201,8 @@ class Trainer:
 
     # --- what is already in out_dir ---
 
-    def _old_run_to_replace(self, resume: bool, overwrite: bool) -> list[str]:
-        found = previous_run(self.out_dir)
-        if resume or not found:
-            return []
-        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-        if not overwrite:
-            raise ConfigError(
-                f"train.out_dir={str(self.out_dir)!r} already holds a run ({shown}): pass"
-                " --resume to continue it or --overwrite to start over, or pick another"
-                " train.out_dir"
-            )
-        print(
-            f"note: --overwrite: the old run in {self.out_dir} ({shown}) is deleted once this"
-            " run saves its first checkpoint"
-        )
-        return found
-
     def _resume_point(self) -> ResumePoint | None:
-        """The newest checkpoint whose trainer state is intact; a damaged newest step falls
-        back to the one before it, with a note naming it."""
-        if (self.out_dir / CONFIG_FILE).exists():
-            raise CheckpointError(
-                f"{self.out_dir} holds a model's config.json at its top, beside the run's steps,"
-                " so the model would be mistaken for a checkpoint: move config.json out of the"
-                " run folder, then resume"
-            )
-        newest = newest_checkpoint(self.out_dir)
-        if newest is None:
-            print(f"no checkpoint in {self.out_dir} to resume from: starting fresh")
-            return None
-        steps = list_checkpoints(self.out_dir)
-        older = [s for s in reversed(steps) if step_number(s) < step_number(newest)]
-        damaged: list[str] = []
-        for step_dir in [newest, *older]:
-            try:
-                state, tensors = read_resume_state(step_dir)
-            except CheckpointError as err:
-                print(f"note: cannot resume from {step_dir.name}: {err}")
-                damaged.append(step_dir.name)
-                continue
-            if damaged:
-                print(f"note: resuming from {step_dir.name} instead of the damaged {damaged[0]}")
-            self._check_resumable(step_dir, state)
-            return ResumePoint(step_dir, state, tensors)
-        raise CheckpointError(
-            f"no checkpoint in {self.out_dir} can be resumed ({', '.join(damaged)} are damaged,"
-            " see the notes above): start over with --overwrite"
-        )
+        return resume_point(self.out_dir, self._check_resumable)
 
     def _check_resumable(self, step_dir: Path, state: dict[str, Any]) -> None:
         step = state["step"]
@@ -267,7 +214,7 @@ class Trainer:
             )
         saved = state.get("run_config")
         if not isinstance(saved, dict):
-            saved = self._saved_run_config()
+            saved = saved_run_config(self.out_dir)
         changes = config_changes(saved, self.run) if saved is not None else []
         if changes:
             raise ConfigError(
@@ -276,13 +223,6 @@ class Trainer:
                 " change, e.g. max_steps), or start a new run with --overwrite or another"
                 " train.out_dir"
             )
-
-    def _saved_run_config(self) -> dict[str, Any] | None:
-        try:
-            saved = json_input.loads((self.out_dir / RUN_CONFIG_FILE).read_text())
-        except (OSError, ValueError):
-            return None  # nothing to compare against: the checkpoint alone decides
-        return saved if isinstance(saved, dict) else None
 
     def _restore(self, start: ResumePoint) -> None:
         """The optimizer state, RNG and step of `start` (whole weights are already in)."""
