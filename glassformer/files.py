@@ -11,7 +11,7 @@ inside a source, or is `/`, the home folder, the current folder or an empty path
 records what it is (model, adapter or run) in glassformer.json.
 
 Three writers rename files into place themselves, none of them over a folder a user named: the
-kernel library built on first use (kernels/__init__.py: a cache file, replaced whole), the lab's
+kernel library built on first use (kernels/build.py: a cache file, replaced whole), the lab's
 trained char GPTs (lab/char_gpt.py: cache files, replaced whole), and a training run's
 step-NNNNNN folders inside the run folder this module created (train/checkpoint.py: each built
 under a hidden name and renamed into place, `latest` moved after it, with its own recovery from

@@ -13,9 +13,9 @@
  *   int8  1 byte, times an fp32 scale per output row, or per row and group of columns
  *         (symmetric quantization; glassformer/nn/quant.py)
  * Activations and outputs are fp32; accumulation is fp32 in SIMD vectors: 16 lanes with
- * AVX-512, else 8 with AVX2 (glassformer/kernels/__init__.py picks the flags for the CPU).
+ * AVX-512, else 8 with AVX2 (glassformer/kernels/build.py picks the flags for the CPU).
  *
- * Built by glassformer/kernels/__init__.py with `cc -O3 -mavx2 -mfma [-mavx512f -mavx512bw]
+ * Built by glassformer/kernels/build.py with `cc -O3 -mavx2 -mfma [-mavx512f -mavx512bw]
  * -fopenmp` and called through ctypes; the plain torch path is the reference it is tested
  * against.
  */
