@@ -6,6 +6,7 @@ trainer run in this test process on the same config."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -251,6 +252,21 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _kill_job(job: subprocess.Popen) -> None:
+    """Kill a torchrun job and its workers. torchrun starts each worker in a session of its own,
+    so killing the agent alone leaves them running: a worker of a restart round, waiting in its
+    rendezvous for a master that was gone, outlived a test by 16 minutes. The agent is stopped
+    first, so that it starts no worker while they are killed."""
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.kill(job.pid, signal.SIGSTOP)
+            for pid in _children(job.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        job.kill()
+    job.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc for worker pids")
 def test_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(tmp_path, corpus):
@@ -285,8 +301,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_uninterrupted(tmp_path, 
         killed_at = latest.read_text().strip()
         assert job.wait(timeout=DEADLINE_S) == 0, (tmp_path / "log.txt").read_text()[-3000:]
     finally:
-        if job.poll() is None:
-            job.kill()
+        _kill_job(job)
         log.close()
     text = (tmp_path / "log.txt").read_text()
     # torchrun's agent restarted the job once, and the restart found the checkpoint.
@@ -411,8 +426,7 @@ def test_kill_during_sharded_saves_leaves_latest_whole(tmp_path, corpus):
             seen = latest.read_text().strip()
             _sharded_step_is_whole(tmp_path / "run" / seen, config)
     finally:
-        job.kill()
-        job.wait()
+        _kill_job(job)
         log.close()
 
 
