@@ -17,7 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from glassformer.infer.embed import embed
 from glassformer.server.protocol import APIError, EmbeddingRequest, engine_stopped
-from glassformer.server.requests import encoded, read_body
+from glassformer.server.requests import check_ids, encoded, read_body
 from glassformer.server.scheduler import Stopped
 
 router = APIRouter()
@@ -52,11 +52,7 @@ async def embeddings(request: Request) -> dict:
             if isinstance(item, str):
                 ids = encoded(partial(served.embed_tokenizer.encode, item), param)
             else:
-                ids = item
-                if any(not 0 <= t < vocab for t in ids):
-                    raise APIError(
-                        400, f"a token id is outside the vocabulary 0..{vocab - 1}", param
-                    )
+                ids = check_ids(item, vocab, param)
             if len(ids) > limit:
                 raise APIError(
                     400,
