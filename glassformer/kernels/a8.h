@@ -296,16 +296,17 @@ static inline __attribute__((always_inline)) void dot_i8_a8(
 }
 
 
-/* Each thread's scratch for its rounded rows, grown on demand and kept for the next call. */
-static _Thread_local char *a8_memory;
-static _Thread_local int64_t a8_capacity;
-static char *a8_scratch(int64_t bytes) {
-    if (bytes > a8_capacity) {
-        free(a8_memory);
-        a8_capacity = (bytes + 4095) / 4096 * 4096;
-        a8_memory = aligned_alloc(64, (size_t)a8_capacity);
+/* Each thread's scratch for its copy of a projection's inputs (rounded here; bf16_order's in
+ * decode.c), grown on demand and kept for the next call. */
+static _Thread_local char *scratch_memory;
+static _Thread_local int64_t scratch_capacity;
+static char *thread_scratch(int64_t bytes) {
+    if (bytes > scratch_capacity) {
+        free(scratch_memory);
+        scratch_capacity = (bytes + 4095) / 4096 * 4096;
+        scratch_memory = aligned_alloc(64, (size_t)scratch_capacity);
     }
-    return a8_memory;
+    return scratch_memory;
 }
 
 /* --- a projection with rounded inputs (decode.c's linear, for round_inputs) ------------- */
@@ -375,7 +376,7 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
 static void linear_a8(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                       int accumulate) {
     const int64_t bytes = rounded_bytes(L->in);
-    char *memory = a8_scratch(rows * bytes);
+    char *memory = thread_scratch(rows * bytes);
     Rounded rounded[rows];
     for (int64_t r = 0; r < rows; ++r) {
         rounded[r] = rounded_at(memory + r * bytes, L->in);

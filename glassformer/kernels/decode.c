@@ -118,6 +118,11 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         linear_a8(L, x, stride, rows, y, accumulate);
         return;
     }
+    if (L->storage == BF16) { /* each thread puts its own copy of x in bf16_order (simd.h) */
+        float *ordered = (float *)thread_scratch(rows * L->in * (int64_t)sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) bf16_order(x + r * stride, ordered + r * L->in, L->in);
+        x = ordered, stride = L->in;
+    }
     if (rows == 1) {
 #pragma omp for schedule(static)
         for (int64_t o = 0; o < L->out; ++o)

@@ -19,6 +19,8 @@
  * -fopenmp` and called through ctypes; the plain torch path is the reference it is tested
  * against.
  */
+#include <stdlib.h>
+
 #include "simd.h"
 
 /* One function per storage. scale is NULL (f32, bf16) or holds one float per output row and
@@ -37,8 +39,17 @@
     }
 
 DEFINE_MATVEC(matvec_f32, float, dot_f32)
-DEFINE_MATVEC(matvec_bf16, uint16_t, dot_bf16)
+static DEFINE_MATVEC(bf16_ordered, uint16_t, dot_bf16)
 DEFINE_MATVEC(matvec_int8, int8_t, dot_int8)
+
+/* bf16's dot products take x in bf16_order (simd.h): x's rows put in it once for all rows of w */
+void matvec_bf16(const float *x, const uint16_t *w, const float *scale, float *y, int64_t rows,
+                 int64_t in, int64_t out, int64_t group, int n_threads) {
+    float *ordered = aligned_alloc(64, (size_t)((rows * in * 4 + 63) / 64 * 64));
+    for (int64_t b = 0; b < rows; ++b) bf16_order(x + b * in, ordered + b * in, in);
+    bf16_ordered(ordered, w, scale, y, rows, in, out, group, n_threads);
+    free(ordered);
+}
 
 /* int4 (simd.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32). `in` must
  * be a multiple of 32. */

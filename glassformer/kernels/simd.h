@@ -40,6 +40,20 @@ static inline vec load_bf16(const uint16_t *w) {
 static inline vec load_f16(const uint16_t *w) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
 }
+static inline vec bf16_pair_part(const uint16_t *w, int odd) { /* see bf16_order */
+    const __m512i v = _mm512_loadu_si512(w);
+    return _mm512_castsi512_ps(odd ? _mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))
+                                   : _mm512_slli_epi32(v, 16));
+}
+static inline void bf16_order(const float *x, float *out, int64_t in) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t i = 0; i < in; i += 32) {
+        const vec a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        _mm512_storeu_ps(out + i, _mm512_permutex2var_ps(a, even, b));
+        _mm512_storeu_ps(out + i + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+}
 static inline vec load_int8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
@@ -90,6 +104,20 @@ static inline vec load_bf16(const uint16_t *w) {
 }
 static inline vec load_f16(const uint16_t *w) { /* F16C: every AVX2 CPU has it */
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+}
+static inline vec bf16_pair_part(const uint16_t *w, int odd) { /* see bf16_order */
+    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    return _mm256_castsi256_ps(odd ? _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))
+                                   : _mm256_slli_epi32(v, 16));
+}
+static inline void bf16_order(const float *x, float *out, int64_t in) {
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t i = 0; i < in; i += 16) {
+        const vec a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + i), order);
+        const vec b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + i + 8), order);
+        _mm256_storeu_ps(out + i, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(out + i + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
 }
 static inline vec load_int8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
@@ -184,6 +212,17 @@ static inline void prefetch_floats(const float *p, int64_t n) {
 #define STEP 32                  /* columns per inner iteration */
 #define N_ACC (STEP / LANES)     /* independent accumulators: 2 (AVX-512) or 4 (AVX2) */
 
+/* Vector k of the STEP weights at p, as the dot products below take them. fp32: columns
+ * LANES * k on. bf16: two weights share an int32 lane, and a vector of them (2 * LANES weights)
+ * gives LANES floats twice: the low halves shifted left by 16 (the even columns) and the high
+ * halves as they are, masked (the odd ones): two operations for 2 * LANES weights, where
+ * widening each weight to 32 bits first took four. x comes in the same order (bf16_order: each
+ * 2 * LANES columns, the even ones, then the odd ones). */
+static inline vec load_f32_step(const float *p, int k) { return load_f32(p + LANES * k); }
+static inline vec load_bf16_step(const uint16_t *p, int k) {
+    return bf16_pair_part(p + 2 * LANES * (k / 2), k % 2);
+}
+
 /* The dot product of one weight row (one scale per `group` columns, or none) with x: several
  * accumulators keep several FMAs in flight (with one, each FMA waits for the previous one's
  * result and the loop is compute-bound, not memory-bound); each group's partial sum is scaled
@@ -199,7 +238,7 @@ static inline void prefetch_floats(const float *p, int64_t n) {
                 for (int64_t b = 0; b < STEP * (int64_t)sizeof(WTYPE); b += 64)               \
                     prefetch_ahead((const char *)(w_row + i) + b);                            \
                 for (int k = 0; k < N_ACC; ++k)                                               \
-                    acc[k] = vec_fma(LOAD(w_row + i + LANES * k), vec_load(x_row + i + LANES * k), \
+                    acc[k] = vec_fma(LOAD(w_row + i, k), vec_load(x_row + i + LANES * k),     \
                                      acc[k]);                                                 \
             }                                                                                 \
             for (int k = 1; k < N_ACC; ++k) acc[0] = vec_add(acc[0], acc[k]);                 \
@@ -208,8 +247,8 @@ static inline void prefetch_floats(const float *p, int64_t n) {
         return vec_sum(total);                                                                \
     }
 
-DEFINE_DOT(dot_f32, float, load_f32)
-DEFINE_DOT(dot_bf16, uint16_t, load_bf16)
+DEFINE_DOT(dot_f32, float, load_f32_step)
+DEFINE_DOT(dot_bf16, uint16_t, load_bf16_step) /* x in bf16_order */
 
 /* The same dot product for W_ROWS weight rows (w_row + j * in, scales at scale_row + j * (in /
  * group)) with ROW_TILE inputs (x + r * x_stride) into out[j * ROW_TILE + r]: each LANES
@@ -244,7 +283,7 @@ static inline vec pin(vec v) {
                 }                                                                             \
                 for (int k = 0; k < N_ACC; ++k) {                                             \
                     vec w[OUT_TILE];                                                          \
-                    for (int j = 0; j < W_ROWS; ++j) w[j] = LOAD(w_row + j * in + i + LANES * k); \
+                    for (int j = 0; j < W_ROWS; ++j) w[j] = LOAD(w_row + j * in + i, k);     \
                     for (int r = 0; r < ROW_TILE; ++r) {                                      \
                         const vec xv = pin(vec_load(x + r * x_stride + i + LANES * k));       \
                         for (int j = 0; j < W_ROWS; ++j)                                      \
@@ -266,8 +305,8 @@ static inline vec pin(vec v) {
             for (int r = 0; r < ROW_TILE; ++r) out[j * ROW_TILE + r] = vec_sum(total[j][r]); \
     }
 
-DEFINE_DOT_TILE(dot_f32_tile, float, load_f32)
-DEFINE_DOT_TILE(dot_bf16_tile, uint16_t, load_bf16)
+DEFINE_DOT_TILE(dot_f32_tile, float, load_f32_step)
+DEFINE_DOT_TILE(dot_bf16_tile, uint16_t, load_bf16_step) /* x in bf16_order */
 
 /* Scaled groups in flight. int8 and int4 rows carry one scale per group of columns, and a row's
  * dot product is sum_g scale_g * (q_g . x_g). With one running total, each group's scaling FMA
