@@ -86,6 +86,11 @@ static inline float softmax(float *scores, int64_t n, float best) {
     return 1.0f / total;
 }
 
+/* The most query heads a pass takes (KEY_HEADS below) and the most vectors a head has: the
+ * sizes of the passes' arrays of sums, which with constant indexes stay in registers. */
+#define MAX_G 3
+#define MAX_VECS 8
+
 /* out[g] = sum_t p[g][t] * inverse[g] * V[t] over the n value rows at base + t * stride, for
  * G query heads of one key/value head (each of VECS * LANES floats): each value row is loaded
  * (and converted) once for all G. The sums stay in registers, in two sets that take alternate
@@ -96,14 +101,14 @@ static inline float softmax(float *scores, int64_t n, float best) {
 static inline __attribute__((always_inline)) void weighted_values(
     float *const out[], const float *const p[], const float inverse[], const void *cache,
     int64_t base, int64_t stride, int64_t n, int kind, const int VECS, const int G) {
-    vec a[G][VECS], b[G][VECS];
+    vec a[MAX_G][MAX_VECS], b[MAX_G][MAX_VECS]; /* fixed sizes: a VLA would live on the stack */
     for (int g = 0; g < G; ++g)
         for (int i = 0; i < VECS; ++i) a[g][i] = b[g][i] = vec_zero();
     int64_t t = 0;
     for (; t + 1 < n; t += 2) {
         prefetch_row(cache, base + (t + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
         prefetch_row(cache, base + (t + 1 + PREFETCH_POSITIONS) * stride, VECS * LANES, kind);
-        vec pa[G], pb[G];
+        vec pa[MAX_G], pb[MAX_G];
         for (int g = 0; g < G; ++g) {
             pa[g] = vec_set1(p[g][t] * inverse[g]);
             pb[g] = vec_set1(p[g][t + 1] * inverse[g]);
@@ -137,14 +142,14 @@ static inline __attribute__((always_inline)) void weighted_values(
 static inline __attribute__((always_inline)) void key_scores(
     const float *const q[], const void *cache, int64_t base, int64_t stride, int64_t n, int kind,
     float scale, float *const scores[], float best[], const int VECS, const int G) {
-    vec query[G][VECS];
+    vec query[MAX_G][MAX_VECS];
     for (int g = 0; g < G; ++g) {
         for (int i = 0; i < VECS; ++i) query[g][i] = vec_load(q[g] + i * LANES);
         best[g] = -INFINITY;
     }
     for (int64_t t = 0; t < n; t += 4) {
         const int count = n - t < 4 ? (int)(n - t) : 4;
-        vec dots[G][4];
+        vec dots[MAX_G][4];
         for (int g = 0; g < G; ++g)
             for (int k = 0; k < 4; ++k) dots[g][k] = vec_zero();
         for (int k = 0; k < count; ++k) {
@@ -212,16 +217,24 @@ static void attend(const Model *m, const Layer *layer, int64_t first, int64_t co
     }
     const int64_t base = offset + kv_head * m->cache_head_stride, stride = m->cache_pos_stride;
     const void *keys = layer->k_cache, *values = layer->v_cache;
+    /* one copy per head size and cache kind, both constants: with the kind a variable, GCC
+     * kept weighted_values' sums on the stack (a load and a store per FMA: perf annotate) */
+#define ATTEND(KIND, VECS)                                                                   \
+    attend_in_registers(q, out, scores, count, keys, values, base, stride, pos + 1, KIND,   \
+                        m->attn_scale, VECS)
+#define ATTEND_KINDS(VECS)                                                                   \
+    if (kind == CACHE_F16) ATTEND(CACHE_F16, VECS);                                          \
+    else if (kind == CACHE_BF16) ATTEND(CACHE_BF16, VECS);                                   \
+    else ATTEND(CACHE_F32, VECS);                                                            \
+    return;
     if (D == 4 * LANES) { /* 64 (AVX-512) or 32: SmolLM2, GPT-2, Llama 3.2 1B ... */
-        attend_in_registers(q, out, scores, count, keys, values, base, stride, pos + 1, kind,
-                            m->attn_scale, 4);
-        return;
+        ATTEND_KINDS(4)
     }
     if (D == 8 * LANES) { /* 128 (AVX-512) or 64 (AVX2): Llama, Qwen, Mistral */
-        attend_in_registers(q, out, scores, count, keys, values, base, stride, pos + 1, kind,
-                            m->attn_scale, 8);
-        return;
+        ATTEND_KINDS(8)
     }
+#undef ATTEND_KINDS
+#undef ATTEND
     for (int64_t h = 0; h < count; ++h) { /* any other head size, through memory */
         float best = -INFINITY;
         for (int64_t t = 0; t <= pos; ++t) {
