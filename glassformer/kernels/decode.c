@@ -50,22 +50,50 @@
 
 /* --- pieces ---------------------------------------------------------------------------------- */
 
-/* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
-static inline __attribute__((always_inline)) float row_dot(const Linear *L, int64_t o,
-                                                           const float *x) {
-    const int64_t n_groups = L->in / L->group;
+/* W[o] . x in lanes (simd.h's dot products) for one output row o; the storage and the int8
+ * group size constants where inlined with them (one_input). */
+static inline __attribute__((always_inline)) vec row_lanes(const Linear *L, int64_t o,
+                                                           const float *x, const int64_t storage,
+                                                           const int64_t group) {
+    const int64_t n_groups = L->in / group;
     const float *scale = L->scale ? L->scale + o * n_groups : 0;
-    float dot;
-    if (L->storage == Q4)
-        dot = dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
-                     L->mins + o * n_groups, L->in);
-    else if (L->storage == F32)
-        dot = dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, L->group);
-    else if (L->storage == BF16)
-        dot = dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, L->group);
-    else
-        dot = dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, L->group);
+    if (storage == Q4)
+        return dot_q4((const uint8_t *)L->weight + o * (L->in / 2), x, scale,
+                      L->mins + o * n_groups, L->in);
+    if (storage == F32) return dot_f32((const float *)L->weight + o * L->in, x, scale, L->in, group);
+    if (storage == BF16)
+        return dot_bf16((const uint16_t *)L->weight + o * L->in, x, scale, L->in, group);
+    return dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, group);
+}
+
+/* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
+static inline float row_dot(const Linear *L, int64_t o, const float *x) {
+    const float dot = vec_sum(row_lanes(L, o, x, L->storage, L->group));
     return L->bias ? dot + L->bias[o] : dot;
+}
+
+/* linear() for one input: four output rows at a time, their lanes summed in one pass of
+ * shuffles (vec_sum4, in vec_sum's order: each row's value is row_dot's, and the batched
+ * tiles'). Inlined once per storage and common int8 group, so that the dot products are too:
+ * a call per row and each row's own sum were a third of an int8 step's dot-product samples
+ * (perf annotate). */
+static inline __attribute__((always_inline)) void one_input(const Linear *L, const float *x,
+                                                            float *y, int accumulate,
+                                                            const int64_t storage,
+                                                            const int64_t group) {
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < (L->out + 3) / 4; ++block) {
+        const int64_t first = 4 * block, count = L->out - first < 4 ? L->out - first : 4;
+        vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
+        for (int64_t i = 0; i < count; ++i) dots[i] = row_lanes(L, first + i, x, storage, group);
+        float sums[4];
+        vec_sum4(dots, sums);
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t o = first + i;
+            const float dot = L->bias ? sums[i] + L->bias[o] : sums[i];
+            y[o] = accumulate ? y[o] + dot : dot;
+        }
+    }
 }
 
 /* W[o + j] . x[r] for `w_rows` weight rows (1, or OUT_TILE where the storage has a wider
@@ -124,9 +152,12 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         x = ordered, stride = L->in;
     }
     if (rows == 1) {
-#pragma omp for schedule(static)
-        for (int64_t o = 0; o < L->out; ++o)
-            y[o] = accumulate ? y[o] + row_dot(L, o, x) : row_dot(L, o, x);
+        if (L->storage == Q4) one_input(L, x, y, accumulate, Q4, 32);
+        else if (L->storage == F32) one_input(L, x, y, accumulate, F32, L->group);
+        else if (L->storage == BF16) one_input(L, x, y, accumulate, BF16, L->group);
+        else if (L->group == 32) one_input(L, x, y, accumulate, INT8, 32);
+        else if (L->group == 64) one_input(L, x, y, accumulate, INT8, 64);
+        else one_input(L, x, y, accumulate, INT8, L->group);
         return;
     }
     const int64_t blocks = (L->out + OUT_BLOCK - 1) / OUT_BLOCK;

@@ -34,8 +34,8 @@
         _Pragma("omp parallel for num_threads(n_threads) schedule(static)")                   \
         for (int64_t o = 0; o < out; ++o)                                                      \
             for (int64_t b = 0; b < rows; ++b)                                                 \
-                y[b * out + o] = DOT(w + o * in, x + b * in,                                   \
-                                     scale ? scale + o * n_groups : 0, in, group);             \
+                y[b * out + o] = vec_sum(DOT(w + o * in, x + b * in,                           \
+                                             scale ? scale + o * n_groups : 0, in, group));    \
     }
 
 DEFINE_MATVEC(matvec_f32, float, dot_f32)
@@ -59,8 +59,8 @@ void matvec_q4(const float *x, const uint8_t *w, const float *scale, const float
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t o = 0; o < out; ++o)
         for (int64_t b = 0; b < rows; ++b)
-            y[b * out + o] = dot_q4(w + o * (in / 2), x + b * in, scale + o * n_groups,
-                                    mins + o * n_groups, in);
+            y[b * out + o] = vec_sum(dot_q4(w + o * (in / 2), x + b * in, scale + o * n_groups,
+                                            mins + o * n_groups, in));
 }
 
 /* Dequantization for matrix-matrix products (prefill): rows [0, rows) of an int8 or int4

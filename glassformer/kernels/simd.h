@@ -91,10 +91,10 @@ static inline vec vec_pow2(vec n) { /* 2^n for whole numbers n in -126..127: the
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_castsi256_ps(bits);
 }
-static inline float vec_sum(vec v) {
+static inline float vec_sum(vec v) { /* in vec_sum4's order, as AVX-512's reduce_add is */
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_hadd_ps(h, h);
-    h = _mm_hadd_ps(h, h);
+    h = _mm_add_ps(h, _mm_permute_ps(h, 0x4e)); /* 0 + 2, 1 + 3 */
+    h = _mm_add_ps(h, _mm_permute_ps(h, 0xb1)); /* 0 + 1 */
     return _mm_cvtss_f32(h);
 }
 static inline vec load_f32(const float *w) { return _mm256_loadu_ps(w); }
@@ -223,13 +223,15 @@ static inline vec load_bf16_step(const uint16_t *p, int k) {
     return bf16_pair_part(p + 2 * LANES * (k / 2), k % 2);
 }
 
-/* The dot product of one weight row (one scale per `group` columns, or none) with x: several
- * accumulators keep several FMAs in flight (with one, each FMA waits for the previous one's
- * result and the loop is compute-bound, not memory-bound); each group's partial sum is scaled
- * once. `in` and `group` are multiples of STEP. */
+/* The dot product of one weight row (one scale per `group` columns, or none) with x, in lanes
+ * (dot_f32, dot_bf16 and dot_int8, dot_q4 below give a row's LANES partial sums; vec_sum, or
+ * vec_sum4 for four rows at once, adds them in one order): several accumulators keep several
+ * FMAs in flight (with one, each FMA waits for the previous one's result and the loop is
+ * compute-bound, not memory-bound); each group's partial sum is scaled once. `in` and `group`
+ * are multiples of STEP. */
 #define DEFINE_DOT(NAME, WTYPE, LOAD)                                                         \
-    static inline float NAME(const WTYPE *w_row, const float *x_row, const float *scale_row,  \
-                             int64_t in, int64_t group) {                                     \
+    static inline vec NAME(const WTYPE *w_row, const float *x_row, const float *scale_row,    \
+                           int64_t in, int64_t group) {                                       \
         vec total = vec_zero();                                                               \
         for (int64_t g = 0; g < in / group; ++g) {                                            \
             vec acc[N_ACC];                                                                   \
@@ -244,7 +246,7 @@ static inline vec load_bf16_step(const uint16_t *p, int k) {
             for (int k = 1; k < N_ACC; ++k) acc[0] = vec_add(acc[0], acc[k]);                 \
             total = vec_fma(acc[0], vec_set1(scale_row ? scale_row[g] : 1.0f), total);        \
         }                                                                                     \
-        return vec_sum(total);                                                                \
+        return total;                                                                         \
     }
 
 DEFINE_DOT(dot_f32, float, load_f32_step)
@@ -371,7 +373,7 @@ static inline vec int8_scaled(const int8_t *w_row, const float *x, const float *
 
 /* dot_int8 for one group size; always inlined, so a constant `group` folds the group's loop
  * and branches away */
-static inline __attribute__((always_inline)) float dot_int8_of(
+static inline __attribute__((always_inline)) vec dot_int8_of(
     const int8_t *w_row, const float *x, const float *scale_row, int64_t in, int64_t group) {
     vec total[IN_FLIGHT];
     for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
@@ -382,7 +384,7 @@ static inline __attribute__((always_inline)) float dot_int8_of(
             total[k] = int8_scaled(w_row, x, scale_row, g + k, group, total[k]);
     for (int k = 0; k < IN_FLIGHT; ++k) /* the last groups, fewer than a round */
         if (g + k < n) total[k] = int8_scaled(w_row, x, scale_row, g + k, group, total[k]);
-    return vec_sum(sum_in_flight(total));
+    return sum_in_flight(total);
 }
 
 /* One copy per common group size (32: Q8_0; 64: Int8Linear's default), each compiled with the
@@ -390,7 +392,7 @@ static inline __attribute__((always_inline)) float dot_int8_of(
  * GCC kept the partial sums and totals on the stack, a load and a store per group and input
  * (perf annotate): a 32-row step of a Q8_0 SmolLM2 took 137-142 ms, 115-123 ms with the copies;
  * one row 10.9-11.9 ms, 9.1-10.0. */
-static inline float dot_int8(const int8_t *w_row, const float *x, const float *scale_row,
+static inline vec dot_int8(const int8_t *w_row, const float *x, const float *scale_row,
                              int64_t in, int64_t group) {
     if (group == 32) return dot_int8_of(w_row, x, scale_row, in, 32);
     if (group == 64) return dot_int8_of(w_row, x, scale_row, in, 64);
@@ -466,8 +468,8 @@ static inline vec q4_add(const vec w[Q4_VECS], const float *x_row, int64_t g, ve
     return total;
 }
 
-static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
-                           const float *min_row, int64_t in) {
+static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
+                         const float *min_row, int64_t in) {
     vec total[IN_FLIGHT], w[Q4_VECS];
     for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
     const int64_t n = in / 32;
@@ -483,7 +485,7 @@ static inline float dot_q4(const uint8_t *w_row, const float *x_row, const float
             q4_weights(w_row, g + k, scale_row, min_row, w);
             total[k] = q4_add(w, x_row, g + k, total[k]);
         }
-    return vec_sum(sum_in_flight(total));
+    return sum_in_flight(total);
 }
 
 /* dot_q4 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]: each group's
