@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "groups.h"
 #include "simd.h"
 #include "step.h"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
-HEADERS = tuple(HERE / name for name in ("simd.h", "a8.h", "attention.h", "step.h"))
+HEADERS = tuple(HERE / name for name in ("simd.h", "groups.h", "a8.h", "attention.h", "step.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
 VNNI_FLAGS = ("-mavx512vnni",)  # a8.h's byte dot products in one instruction, where it has those

@@ -27,16 +27,16 @@
  *   x = x + W_down act(u) + b                     act(gate) * up when gated
  *
  * then logits = W_head norm(x). Weights are f32, bf16, int8 with group scales or int4 with
- * group scales and mins (simd.h);
- * activations are f32; the cache is f32, bf16 or f16. The softmax's, SiLU's and GELU-tanh's
+ * group scales and mins; activations are f32; the cache is f32, bf16 or f16. The softmax's, SiLU's and GELU-tanh's
  * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
  * and sines are computed once per token for every layer and head.
  *
  * glassformer/infer/fused.py fills the structs (step.h) through their ctypes mirror,
  * kernels/step.py. glassformer_layout() hands the mirror every struct's size and every field's
  * offset and size as this compiler lays them out, and the step refuses to run when they differ:
- * one field out of order would be read as another. A query head's attention is attention.h's; a projection whose inputs are rounded to
- * int8 first (w8a8, w4a8), a8.h's; the dot products of each weight storage, simd.h's.
+ * one field out of order would be read as another. A query head's attention is attention.h's;
+ * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's; the dot products
+ * of each weight storage, simd.h's (fp32, bf16) and groups.h's (int8, int4).
  */
 #include <math.h>
 #include <omp.h>
@@ -45,13 +45,14 @@
 
 #include "a8.h"
 #include "attention.h"
+#include "groups.h"
 #include "simd.h"
 #include "step.h"
 
 /* --- pieces ---------------------------------------------------------------------------------- */
 
-/* W[o] . x in lanes (simd.h's dot products) for one output row o; the storage and the int8
- * group size constants where inlined with them (one_input). */
+/* W[o] . x in lanes (simd.h's and groups.h's dot products) for one output row o; the storage
+ * and the int8 group size constants where inlined with them (one_input). */
 static inline __attribute__((always_inline)) vec row_lanes(const Linear *L, int64_t o,
                                                            const float *x, const int64_t storage,
                                                            const int64_t group) {

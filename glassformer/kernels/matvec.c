@@ -21,6 +21,7 @@
  */
 #include <stdlib.h>
 
+#include "groups.h"
 #include "simd.h"
 
 /* One function per storage. scale is NULL (f32, bf16) or holds one float per output row and
@@ -46,12 +47,20 @@ DEFINE_MATVEC(matvec_int8, int8_t, dot_int8)
 void matvec_bf16(const float *x, const uint16_t *w, const float *scale, float *y, int64_t rows,
                  int64_t in, int64_t out, int64_t group, int n_threads) {
     float *ordered = aligned_alloc(64, (size_t)((rows * in * 4 + 63) / 64 * 64));
+    if (!ordered) { /* no memory for every row at once: one row at a time, on the stack */
+        float row[in];
+        for (int64_t b = 0; b < rows; ++b) {
+            bf16_order(x + b * in, row, in);
+            bf16_ordered(row, w, scale, y + b * out, 1, in, out, group, n_threads);
+        }
+        return;
+    }
     for (int64_t b = 0; b < rows; ++b) bf16_order(x + b * in, ordered + b * in, in);
     bf16_ordered(ordered, w, scale, y, rows, in, out, group, n_threads);
     free(ordered);
 }
 
-/* int4 (simd.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32). `in` must
+/* int4 (groups.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32). `in` must
  * be a multiple of 32. */
 void matvec_q4(const float *x, const uint8_t *w, const float *scale, const float *mins, float *y,
                int64_t rows, int64_t in, int64_t out, int n_threads) {
@@ -81,7 +90,7 @@ void dequant_int8(const int8_t *w, const float *scale, float *out, int64_t rows,
 }
 
 /* Each group's 32 weights scale * q + min, as the decode step's dot products take them
- * (simd.h's q4_weights), so prefill multiplies the same numbers. */
+ * (groups.h's q4_weights), so prefill multiplies the same numbers. */
 void dequant_q4(const uint8_t *w, const float *scale, const float *mins, float *out,
                 int64_t rows, int64_t in, int n_threads) {
     const int64_t n_groups = in / 32;

@@ -1,0 +1,214 @@
+/* The dot products of int8 and int4 weight rows, whose weights come in groups of columns with
+ * a scale each (and int4 a min): one row with x, and one row with ROW_TILE inputs at once, in
+ * lanes as simd.h's fp32 and bf16 ones. decode.c's linear and matvec.c's matvec_int8 and
+ * matvec_q4 call them; a8.h's rows with rounded inputs share the int4 prefetch. */
+#ifndef GLASSFORMER_GROUPS_H
+#define GLASSFORMER_GROUPS_H
+#include "simd.h"
+
+/* Scaled groups in flight. int8 and int4 rows carry one scale per group of columns, and a row's
+ * dot product is sum_g scale_g * (q_g . x_g). With one running total, each group's scaling FMA
+ * waits for the previous group's (4 cycles a group: for int4's 32 weights in 16 bytes, a cap of
+ * 4 bytes a cycle, a third of what the memory gives). So group g goes into total g % IN_FLIGHT,
+ * the totals are added at the end, and the groups' FMAs overlap. */
+#define IN_FLIGHT (LANES == 16 ? 4 : 2)
+static inline vec sum_in_flight(const vec t[IN_FLIGHT]) {
+#if LANES == 16
+    return vec_add(vec_add(t[0], t[1]), vec_add(t[2], t[3]));
+#else
+    return vec_add(t[0], t[1]);
+#endif
+}
+
+/* int8 rows (glassformer's Int8Linear, GGUF's Q8_0): weight = q * scale, q in -127..127, one
+ * scale per group of `group` columns (32 for Q8_0, 64 by default, `in` for one per row). A
+ * group's q . x is summed in lanes, 32 columns at a time, alternating over two partial sums
+ * (so a long group is not one chain of additions either). */
+#define INT8_VECS (32 / LANES)
+static inline void int8_load32(const int8_t *w, vec q[INT8_VECS]) { /* 32 weights as floats */
+    prefetch_ahead(w);
+    for (int i = 0; i < INT8_VECS; ++i) q[i] = load_int8(w + i * LANES);
+}
+static inline vec int8_dot32(const vec q[INT8_VECS], const float *x) { /* q . x, in lanes */
+    vec acc = vec_mul(q[0], vec_load(x));
+    for (int i = 1; i < INT8_VECS; ++i) acc = vec_fma(q[i], vec_load(x + i * LANES), acc);
+    return acc;
+}
+/* A group's chunks of 32 go to partial a (even chunks) or b (odd ones). */
+static inline vec int8_group(const int8_t *w, const float *x, int64_t group) {
+    vec a = vec_zero(), b = vec_zero(), q[INT8_VECS];
+    for (int64_t c = 0; c < group / 32; ++c) {
+        int8_load32(w + 32 * c, q);
+        const vec p = int8_dot32(q, x + 32 * c);
+        if (c % 2 == 0) a = c == 0 ? p : vec_add(a, p);
+        else b = c == 1 ? p : vec_add(b, p);
+    }
+    return group == 32 ? a : vec_add(a, b);
+}
+/* int8_group for ROW_TILE inputs, each 32 weights converted once for all of them */
+static inline void int8_group_tile(const int8_t *w, const float *x, int64_t x_stride,
+                                   int64_t group, vec out[ROW_TILE]) {
+    vec a[ROW_TILE], b[ROW_TILE], q[INT8_VECS];
+    for (int64_t c = 0; c < group / 32; ++c) {
+        int8_load32(w + 32 * c, q);
+        for (int r = 0; r < ROW_TILE; ++r) {
+            const vec p = int8_dot32(q, x + r * x_stride + 32 * c);
+            if (c % 2 == 0) a[r] = c == 0 ? p : vec_add(a[r], p);
+            else b[r] = c == 1 ? p : vec_add(b[r], p);
+        }
+    }
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = group == 32 ? a[r] : vec_add(a[r], b[r]);
+}
+
+/* total + scale_g * (q_g . x_g) for group g */
+static inline vec int8_scaled(const int8_t *w_row, const float *x, const float *scale_row,
+                              int64_t g, int64_t group, vec total) {
+    const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
+    return vec_fma(int8_group(w_row + g * group, x + g * group, group), scale, total);
+}
+
+/* dot_int8 for one group size; always inlined, so a constant `group` folds the group's loop
+ * and branches away */
+static inline __attribute__((always_inline)) vec dot_int8_of(
+    const int8_t *w_row, const float *x, const float *scale_row, int64_t in, int64_t group) {
+    vec total[IN_FLIGHT];
+    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
+    const int64_t n = in / group;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT) /* whole rounds, k a constant: registers */
+        for (int k = 0; k < IN_FLIGHT; ++k)
+            total[k] = int8_scaled(w_row, x, scale_row, g + k, group, total[k]);
+    for (int k = 0; k < IN_FLIGHT; ++k) /* the last groups, fewer than a round */
+        if (g + k < n) total[k] = int8_scaled(w_row, x, scale_row, g + k, group, total[k]);
+    return sum_in_flight(total);
+}
+
+/* One copy per common group size (32: Q8_0; 64: Int8Linear's default), each compiled with the
+ * size a constant. With `group` a variable the loops and branches stay, and in the tile below
+ * GCC kept the partial sums and totals on the stack, a load and a store per group and input
+ * (perf annotate): a 32-row step of a Q8_0 SmolLM2 took 137-142 ms, 115-123 ms with the copies;
+ * one row 10.9-11.9 ms, 9.1-10.0. */
+static inline vec dot_int8(const int8_t *w_row, const float *x, const float *scale_row,
+                             int64_t in, int64_t group) {
+    if (group == 32) return dot_int8_of(w_row, x, scale_row, in, 32);
+    if (group == 64) return dot_int8_of(w_row, x, scale_row, in, 64);
+    return dot_int8_of(w_row, x, scale_row, in, group);
+}
+
+/* total[r][k] + scale_g * (q_g . x_r,g) for group g and each of the ROW_TILE inputs */
+static inline __attribute__((always_inline)) void int8_scaled_tile(
+    const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t g,
+    int64_t group, int k, vec total[ROW_TILE][IN_FLIGHT]) {
+    const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
+    vec sums[ROW_TILE];
+    int8_group_tile(w_row + g * group, x + g * group, x_stride, group, sums);
+    for (int r = 0; r < ROW_TILE; ++r) total[r][k] = vec_fma(sums[r], scale, total[r][k]);
+}
+
+/* dot_int8 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r], bit for bit
+ * what dot_int8 gives each alone: whole rounds of IN_FLIGHT groups as there, k a constant in
+ * each, so the totals can live in registers. Inlined per group size, as dot_int8_of. */
+static inline __attribute__((always_inline)) void dot_int8_tile_of(
+    const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t in,
+    int64_t group, float *out) {
+    vec total[ROW_TILE][IN_FLIGHT];
+    for (int r = 0; r < ROW_TILE; ++r)
+        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
+    const int64_t n = in / group;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k)
+            int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, total);
+    for (int k = 0; k < IN_FLIGHT; ++k)
+        if (g + k < n) int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, total);
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
+}
+
+/* as dot_int8: one copy per common group size */
+static inline void dot_int8_tile(const int8_t *w_row, const float *x, int64_t x_stride,
+                                 const float *scale_row, int64_t in, int64_t group, float *out) {
+    if (group == 32) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 32, out);
+    else if (group == 64) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 64, out);
+    else dot_int8_tile_of(w_row, x, x_stride, scale_row, in, group, out);
+}
+
+/* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
+ * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
+ * one (GGUF's order), each weight scale * q + min with q in 0..15 and one scale and one min per
+ * group. A row's dot product with x is the plain one with those dequantized weights: a group's
+ * 16 possible values are a table, table[q] = scale * q + min (one FMA, the rounding of
+ * matvec.c's dequant_q4), and its nibbles pick from it (AVX-512's vpermps; AVX2 computes the
+ * same FMA per weight). Before, the dot was scale * (q . x) + min * sum(x) group by group: a
+ * third vector operation per input and group in the batched tile, and x's group sums with a
+ * barrier before every batched int4 product: 32 rows of SmolLM2 Q4_1 step in 72.8-74.2 against
+ * 81.4-85.8 ms, one row 4.79-4.83 against 4.64-4.99 ms (3 pairs in alternation). */
+static inline void q4_weights(const uint8_t *w_row, int64_t g, const float *scale_row,
+                              const float *min_row, vec w[Q4_VECS]) {
+    if (g % 4 == 0) prefetch_ahead(w_row + 16 * g); /* one line: four groups */
+    q4_unpack(_mm_loadu_si128((const __m128i *)(w_row + 16 * g)), scale_row[g], min_row[g], w);
+}
+
+/* A row's scales and mins are more streams beside its weights: ask for those of the row
+ * Q4_AHEAD rows on, as prefetch_ahead does for the weights (SmolLM2 int4, one row: 7.4-7.8 ->
+ * 7.1-7.3 ms per step). */
+#define Q4_AHEAD 8
+static inline void q4_prefetch_groups(const float *scale_row, const float *min_row, int64_t n) {
+    prefetch_floats(scale_row + Q4_AHEAD * n, n);
+    prefetch_floats(min_row + Q4_AHEAD * n, n);
+}
+
+/* total + w_g . x_g for group g's dequantized weights, lane by lane */
+static inline vec q4_add(const vec w[Q4_VECS], const float *x_row, int64_t g, vec total) {
+    for (int i = 0; i < Q4_VECS; ++i)
+        total = vec_fma(w[i], vec_load(x_row + 32 * g + i * LANES), total);
+    return total;
+}
+
+static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
+                         const float *min_row, int64_t in) {
+    vec total[IN_FLIGHT], w[Q4_VECS];
+    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
+    const int64_t n = in / 32;
+    q4_prefetch_groups(scale_row, min_row, n);
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_weights(w_row, g + k, scale_row, min_row, w);
+            total[k] = q4_add(w, x_row, g + k, total[k]);
+        }
+    for (int k = 0; k < IN_FLIGHT; ++k)
+        if (g + k < n) {
+            q4_weights(w_row, g + k, scale_row, min_row, w);
+            total[k] = q4_add(w, x_row, g + k, total[k]);
+        }
+    return sum_in_flight(total);
+}
+
+/* dot_q4 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]: each group's
+ * weights are dequantized once for all of them (unpacking, not reading, is what a 4-bit dot
+ * costs), and each input's sums run in dot_q4's order, so out[r] is bit for bit what dot_q4
+ * gives it alone. */
+static inline void dot_q4_tile(const uint8_t *w_row, const float *x, int64_t x_stride,
+                               const float *scale_row, const float *min_row, int64_t in,
+                               float *out) {
+    vec total[ROW_TILE][IN_FLIGHT], w[Q4_VECS];
+    for (int r = 0; r < ROW_TILE; ++r)
+        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
+    const int64_t n = in / 32;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_weights(w_row, g + k, scale_row, min_row, w);
+            for (int r = 0; r < ROW_TILE; ++r)
+                total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
+        }
+    for (int k = 0; k < IN_FLIGHT; ++k)
+        if (g + k < n) {
+            q4_weights(w_row, g + k, scale_row, min_row, w);
+            for (int r = 0; r < ROW_TILE; ++r)
+                total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
+        }
+    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
+}
+
+#endif
