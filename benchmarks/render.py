@@ -468,6 +468,7 @@ def serve_peer(result: dict) -> list[str]:
             "p50 gap ms (ours / peer)", "cached tokens"]  # fmt: skip
     measured = [e for e in result["engine"] if "served_vs_engine" in e]
     bare = any("bare_vs_engine" in e for e in measured)  # recorded since the bare client
+    ceiling = any("client_ceiling" in e for e in measured)  # since the client's CPU
     engine = [
         [
             e["precision"],
@@ -475,12 +476,15 @@ def serve_peer(result: dict) -> list[str]:
             f"{e['tok_s']:.1f}",
             f"{e['served_decode_tok_s']:.1f}",
             f"{e['served_vs_engine']:.0%}",
+            *([f"{e['client_cpu_ms']:.2f}", f"{e['client_ceiling']:.0%}"] if ceiling else []),
             *([f"{e['bare_decode_tok_s']:.1f}", f"{e['bare_vs_engine']:.0%}"] if bare else []),
         ]
         for e in measured
     ]
     engine_head = ["precision", "new tokens", "engine in process tok/s",
                    "one openai client through the server tok/s", "server / engine",
+                   *(["openai client CPU ms a token", "most any server gives it"]
+                     if ceiling else []),
                    *(["one bare client tok/s", "bare / engine"] if bare else [])]  # fmt: skip
     m = result["machine"]
     kv = result.get("kv_cache")  # recorded since the --kv-cache-dtype option

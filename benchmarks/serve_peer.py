@@ -16,7 +16,8 @@ over the wall time, median of the runs), p50/p99 time to first token and p50 int
 (after its first token) is set beside the engine's in this process on the same file, the
 engine run after the two servers in each run (target: >= 95%), with the openai client and with a
 bare one (http.client, next to no CPU: the server's own cost, without the client's share of the
-two cores). --shared-prefix T adds a run
+two cores); the openai client's CPU a token is counted too, and the most of the engine's rate
+that any server could give it on these cores (client_ceiling). --shared-prefix T adds a run
 where every prompt starts with the same T tokens: the prefix cache's hit (glassformer's
 usage.prompt_tokens_details.cached_tokens) and TTFT.
 llama-server stores keys and values in f16 by default, and so does glassformer serve here
@@ -85,7 +86,7 @@ class Server:
 async def stream(client, server: Server, prompt: str, new_tokens: int, extra: dict) -> dict:
     """One streamed completion: when it was sent, when each piece of text came, its usage."""
     sent = time.perf_counter()
-    arrivals, usage = [], None
+    arrivals, cpu, usage = [], [], None
     response = await client.completions.create(
         model=server.model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra},
@@ -93,6 +94,7 @@ async def stream(client, server: Server, prompt: str, new_tokens: int, extra: di
     async for chunk in response:
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter())
+            cpu.append(time.process_time())  # this process's: the client's, with one stream
         if chunk.usage is not None:
             usage = chunk.usage
     cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
@@ -103,6 +105,7 @@ async def stream(client, server: Server, prompt: str, new_tokens: int, extra: di
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": cached or 0,
         "decode_tok_s": (usage.completion_tokens - 1) / (arrivals[-1] - arrivals[0]),
+        "client_cpu_s": (cpu[-1] - cpu[0]) / (len(cpu) - 1),  # per event, after the first
     }
 
 
@@ -151,7 +154,19 @@ def summarize(runs: list[dict]) -> dict:
         "decode_tok_s": statistics.median(s["decode_tok_s"] for s in streams),
         "prompt_tokens": statistics.median(s["prompt_tokens"] for s in streams),
         "cached_tokens": statistics.median(s["cached_tokens"] for s in streams),
+        "client_cpu_ms": 1000 * statistics.median(s["client_cpu_s"] for s in streams),
     }
+
+
+def client_ceiling(engine_tok_s: float, client_cpu_ms: float, threads: int) -> float:
+    """The most of the engine's rate that any server can deliver to a client which spends
+    client_cpu_ms of CPU on each token, on this machine's cores: a token costs the step's
+    threads x its time, plus the client's CPU, and the cores give at most their count in CPU
+    seconds a second. (With the openai client's ~0.5 ms and a 3 ms step on 2 threads and 2
+    cores: 92%.) The server's own CPU per token would lower it further."""
+    cores = len(os.sched_getaffinity(0))
+    step = 1 / engine_tok_s
+    return min(1.0, cores * step / (threads * step + client_cpu_ms / 1000))
 
 
 class InProcess:
@@ -224,17 +239,22 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
                     engine_rates.append(in_process.rate(new_tokens))
             if alone:
                 rate = statistics.median(engine_rates)
-                served = summarize(samples[servers[0].name])["decode_tok_s"]
+                ours = summarize(samples[servers[0].name])
+                served, client_ms = ours["decode_tok_s"], ours["client_cpu_ms"]
+                ceiling = client_ceiling(rate, client_ms, args.threads)
                 bare = statistics.median(bare_rates)
                 engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate,
                                "served_decode_tok_s": served, "served_vs_engine": served / rate,
+                               "client_cpu_ms": client_ms, "client_ceiling": ceiling,
                                "bare_decode_tok_s": bare,
                                "bare_vs_engine": bare / rate})  # fmt: skip
                 print(
                     f"{precision}, {new_tokens} tokens: one client's decode through the server "
                     f"{served:.1f} tok/s with the openai client, {bare:.1f} with a bare one: "
                     f"{served / rate:.0%} and {bare / rate:.0%} of the engine's {rate:.1f} in "
-                    "this process (runs in alternation)",
+                    f"this process (runs in alternation); the openai client spent "
+                    f"{client_ms:.2f} ms of CPU a token, which leaves any server at most "
+                    f"{ceiling:.0%} of the engine on these cores",
                     flush=True,
                 )
             pair = [summarize(samples[server.name]) for server in servers]
