@@ -154,7 +154,6 @@ def summarize(runs: list[dict]) -> dict:
         "decode_tok_s": statistics.median(s["decode_tok_s"] for s in streams),
         "prompt_tokens": statistics.median(s["prompt_tokens"] for s in streams),
         "cached_tokens": statistics.median(s["cached_tokens"] for s in streams),
-        "client_cpu_ms": 1000 * statistics.median(s["client_cpu_s"] for s in streams),
     }
 
 
@@ -239,8 +238,10 @@ def compare(args, precision: str, path: Path, tokenizer) -> tuple[list[dict], li
                     engine_rates.append(in_process.rate(new_tokens))
             if alone:
                 rate = statistics.median(engine_rates)
-                ours = summarize(samples[servers[0].name])
-                served, client_ms = ours["decode_tok_s"], ours["client_cpu_ms"]
+                runs = samples[servers[0].name]
+                served = summarize(runs)["decode_tok_s"]
+                cpu = [s["client_cpu_s"] for run in runs for s in run["streams"]]
+                client_ms = 1000 * statistics.median(cpu)  # one stream: this process's CPU
                 ceiling = client_ceiling(rate, client_ms, args.threads)
                 bare = statistics.median(bare_rates)
                 engine.append({"precision": precision, "new_tokens": new_tokens, "tok_s": rate,
