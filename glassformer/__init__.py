@@ -6,19 +6,22 @@ model = gf.build_model(cfg)
 result = gf.Engine(model).generate([1, 2, 3], max_new_tokens=16, temperature=0.0)
 """
 
-from glassformer import inspect, numpy_ref
-from glassformer.config import PRESETS, ConfigError, ModelConfig
-from glassformer.infer.compiled import CompiledDecoder
-from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
-from glassformer.infer.optimize import optimize_for_decode
-from glassformer.infer.sampling import SamplingParams
-from glassformer.infer.speculative import SpeculativeDecoder, speculative_generate
-from glassformer.interop.checkpoint import CheckpointError, load
-from glassformer.interop.hf import InteropError
-from glassformer.interop.pretrained import from_pretrained
-from glassformer.models import build_model
-from glassformer.nn.quant import quantize_int8
-from glassformer.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from glassformer.train.signals import interrupt_exits
+
+with interrupt_exits():  # a Ctrl-C while torch loads: exit 130, not a traceback
+    from glassformer import inspect, numpy_ref
+    from glassformer.config import PRESETS, ConfigError, ModelConfig
+    from glassformer.infer.compiled import CompiledDecoder
+    from glassformer.infer.engine import Engine, GenerationResult, GenerationStats
+    from glassformer.infer.optimize import optimize_for_decode
+    from glassformer.infer.sampling import SamplingParams
+    from glassformer.infer.speculative import SpeculativeDecoder, speculative_generate
+    from glassformer.interop.checkpoint import CheckpointError, load
+    from glassformer.interop.hf import InteropError
+    from glassformer.interop.pretrained import from_pretrained
+    from glassformer.models import build_model
+    from glassformer.nn.quant import quantize_int8
+    from glassformer.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 

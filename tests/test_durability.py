@@ -309,6 +309,26 @@ def test_kill_9_during_finetune_saves_keeps_a_whole_checkpoint_and_adapter(
 
 # --- issue 30: Ctrl-C and SIGTERM at random moments -----------------------------------------------
 
+
+def test_ctrl_c_while_glassformer_imports_exits_130_without_a_traceback() -> None:
+    """A Ctrl-C during `import glassformer` (torch's import, over a second here): our exit,
+    130 and one line. Python's own handler raises KeyboardInterrupt wherever the import is: a
+    traceback and a death by SIGINT, or inside a dataclass's __set_name__ a RuntimeError and
+    exit status 1 (seen once in the signal trials below)."""
+    code = "print('importing', flush=True); import glassformer; import time; time.sleep(60)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,
+    )  # fmt: skip
+    with reaped([proc]):
+        assert proc.stdout.readline() == "importing\n"
+        time.sleep(0.2)  # inside glassformer's imports, which take over a second
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=STOPPED_WITHIN_S)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err == "\ninterrupted (SIGINT)\n", err
+
+
 SIGNAL_TRIALS = 16
 STOPPED_WITHIN_S = 10.0
 

@@ -15,22 +15,25 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from glassformer.cli import (
-    bert,
-    calc,
-    chat,
-    finetune,
-    generate,
-    inspect,
-    lab,
-    merge,
-    models,
-    rag,
-    serve,
-    tokenize,
-    train,
-    translate,
-)
+from glassformer.train.signals import interrupt_exits
+
+with interrupt_exits():  # Ctrl-C while the commands' modules load: exit 130, not a traceback
+    from glassformer.cli import (
+        bert,
+        calc,
+        chat,
+        finetune,
+        generate,
+        inspect,
+        lab,
+        merge,
+        models,
+        rag,
+        serve,
+        tokenize,
+        train,
+        translate,
+    )
 
 # In the order `glassformer --help` lists them.
 COMMAND_GROUPS = (
