@@ -27,12 +27,15 @@ def interrupt_exits() -> Iterator[None]:
     a command: glassformer's imports (torch's alone take a second or two). Python's own
     handler raises KeyboardInterrupt wherever the import is, and inside a class body's
     `__set_name__` Python 3.11 wraps it in a RuntimeError: a traceback and exit status 1 for a
-    Ctrl-C. Nothing has been written yet, so there is nothing to finish. Only in the main
-    thread, and only over Python's default handler: an ignored SIGINT (nohup, `&`) or one a
-    program handles itself (Jupyter) is left as it is."""
+    Ctrl-C. Nothing has been written yet, so there is nothing to finish. Only in a program's
+    main thread, over Python's default handler: an ignored SIGINT (nohup, `&`), one a program
+    handles itself (Jupyter) and an interactive session (where Ctrl-C cancels the import and
+    the prompt stays) are left as they are."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        or hasattr(sys, "ps1")
+        or sys.flags.interactive
     ):
         yield
         return
