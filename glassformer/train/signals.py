@@ -6,6 +6,7 @@ that is a finalizer (a `__del__`, a weakref callback), Python prints "Exception 
 carries on, so the run trains on as if nothing happened. Here a stop is also remembered: the
 training loop asks for it after every step (`check`), so a swallowed one stops the run one step
 later. A checkpoint being written is finished first (`deferred`); a second signal stops at once.
+The seconds before any of that, while glassformer imports torch, are `interrupt_exits`'.
 """
 
 from __future__ import annotations
