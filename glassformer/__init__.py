@@ -6,7 +6,7 @@ model = gf.build_model(cfg)
 result = gf.Engine(model).generate([1, 2, 3], max_new_tokens=16, temperature=0.0)
 """
 
-from glassformer.train.signals import interrupt_exits
+from glassformer.interrupts import interrupt_exits
 
 with interrupt_exits():  # a Ctrl-C while torch loads: exit 130, not a traceback
     from glassformer import inspect, numpy_ref

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "files",
             "json_input",
             "devices",
+            "interrupts",  # Ctrl-C while the package's and the CLI's imports run
             "numpy_ref",  # the numpy reference forward: only the config is shared with torch
             "kernels",  # the C matvec loops that nn/quant.py and infer/ call
         },

@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from glassformer.train.signals import interrupt_exits
+from glassformer.interrupts import interrupt_exits
 
 with interrupt_exits():  # Ctrl-C while the commands' modules load: exit 130, not a traceback
     from glassformer.cli import (
