@@ -4,6 +4,7 @@ model output afterwards, tied weights still one tensor, and the fused step on mo
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,12 @@ def test_an_engine_moves_the_callers_weights_only_when_asked():
 
 def test_a_tensor_advised_in_place_keeps_its_memory_and_values():
     # 19 whole huge pages lie inside 40 MB plus an odd start; the advice covers those alone.
-    # 40 MB is above glibc's largest mmap threshold (32 MB): a mapping of its own, so the flags
-    # of its head are this call's, not those of memory an earlier test advised and freed.
-    tensor = torch.arange(10 * 2**20 + 5, dtype=torch.float32)[5:].clone()
+    # The tensor lies in a fresh anonymous mapping of its own, so the flags of its head are this
+    # call's. (A 40 MB clone, above glibc's largest mmap threshold, was once seen in the heap of
+    # a CI worker, its head already advised by an earlier test's tensor.)
+    memory = mmap.mmap(-1, 40 * 2**20 + 4096)
+    tensor = torch.frombuffer(memory, dtype=torch.float32, offset=20, count=10 * 2**20)
+    tensor.copy_(torch.arange(10 * 2**20, dtype=torch.float32))
     copy, where = tensor.clone(), tensor.data_ptr()
     advised = advise_in_place(tensor)
     first = -(-where // HUGE_PAGE) * HUGE_PAGE
