@@ -493,9 +493,10 @@ def serve_peer(result: dict) -> list[str]:
         if kv
         else ""
     )
+    threads = f"{m['threads']} thread" + ("s" if m["threads"] != 1 else "")
     note = (
-        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} "
-        f"threads per server, llama.cpp from {result['llama_cpp']}; "
+        f"Measured by `{result['command']}` ({result['date'][:10]}; {m['cpu']}, {threads} "
+        f"per server, llama.cpp from {result['llama_cpp']}; "
         f"{result['prompt_tokens']}-token prompts, median of {result['runs']} runs, the servers "
         f"alternating{caches})."
     )
@@ -624,6 +625,7 @@ TABLES = {
     "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
     "serve-peer-256": Table("serve_peer_256.json", serve_peer),
     "serve-peer-one-client": Table("serve_peer_one_client.json", serve_peer),
+    "serve-peer-one-client-1-thread": Table("serve_peer_one_client_1thread.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),
     "rag-search": Table("rag.json", rag_search),
