@@ -27,9 +27,9 @@
  *   x = x + W_down act(u) + b                     act(gate) * up when gated
  *
  * then logits = W_head norm(x). Weights are f32, bf16, int8 with group scales or int4 with
- * group scales and mins; activations are f32; the cache is f32, bf16 or f16. The softmax's, SiLU's and GELU-tanh's
- * exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of expf), RoPE's cosines
- * and sines are computed once per token for every layer and head.
+ * group scales and mins; activations are f32; the cache is f32, bf16 or f16. The softmax's,
+ * SiLU's and GELU-tanh's exponentials are SIMD ones (simd.h's vec_exp, within about an ulp of
+ * expf), RoPE's cosines and sines are computed once per token for every layer and head.
  *
  * glassformer/infer/fused.py fills the structs (step.h) through their ctypes mirror,
  * kernels/step.py. glassformer_layout() hands the mirror every struct's size and every field's
