@@ -3,7 +3,7 @@
 Decoding one token reads every weight once, and every cached key and value of its row, so its
 speed limit is memory bandwidth: with B rows decoded together, at most
 B * bandwidth / (weight_bytes + B * kv_bytes) tokens/s, kv_bytes the cache at the middle decode
-step (the prompt and half the new tokens; fp16 for llama.cpp). This script measures the
+step (the prompt and half the new tokens). This script measures the
 bandwidth itself, a 1 GiB read (torch's sum with the same threads, from 2 MB pages as the
 engines' weights are where the system has them; the best of 3) timed just before every run of
 every engine, and takes each engine's median beside its own medians: on a shared machine the
@@ -16,8 +16,12 @@ in the same precision, and its percent of the bandwidth limit. With llama.cpp's 
 precision through its own llama-bench (benchmarks/llama_cpp_peer.py's LlamaBench: the prompt's
 processing, then the decode rate after it): the shipped Q4_1 GGUF file requantized by
 llama-quantize into F32, BF16 and Q8_0 (in the run, into a temporary folder), and the Q4_1 file
-itself beside int4. --json writes every row with the machine, date and command, for
-benchmarks/render.py to turn into docs/performance.md's tables.
+itself beside int4. Keys and values: glassformer keeps them in the model's dtype and llama.cpp
+in f16, each its default; --kv-cache-dtype fp16 or bf16 stores them so in both (the Engine's
+kv_dtype, llama-bench's -ctk/-ctv), the equal precision to compare at long prompts, where the
+cache is a large share of a step's bytes (llama-bench takes no f32). --json writes every row
+with the machine, date and command, for benchmarks/render.py to turn into docs/performance.md's
+tables.
 
 Models: SmolLM2-135M-Instruct (the installed GGUF, dequantized to fp32) and GPT-2 124M with
 random weights (preset gpt2-124m). transformers gets the same weights through
@@ -33,6 +37,7 @@ other processes hits both alike; each figure is the median of --runs.
     python benchmarks/decode.py --models smollm2 --batch 1 --prompt 128 --precision fp32
     python benchmarks/decode.py --models smollm2 --batch 1 --json benchmarks/results/decode.json
     python benchmarks/decode.py --with-plain   # also glassformer unfused, and without kernels
+    python benchmarks/decode.py --models smollm2 --batch 1 --kv-cache-dtype fp16  # as llama.cpp
 
 "glassformer" is what `Engine(model)` runs by default: batch-1 steps through the fused C step
 (infer/fused.py), batches through the torch modules with the decode kernels. With --with-plain,
@@ -74,6 +79,8 @@ from glassformer.interop.pretrained import from_pretrained
 from glassformer.models import build_model
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
+# --kv-cache-dtype: the Engine's kv_dtype and llama-bench's name for the same type
+KV_CACHE_DTYPES = {"fp16": (torch.float16, "f16"), "bf16": (torch.bfloat16, "bf16")}
 # w8a8 / w4a8: int8 / int4 weights whose inputs are rounded to int8 (glassformer.nn.quant's
 # round_inputs), llama.cpp's own arithmetic for Q8_0 / Q4_1 (Q8_0 / Q8_1 activations)
 
@@ -292,9 +299,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--with-plain", action="store_true", help="also glassformer unfused/plain")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                        help="keys/values in this dtype in every glassformer engine and llama.cpp "
+                        "(default: glassformer the model's dtype, llama.cpp f16)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every row here, with the machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    args.kv_dtype, llama_cache = KV_CACHE_DTYPES.get(args.kv_cache_dtype, (None, "f16"))
 
     bandwidth = memory_bandwidth_gb_s()
     print(f"threads {args.threads} | read bandwidth {bandwidth:.1f} GB/s at the start (best of "
@@ -318,7 +329,7 @@ def main() -> None:
                 if args.with_plain and precision in ("fp32", "bf16"):
                     contestants["glassformer plain"] = glassformer_variant(base, precision, True)
                 peers = [LLAMA_CPP_TYPES[precision]]
-                llama = {f"llama.cpp {kind}": LlamaBench(gguf[kind], args.threads)
+                llama = {f"llama.cpp {kind}": LlamaBench(gguf[kind], args.threads, llama_cache)
                          for kind in peers if kind in gguf}  # fmt: skip
                 hf_peer = "fp32" if precision == "fp32" else "bf16"
                 for batch in args.batch:
@@ -331,7 +342,7 @@ def main() -> None:
                         where = {"model": label, "precision": precision, "batch": batch,
                                  "prompt": length}  # fmt: skip
                         rows += report(where, timings, hf_peer, {**contestants, **extra}, reads,
-                                       args.new_tokens)  # fmt: skip
+                                       args)  # fmt: skip
                 del llama
             print()
     if args.json:
@@ -345,7 +356,7 @@ def measure(contestants, hf_model, prompts, args, extra=None):
     extra = extra or {}
     # The fused engines' weights in 2 MB pages ("unfused" shares them); "plain" as torch has them.
     engines = {name: Engine(model, fast=not name.endswith(("unfused", "plain")),
-                            huge_pages=not name.endswith("plain"))
+                            huge_pages=not name.endswith("plain"), kv_dtype=args.kv_dtype)
                for name, model in contestants.items()}  # fmt: skip
     runners = {name: functools.partial(run_glassformer, engine)
                for name, engine in engines.items()}  # fmt: skip
@@ -367,24 +378,25 @@ def measure(contestants, hf_model, prompts, args, extra=None):
     return timings, {name: statistics.median(values) for name, values in reads.items()}
 
 
-def report(where: dict, timings, hf_peer, contestants, reads: dict, new_tokens: int):
+def report(where: dict, timings, hf_peer, contestants, reads: dict, args):
     """Print one line per engine; return them as dicts (for --json). `reads`: each engine's
     GB/s read just before its runs (measure). Its limit counts the bytes of its weights and of
     the KV cache at the middle decode step."""
     reference, batch, rows = timings["transformers"], where["batch"], []
     ours = contestants["glassformer"]
-    position = where["prompt"] + new_tokens / 2  # the middle decode step's cached positions
+    position = where["prompt"] + args.new_tokens / 2  # the middle decode step's cached positions
     for name, timing in timings.items():
         contestant = contestants.get(name)
-        if isinstance(contestant, LlamaBench):  # its KV cache is fp16
+        if isinstance(contestant, LlamaBench):  # its KV cache is f16 or bf16
             engine, weight_bytes, element = name, contestant.bytes_per_token, 2
         elif contestant is None:  # transformers: its weights are glassformer's, in hf_peer
             engine, element = f"transformers {hf_peer}", 4 if hf_peer == "fp32" else 2
             same = where["precision"] == hf_peer
             weight_bytes = weight_bytes_per_step(ours) if same else None
-        else:  # the cache takes the dtype of the model's float parameters
+        else:  # the cache takes the dtype of the model's float parameters, or --kv-cache-dtype
             engine, weight_bytes = name, weight_bytes_per_step(contestant)
-            element = next(contestant.parameters()).element_size()
+            cache = args.kv_dtype or next(contestant.parameters()).dtype
+            element = cache.itemsize
         kv_bytes = batch * kv_bytes_per_step(ours.cfg, element, position)
         bandwidth = reads[name]
         limit = batch * bandwidth * 1e9 / (weight_bytes + kv_bytes) if weight_bytes else None
@@ -420,6 +432,8 @@ def write_json(path: Path, rows: list[dict], bandwidth: float, args) -> None:
     result = {"command": "python " + " ".join(["benchmarks/decode.py", *sys.argv[1:]]),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine, "new_tokens": args.new_tokens, "runs": args.runs,
+              "kv_cache": {"glassformer": args.kv_cache_dtype or "the model's dtype",
+                           "llama.cpp": args.kv_cache_dtype or "fp16"},
               "rows": rows}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")

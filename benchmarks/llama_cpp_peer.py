@@ -68,20 +68,22 @@ class LlamaBench:
     processing time (its length over llama-bench's prompt rate, -p) and the rate of new tokens
     after a prompt of that length is in the cache (-n at depth -d). One repetition per call, so
     the runs interleave with the other engines'. llama-bench feeds its own token ids, so there
-    are no tokens to compare."""
+    are no tokens to compare. `cache_type`: its keys' and values' type (-ctk/-ctv: "f16", its
+    default, or "bf16"; this version of llama-bench takes no "f32")."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, cache_type: str = "f16") -> None:
         self.binary = llama_cpp_binary("llama-bench")
         if self.binary is None:
             raise FileNotFoundError("no llama-bench: run bash benchmarks/build_llama_cpp.sh")
-        self.path, self.threads = path, threads
+        self.path, self.threads, self.cache_type = path, threads, cache_type
         self.bytes_per_token = path.stat().st_size  # nearly all of the file is weights
 
     def rate(self, prompt: int, new: int, depth: int) -> float:
         """llama-bench's tokens/s for one test: a prompt of `prompt` tokens or `new` generated
         ones, after `depth` tokens already in the cache."""
         command = [self.binary, "-m", self.path, "-t", self.threads, "-p", prompt, "-n", new,
-                   "-d", depth, "-r", 1, "-o", "json"]  # fmt: skip
+                   "-d", depth, "-ctk", self.cache_type, "-ctv", self.cache_type, "-r", 1,
+                   "-o", "json"]  # fmt: skip
         result = subprocess.run([str(c) for c in command], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"llama-bench failed: {result.stderr[-1000:]}")

@@ -56,6 +56,9 @@ def stamp(result: dict) -> str:
     m = result["machine"]
     peer = f", llama-cpp-python {m['llama_cpp_python']}" if m.get("llama_cpp_python") else ""
     peer = f"; llama.cpp: {m['llama_cpp']}" if m.get("llama_cpp") else peer
+    kv = result.get("kv_cache")  # recorded since decode.py's --kv-cache-dtype
+    if kv and m.get("llama_cpp"):
+        peer += f"; keys/values: glassformer {kv['glassformer']}, llama.cpp {kv['llama.cpp']}"
     return (
         f"`{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} threads, "
         f"read bandwidth {m['read_bandwidth_gb_s']} GB/s at the start, each row's limit from "
@@ -610,6 +613,9 @@ class Table:
 TABLES = {
     "decode-llama": Table("decode.json", lambda r: measured_by(against_llama(r), r)),
     "decode-llama-128": Table("decode.json", lambda r: against_llama(r, prompt=128)),
+    "decode-llama-fp16-cache": Table(
+        "decode_fp16_cache.json", lambda r: measured_by(against_llama(r), r)
+    ),
     "decode-128": Table("decode.json", lambda r: measured_by(decode_rows(r, prompt=128), r)),
     "step-bandwidth": Table("step_bandwidth.json", step_bandwidth),
     "huge-pages": Table("huge_pages.json", huge_pages),
