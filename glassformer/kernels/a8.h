@@ -312,19 +312,17 @@ static char *thread_scratch(int64_t bytes) {
 
 /* --- a projection with rounded inputs (decode.c's linear, for round_inputs) ------------- */
 
-/* W[o] . x[r] for inputs x rounded to int8 (a8.h), in lanes: `tile` ROW_TILE of them, or one;
- * the storage (int4, else int8 in groups of `group`) a constant where inlined */
+/* W[o] . x[r] for ROWS inputs x rounded to int8 (a8.h), in lanes: the storage (int4, else int8
+ * in groups of `group`) and ROWS constants where inlined */
 static inline __attribute__((always_inline)) void a8_dot(const Linear *L, int64_t o,
-                                                         const Rounded *x, int tile, vec *out,
-                                                         const int q4, const int64_t group) {
+                                                         const Rounded *x, const int ROWS,
+                                                         vec *out, const int q4,
+                                                         const int64_t group) {
     const int64_t in = L->in, n_groups = in / group;
     const float *scale = L->scale + o * n_groups;
-    if (q4 && tile) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
-                              L->mins + o * n_groups, in, ROW_TILE, out);
-    else if (q4) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
-                           L->mins + o * n_groups, in, 1, out);
-    else if (tile) dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, ROW_TILE, out);
-    else dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, 1, out);
+    if (q4) dot_q4_a8((const uint8_t *)L->weight + o * (in / 2), x, scale,
+                      L->mins + o * n_groups, in, ROWS, out);
+    else dot_i8_a8((const int8_t *)L->weight + o * in, x, scale, in, group, ROWS, out);
 }
 
 /* y[r][o] (+)= dot + b[o] for `count` (up to 4) dot products in lanes, at y + r * out + o */
@@ -343,7 +341,7 @@ static inline void a8_store(const Linear *L, const vec dots[4], int count, float
 /* This thread's share of output rows against the rounded inputs. One input: four output rows
  * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
  * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
- * what it gets alone), then the rest one by one. Inlined once per storage and common group size
+ * what it gets alone), then the rest, fewer, together too. Inlined once per storage and common group size
  * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
  * storage's branches per row were 15% of a w4a8 step. */
 static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const Rounded *x,
@@ -354,7 +352,7 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
         for (int64_t block = 0; block < (L->out + 3) / 4; ++block) {
             vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
             const int count = L->out - 4 * block < 4 ? (int)(L->out - 4 * block) : 4;
-            for (int i = 0; i < count; ++i) a8_dot(L, 4 * block + i, x, 0, &dots[i], q4, group);
+            for (int i = 0; i < count; ++i) a8_dot(L, 4 * block + i, x, 1, &dots[i], q4, group);
             a8_store(L, dots, count, y, 4 * block, 1, 0, 0, accumulate);
         }
         return;
@@ -364,9 +362,12 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
             const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            if (n == ROW_TILE) a8_dot(L, o, x + r0, 1, dots, q4, group);
-            else
-                for (int64_t r = 0; r < n; ++r) a8_dot(L, o, x + r0 + r, 0, &dots[r], q4, group);
+            if (n == ROW_TILE) a8_dot(L, o, x + r0, ROW_TILE, dots, q4, group);
+            else if (n == 1) a8_dot(L, o, x + r0, 1, dots, q4, group);
+#if LANES == 16 /* ROW_TILE 4: partial tiles of 2 and 3 */
+            else if (n == 2) a8_dot(L, o, x + r0, 2, dots, q4, group);
+            else a8_dot(L, o, x + r0, 3, dots, q4, group);
+#endif
             a8_store(L, dots, (int)n, y, o, 0, r0, 1, accumulate);
         }
 }

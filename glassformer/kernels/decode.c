@@ -67,15 +67,9 @@ static inline __attribute__((always_inline)) vec row_lanes(const Linear *L, int6
     return dot_int8((const int8_t *)L->weight + o * L->in, x, scale, L->in, group);
 }
 
-/* W[o] . x + b[o] for one output row o, whatever the weight's storage. */
-static inline float row_dot(const Linear *L, int64_t o, const float *x) {
-    const float dot = vec_sum(row_lanes(L, o, x, L->storage, L->group));
-    return L->bias ? dot + L->bias[o] : dot;
-}
-
 /* linear() for one input: four output rows at a time, their lanes summed in one pass of
- * shuffles (vec_sum4, in vec_sum's order: each row's value is row_dot's, and the batched
- * tiles'). Inlined once per storage and common int8 group, so that the dot products are too:
+ * shuffles (vec_sum4, in vec_sum's order: each row's value is vec_sum of its row_lanes, as the
+ * batched tiles' are). Inlined once per storage and common int8 group, so that the dot products are too:
  * a call per row and each row's own sum were a third of an int8 step's dot-product samples
  * (perf annotate). */
 static inline __attribute__((always_inline)) void one_input(const Linear *L, const float *x,
@@ -98,33 +92,49 @@ static inline __attribute__((always_inline)) void one_input(const Linear *L, con
 }
 
 /* W[o + j] . x[r] for `w_rows` weight rows (1, or OUT_TILE where the storage has a wider
- * tile) and ROW_TILE inputs x[r] = x + r * stride into dots[j * ROW_TILE + r], each bit for
- * bit row_dot's without the bias. */
+ * tile) and R inputs x[r] = x + r * stride (R up to ROW_TILE) into dots[j * ROW_TILE + r],
+ * each bit for bit vec_sum(row_lanes(...)), one_input's value without the bias. Inlined with
+ * R a constant (tile_dot). */
 static inline int64_t tile_rows(const Linear *L, int64_t left) {
     return (L->storage == F32 || L->storage == BF16) && left >= OUT_TILE ? OUT_TILE : 1;
 }
-static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
-                            int64_t stride, float *dots) {
+static inline __attribute__((always_inline)) void tile_dot_of(const Linear *L, int64_t o,
+                                                              int64_t w_rows, const float *x,
+                                                              int64_t stride, const int R,
+                                                              float *dots) {
     const int64_t n_groups = L->in / L->group;
     const float *scale = L->scale ? L->scale + o * n_groups : 0;
     if (L->storage == Q4)
         dot_q4_tile((const uint8_t *)L->weight + o * (L->in / 2), x, stride, scale,
-                    L->mins + o * n_groups, L->in, dots);
+                    L->mins + o * n_groups, L->in, R, dots);
     else if (L->storage == F32 && w_rows == OUT_TILE)
         dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
-                     OUT_TILE, dots);
+                     OUT_TILE, R, dots);
     else if (L->storage == F32)
         dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group, 1,
-                     dots);
+                     R, dots);
     else if (L->storage == BF16 && w_rows == OUT_TILE)
         dot_bf16_tile((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
-                      L->group, OUT_TILE, dots);
+                      L->group, OUT_TILE, R, dots);
     else if (L->storage == BF16)
         dot_bf16_tile((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
-                      L->group, 1, dots);
+                      L->group, 1, R, dots);
     else
         dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
-                      dots);
+                      R, dots);
+}
+
+/* tile_dot_of for the n inputs of a tile, whole (ROW_TILE) or the batch's last, fewer: those
+ * too share each weight's conversion. One at a time, each took its own: 2 rows of SmolLM2 int4
+ * decoded 277-279 tokens/s in all, one row alone 284-285; 386-395 in a tile of 2. */
+static void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
+                     int64_t stride, int64_t n, float *dots) {
+    if (n == ROW_TILE) tile_dot_of(L, o, w_rows, x, stride, ROW_TILE, dots);
+    else if (n == 1) tile_dot_of(L, o, w_rows, x, stride, 1, dots);
+#if LANES == 16 /* ROW_TILE 4: partial tiles of 2 and 3 */
+    else if (n == 2) tile_dot_of(L, o, w_rows, x, stride, 2, dots);
+    else tile_dot_of(L, o, w_rows, x, stride, 3, dots);
+#endif
 }
 
 /* Output rows per block of the batched loop: their weights (OUT_BLOCK x in values, 9 KB of
@@ -138,8 +148,8 @@ static inline void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const fl
  * loop: the loop over inputs around the dot product costs a single step ~4% (GPT-2 fp32).
  * Several inputs are a small matrix product, blocked as one: a block of OUT_BLOCK weight rows
  * at a time, read from memory once, and within it ROW_TILE inputs at a time, whose values stay
- * in the nearest cache and whose sums stay in registers (tile_dot); the last inputs, fewer
- * than a tile, one at a time (row_dot). Each input's dot products run in the single-input
+ * in the nearest cache and whose sums stay in registers (tile_dot), the last inputs, fewer
+ * than a tile, in a tile of their own. Each input's dot products run in the single-input
  * order, so its outputs are bit for bit what it gets alone. */
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                    int accumulate) {
@@ -170,14 +180,13 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
             const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             const float *xs = x + r0 * stride;
             for (int64_t o = first; o < last;) {
-                const int64_t w_rows = n == ROW_TILE ? tile_rows(L, last - o) : 1;
+                const int64_t w_rows = tile_rows(L, last - o);
                 float dots[OUT_TILE * ROW_TILE];
-                if (n == ROW_TILE) tile_dot(L, o, w_rows, xs, stride, dots);
+                tile_dot(L, o, w_rows, xs, stride, n, dots);
                 for (int64_t j = 0; j < w_rows; ++j, ++o)
                     for (int64_t r = 0; r < n; ++r) {
                         const float d = dots[j * ROW_TILE + r];
-                        const float dot = n == ROW_TILE ? (L->bias ? d + L->bias[o] : d)
-                                                        : row_dot(L, o, xs + r * stride);
+                        const float dot = L->bias ? d + L->bias[o] : d;
                         float *out = y + (r0 + r) * L->out + o;
                         *out = accumulate ? *out + dot : dot;
                     }

@@ -1,7 +1,7 @@
 /* The dot products of int8 and int4 weight rows, whose weights come in groups of columns with
- * a scale each (and int4 a min): one row with x, and one row with ROW_TILE inputs at once, in
- * lanes as simd.h's fp32 and bf16 ones. decode.c's linear and matvec.c's matvec_int8 and
- * matvec_q4 call them; a8.h's rows with rounded inputs share the int4 prefetch. */
+ * a scale each (and int4 a min): one row with x, and one row with up to ROW_TILE inputs at
+ * once, in lanes as simd.h's fp32 and bf16 ones. decode.c's linear and matvec.c's matvec_int8
+ * and matvec_q4 call them; a8.h's rows with rounded inputs share the int4 prefetch. */
 #ifndef GLASSFORMER_GROUPS_H
 #define GLASSFORMER_GROUPS_H
 #include "simd.h"
@@ -45,19 +45,20 @@ static inline vec int8_group(const int8_t *w, const float *x, int64_t group) {
     }
     return group == 32 ? a : vec_add(a, b);
 }
-/* int8_group for ROW_TILE inputs, each 32 weights converted once for all of them */
-static inline void int8_group_tile(const int8_t *w, const float *x, int64_t x_stride,
-                                   int64_t group, vec out[ROW_TILE]) {
+/* int8_group for R inputs (up to ROW_TILE), each 32 weights converted once for all of them */
+static inline __attribute__((always_inline)) void int8_group_tile(
+    const int8_t *w, const float *x, int64_t x_stride, int64_t group, const int R,
+    vec out[ROW_TILE]) {
     vec a[ROW_TILE], b[ROW_TILE], q[INT8_VECS];
     for (int64_t c = 0; c < group / 32; ++c) {
         int8_load32(w + 32 * c, q);
-        for (int r = 0; r < ROW_TILE; ++r) {
+        for (int r = 0; r < R; ++r) {
             const vec p = int8_dot32(q, x + r * x_stride + 32 * c);
             if (c % 2 == 0) a[r] = c == 0 ? p : vec_add(a[r], p);
             else b[r] = c == 1 ? p : vec_add(b[r], p);
         }
     }
-    for (int r = 0; r < ROW_TILE; ++r) out[r] = group == 32 ? a[r] : vec_add(a[r], b[r]);
+    for (int r = 0; r < R; ++r) out[r] = group == 32 ? a[r] : vec_add(a[r], b[r]);
 }
 
 /* total + scale_g * (q_g . x_g) for group g */
@@ -95,41 +96,43 @@ static inline vec dot_int8(const int8_t *w_row, const float *x, const float *sca
     return dot_int8_of(w_row, x, scale_row, in, group);
 }
 
-/* total[r][k] + scale_g * (q_g . x_r,g) for group g and each of the ROW_TILE inputs */
+/* total[r][k] + scale_g * (q_g . x_r,g) for group g and each of the R inputs */
 static inline __attribute__((always_inline)) void int8_scaled_tile(
     const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t g,
-    int64_t group, int k, vec total[ROW_TILE][IN_FLIGHT]) {
+    int64_t group, int k, const int R, vec total[ROW_TILE][IN_FLIGHT]) {
     const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
     vec sums[ROW_TILE];
-    int8_group_tile(w_row + g * group, x + g * group, x_stride, group, sums);
-    for (int r = 0; r < ROW_TILE; ++r) total[r][k] = vec_fma(sums[r], scale, total[r][k]);
+    int8_group_tile(w_row + g * group, x + g * group, x_stride, group, R, sums);
+    for (int r = 0; r < R; ++r) total[r][k] = vec_fma(sums[r], scale, total[r][k]);
 }
 
-/* dot_int8 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r], bit for bit
- * what dot_int8 gives each alone: whole rounds of IN_FLIGHT groups as there, k a constant in
- * each, so the totals can live in registers. Inlined per group size, as dot_int8_of. */
+/* dot_int8 of one weight row with R inputs (x + r * x_stride, R up to ROW_TILE) into out[r],
+ * bit for bit what dot_int8 gives each alone: whole rounds of IN_FLIGHT groups as there, k a
+ * constant in each, so the totals can live in registers. Inlined per group size and R, as
+ * dot_int8_of. */
 static inline __attribute__((always_inline)) void dot_int8_tile_of(
     const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t in,
-    int64_t group, float *out) {
+    int64_t group, const int R, float *out) {
     vec total[ROW_TILE][IN_FLIGHT];
-    for (int r = 0; r < ROW_TILE; ++r)
+    for (int r = 0; r < R; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
     const int64_t n = in / group;
     int64_t g = 0;
     for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
         for (int k = 0; k < IN_FLIGHT; ++k)
-            int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, total);
+            int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, R, total);
     for (int k = 0; k < IN_FLIGHT; ++k)
-        if (g + k < n) int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, total);
-    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
+        if (g + k < n) int8_scaled_tile(w_row, x, x_stride, scale_row, g + k, group, k, R, total);
+    for (int r = 0; r < R; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
 }
 
 /* as dot_int8: one copy per common group size */
-static inline void dot_int8_tile(const int8_t *w_row, const float *x, int64_t x_stride,
-                                 const float *scale_row, int64_t in, int64_t group, float *out) {
-    if (group == 32) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 32, out);
-    else if (group == 64) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 64, out);
-    else dot_int8_tile_of(w_row, x, x_stride, scale_row, in, group, out);
+static inline __attribute__((always_inline)) void dot_int8_tile(
+    const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t in,
+    int64_t group, const int R, float *out) {
+    if (group == 32) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 32, R, out);
+    else if (group == 64) dot_int8_tile_of(w_row, x, x_stride, scale_row, in, 64, R, out);
+    else dot_int8_tile_of(w_row, x, x_stride, scale_row, in, group, R, out);
 }
 
 /* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
@@ -184,31 +187,31 @@ static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *
     return sum_in_flight(total);
 }
 
-/* dot_q4 of one weight row with ROW_TILE inputs (x + r * x_stride) into out[r]: each group's
- * weights are dequantized once for all of them (unpacking, not reading, is what a 4-bit dot
- * costs), and each input's sums run in dot_q4's order, so out[r] is bit for bit what dot_q4
- * gives it alone. */
-static inline void dot_q4_tile(const uint8_t *w_row, const float *x, int64_t x_stride,
-                               const float *scale_row, const float *min_row, int64_t in,
-                               float *out) {
+/* dot_q4 of one weight row with R inputs (x + r * x_stride, R up to ROW_TILE) into out[r]:
+ * each group's weights are dequantized once for all of them (unpacking, not reading, is what a
+ * 4-bit dot costs), and each input's sums run in dot_q4's order, so out[r] is bit for bit what
+ * dot_q4 gives it alone. Inlined with R a constant. */
+static inline __attribute__((always_inline)) void dot_q4_tile(
+    const uint8_t *w_row, const float *x, int64_t x_stride, const float *scale_row,
+    const float *min_row, int64_t in, const int R, float *out) {
     vec total[ROW_TILE][IN_FLIGHT], w[Q4_VECS];
-    for (int r = 0; r < ROW_TILE; ++r)
+    for (int r = 0; r < R; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
     const int64_t n = in / 32;
     int64_t g = 0;
     for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
         for (int k = 0; k < IN_FLIGHT; ++k) {
             q4_weights(w_row, g + k, scale_row, min_row, w);
-            for (int r = 0; r < ROW_TILE; ++r)
+            for (int r = 0; r < R; ++r)
                 total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
         }
     for (int k = 0; k < IN_FLIGHT; ++k)
         if (g + k < n) {
             q4_weights(w_row, g + k, scale_row, min_row, w);
-            for (int r = 0; r < ROW_TILE; ++r)
+            for (int r = 0; r < R; ++r)
                 total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
         }
-    for (int r = 0; r < ROW_TILE; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
+    for (int r = 0; r < R; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
 }
 
 #endif

@@ -253,13 +253,13 @@ DEFINE_DOT(dot_f32, float, load_f32_step)
 DEFINE_DOT(dot_bf16, uint16_t, load_bf16_step) /* x in bf16_order */
 
 /* The same dot product for W_ROWS weight rows (w_row + j * in, scales at scale_row + j * (in /
- * group)) with ROW_TILE inputs (x + r * x_stride) into out[j * ROW_TILE + r]: each LANES
- * weights loaded (and converted) once for all the inputs, each input's LANES values once for all
- * the weight rows, and each (row, input) pair accumulated in the single-input order, so every
- * out[j * ROW_TILE + r] is bit for bit what NAME gives it alone. W_ROWS (1 or OUT_TILE) and
- * ROW_TILE are constants so that every accumulator stays in a register (AVX-512, two weight
- * rows: 2 x 4 x (N_ACC + 1) of 32). pin() keeps an input's values in a register: GCC would
- * otherwise fold their load into each FMA, loading them again for every weight row. */
+ * group)) with R inputs (x + r * x_stride, R up to ROW_TILE) into out[j * ROW_TILE + r]: each
+ * LANES weights loaded (and converted) once for all the inputs, each input's LANES values once
+ * for all the weight rows, and each (row, input) pair accumulated in the single-input order, so
+ * every out[j * ROW_TILE + r] is bit for bit what NAME gives it alone. W_ROWS (1 or OUT_TILE)
+ * and R are constants so that every accumulator stays in a register (AVX-512, two weight rows
+ * and four inputs: 2 x 4 x (N_ACC + 1) of 32). pin() keeps an input's values in a register: GCC
+ * would otherwise fold their load into each FMA, loading them again for every weight row. */
 #define ROW_TILE (LANES == 16 ? 4 : 2)
 #define OUT_TILE (LANES == 16 ? 2 : 1)
 static inline vec pin(vec v) {
@@ -267,15 +267,15 @@ static inline vec pin(vec v) {
     return v;
 }
 #define DEFINE_DOT_TILE(NAME, WTYPE, LOAD)                                                    \
-    static inline __attribute__((always_inline)) void NAME(                                  \
-        const WTYPE *w_row, const float *x, int64_t x_stride, const float *scale_row,        \
-        int64_t in, int64_t group, const int W_ROWS, float *out) {                            \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const WTYPE *w_row, const float *x, int64_t x_stride, const float *scale_row,         \
+        int64_t in, int64_t group, const int W_ROWS, const int R, float *out) {               \
         vec total[OUT_TILE][ROW_TILE], acc[OUT_TILE][ROW_TILE][N_ACC];                        \
         for (int j = 0; j < W_ROWS; ++j)                                                      \
-            for (int r = 0; r < ROW_TILE; ++r) total[j][r] = vec_zero();                      \
+            for (int r = 0; r < R; ++r) total[j][r] = vec_zero();                             \
         for (int64_t g = 0; g < in / group; ++g) {                                            \
             for (int j = 0; j < W_ROWS; ++j)                                                  \
-                for (int r = 0; r < ROW_TILE; ++r)                                            \
+                for (int r = 0; r < R; ++r)                                                   \
                     for (int k = 0; k < N_ACC; ++k) acc[j][r][k] = vec_zero();                \
             for (int64_t i = g * group; i < (g + 1) * group; i += STEP) {                     \
                 for (int j = 0; j < W_ROWS; ++j) {                                            \
@@ -285,8 +285,8 @@ static inline vec pin(vec v) {
                 }                                                                             \
                 for (int k = 0; k < N_ACC; ++k) {                                             \
                     vec w[OUT_TILE];                                                          \
-                    for (int j = 0; j < W_ROWS; ++j) w[j] = LOAD(w_row + j * in + i, k);     \
-                    for (int r = 0; r < ROW_TILE; ++r) {                                      \
+                    for (int j = 0; j < W_ROWS; ++j) w[j] = LOAD(w_row + j * in + i, k);      \
+                    for (int r = 0; r < R; ++r) {                                             \
                         const vec xv = pin(vec_load(x + r * x_stride + i + LANES * k));       \
                         for (int j = 0; j < W_ROWS; ++j)                                      \
                             acc[j][r][k] = vec_fma(w[j], xv, acc[j][r][k]);                   \
@@ -296,7 +296,7 @@ static inline vec pin(vec v) {
             for (int j = 0; j < W_ROWS; ++j) {                                                \
                 const vec scale =                                                             \
                     vec_set1(scale_row ? scale_row[j * (in / group) + g] : 1.0f);             \
-                for (int r = 0; r < ROW_TILE; ++r) {                                          \
+                for (int r = 0; r < R; ++r) {                                                 \
                     for (int k = 1; k < N_ACC; ++k)                                           \
                         acc[j][r][0] = vec_add(acc[j][r][0], acc[j][r][k]);                   \
                     total[j][r] = vec_fma(acc[j][r][0], scale, total[j][r]);                  \
@@ -304,7 +304,7 @@ static inline vec pin(vec v) {
             }                                                                                 \
         }                                                                                     \
         for (int j = 0; j < W_ROWS; ++j)                                                      \
-            for (int r = 0; r < ROW_TILE; ++r) out[j * ROW_TILE + r] = vec_sum(total[j][r]); \
+            for (int r = 0; r < R; ++r) out[j * ROW_TILE + r] = vec_sum(total[j][r]);         \
     }
 
 DEFINE_DOT_TILE(dot_f32_tile, float, load_f32_step)
