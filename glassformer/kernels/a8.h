@@ -253,7 +253,7 @@ static inline vec load_first(const float *p, int64_t count) {
  * into acc[r][k]; a chunk is COLUMNS columns in BYTES bytes. */
 #define A8_ROW(CHUNK_FN, COLUMNS, BYTES)                                                      \
     const int64_t n = in / 32, per_chunk = (COLUMNS) / 32, whole = n / per_chunk;            \
-    vec acc[ROW_TILE][2];                                                                     \
+    vec acc[MAX_TILE][2];                                                                     \
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vec_zero();                        \
     int64_t c = 0;                                                                            \
     for (; c + 2 <= whole; c += 2) {                                                          \
@@ -341,7 +341,8 @@ static inline void a8_store(const Linear *L, const vec dots[4], int count, float
 /* This thread's share of output rows against the rounded inputs. One input: four output rows
  * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
  * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
- * what it gets alone), then the rest, fewer, together too. Inlined once per storage and common group size
+ * what it gets alone), the last ones in a tile of their own, ROW_TILE + 1 of them in one, as
+ * decode.c's tile_size. Inlined once per storage and common group size
  * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
  * storage's branches per row were 15% of a w4a8 step. */
 static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const Rounded *x,
@@ -359,16 +360,19 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
     }
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < L->out; ++o)
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            vec dots[4] = {vec_zero(), vec_zero(), vec_zero(), vec_zero()};
-            const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+        for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
+            vec dots[8];
+            for (int i = 0; i < 8; ++i) dots[i] = vec_zero();
+            n = rows - r0 == MAX_TILE ? MAX_TILE : rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             if (n == ROW_TILE) a8_dot(L, o, x + r0, ROW_TILE, dots, q4, group);
+            else if (n == MAX_TILE) a8_dot(L, o, x + r0, MAX_TILE, dots, q4, group);
             else if (n == 1) a8_dot(L, o, x + r0, 1, dots, q4, group);
 #if LANES == 16 /* ROW_TILE 4: partial tiles of 2 and 3 */
             else if (n == 2) a8_dot(L, o, x + r0, 2, dots, q4, group);
             else a8_dot(L, o, x + r0, 3, dots, q4, group);
 #endif
-            a8_store(L, dots, (int)n, y, o, 0, r0, 1, accumulate);
+            a8_store(L, dots, n < 4 ? (int)n : 4, y, o, 0, r0, 1, accumulate);
+            if (n > 4) a8_store(L, dots + 4, (int)n - 4, y, o, 0, r0 + 4, 1, accumulate);
         }
 }
 

@@ -1,5 +1,5 @@
 /* The dot products of int8 and int4 weight rows, whose weights come in groups of columns with
- * a scale each (and int4 a min): one row with x, and one row with up to ROW_TILE inputs at
+ * a scale each (and int4 a min): one row with x, and one row with up to MAX_TILE inputs at
  * once, in lanes as simd.h's fp32 and bf16 ones. decode.c's linear and matvec.c's matvec_int8
  * and matvec_q4 call them; a8.h's rows with rounded inputs share the int4 prefetch. */
 #ifndef GLASSFORMER_GROUPS_H
@@ -45,11 +45,11 @@ static inline vec int8_group(const int8_t *w, const float *x, int64_t group) {
     }
     return group == 32 ? a : vec_add(a, b);
 }
-/* int8_group for R inputs (up to ROW_TILE), each 32 weights converted once for all of them */
+/* int8_group for R inputs (up to MAX_TILE), each 32 weights converted once for all of them */
 static inline __attribute__((always_inline)) void int8_group_tile(
     const int8_t *w, const float *x, int64_t x_stride, int64_t group, const int R,
-    vec out[ROW_TILE]) {
-    vec a[ROW_TILE], b[ROW_TILE], q[INT8_VECS];
+    vec out[MAX_TILE]) {
+    vec a[MAX_TILE], b[MAX_TILE], q[INT8_VECS];
     for (int64_t c = 0; c < group / 32; ++c) {
         int8_load32(w + 32 * c, q);
         for (int r = 0; r < R; ++r) {
@@ -99,21 +99,21 @@ static inline vec dot_int8(const int8_t *w_row, const float *x, const float *sca
 /* total[r][k] + scale_g * (q_g . x_r,g) for group g and each of the R inputs */
 static inline __attribute__((always_inline)) void int8_scaled_tile(
     const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t g,
-    int64_t group, int k, const int R, vec total[ROW_TILE][IN_FLIGHT]) {
+    int64_t group, int k, const int R, vec total[MAX_TILE][IN_FLIGHT]) {
     const vec scale = vec_set1(scale_row ? scale_row[g] : 1.0f);
-    vec sums[ROW_TILE];
+    vec sums[MAX_TILE];
     int8_group_tile(w_row + g * group, x + g * group, x_stride, group, R, sums);
     for (int r = 0; r < R; ++r) total[r][k] = vec_fma(sums[r], scale, total[r][k]);
 }
 
-/* dot_int8 of one weight row with R inputs (x + r * x_stride, R up to ROW_TILE) into out[r],
+/* dot_int8 of one weight row with R inputs (x + r * x_stride, R up to MAX_TILE) into out[r],
  * bit for bit what dot_int8 gives each alone: whole rounds of IN_FLIGHT groups as there, k a
  * constant in each, so the totals can live in registers. Inlined per group size and R, as
  * dot_int8_of. */
 static inline __attribute__((always_inline)) void dot_int8_tile_of(
     const int8_t *w_row, const float *x, int64_t x_stride, const float *scale_row, int64_t in,
     int64_t group, const int R, float *out) {
-    vec total[ROW_TILE][IN_FLIGHT];
+    vec total[MAX_TILE][IN_FLIGHT];
     for (int r = 0; r < R; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
     const int64_t n = in / group;
@@ -187,14 +187,14 @@ static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *
     return sum_in_flight(total);
 }
 
-/* dot_q4 of one weight row with R inputs (x + r * x_stride, R up to ROW_TILE) into out[r]:
+/* dot_q4 of one weight row with R inputs (x + r * x_stride, R up to MAX_TILE) into out[r]:
  * each group's weights are dequantized once for all of them (unpacking, not reading, is what a
  * 4-bit dot costs), and each input's sums run in dot_q4's order, so out[r] is bit for bit what
  * dot_q4 gives it alone. Inlined with R a constant. */
 static inline __attribute__((always_inline)) void dot_q4_tile(
     const uint8_t *w_row, const float *x, int64_t x_stride, const float *scale_row,
     const float *min_row, int64_t in, const int R, float *out) {
-    vec total[ROW_TILE][IN_FLIGHT], w[Q4_VECS];
+    vec total[MAX_TILE][IN_FLIGHT], w[Q4_VECS];
     for (int r = 0; r < R; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
     const int64_t n = in / 32;

@@ -262,6 +262,9 @@ DEFINE_DOT(dot_bf16, uint16_t, load_bf16_step) /* x in bf16_order */
  * would otherwise fold their load into each FMA, loading them again for every weight row. */
 #define ROW_TILE (LANES == 16 ? 4 : 2)
 #define OUT_TILE (LANES == 16 ? 2 : 1)
+/* The most inputs a tile of int8 or int4 weights takes: a batch's last tile may take one more
+ * than a whole one (decode.c's tile_size), whose sums still fit in the registers. */
+#define MAX_TILE (ROW_TILE + 1)
 static inline vec pin(vec v) {
     __asm__("" : "+x"(v));
     return v;
