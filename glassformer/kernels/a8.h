@@ -361,7 +361,7 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < L->out; ++o)
         for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
-            vec dots[8];
+            vec dots[8]; /* up to MAX_TILE sums, stored in fours (a8_store) */
             for (int i = 0; i < 8; ++i) dots[i] = vec_zero();
             n = rows - r0 == MAX_TILE ? MAX_TILE : rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
             if (n == ROW_TILE) a8_dot(L, o, x + r0, ROW_TILE, dots, q4, group);

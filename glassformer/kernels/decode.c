@@ -69,9 +69,9 @@ static inline __attribute__((always_inline)) vec row_lanes(const Linear *L, int6
 
 /* linear() for one input: four output rows at a time, their lanes summed in one pass of
  * shuffles (vec_sum4, in vec_sum's order: each row's value is vec_sum of its row_lanes, as the
- * batched tiles' are). Inlined once per storage and common int8 group, so that the dot products are too:
- * a call per row and each row's own sum were a third of an int8 step's dot-product samples
- * (perf annotate). */
+ * batched tiles' are). Inlined once per storage and common int8 group, so that the dot
+ * products are too: a call per row and each row's own sum were a third of an int8 step's
+ * dot-product samples (perf annotate). */
 static inline __attribute__((always_inline)) void one_input(const Linear *L, const float *x,
                                                             float *y, int accumulate,
                                                             const int64_t storage,
@@ -92,9 +92,9 @@ static inline __attribute__((always_inline)) void one_input(const Linear *L, con
 }
 
 /* W[o + j] . x[r] for `w_rows` weight rows (1, or OUT_TILE where the storage has a wider
- * tile) and R inputs x[r] = x + r * stride (R up to ROW_TILE) into dots[j * ROW_TILE + r],
- * each bit for bit vec_sum(row_lanes(...)), one_input's value without the bias. Inlined with
- * R a constant (tile_dot). */
+ * tile) and R inputs x[r] = x + r * stride (R up to ROW_TILE; MAX_TILE for int8 and int4)
+ * into dots[j * ROW_TILE + r], each bit for bit vec_sum(row_lanes(...)), one_input's value
+ * without the bias. Inlined with R a constant (tile_dot). */
 static inline int64_t tile_rows(const Linear *L, int64_t left) {
     return (L->storage == F32 || L->storage == BF16) && left >= OUT_TILE ? OUT_TILE : 1;
 }
