@@ -339,12 +339,11 @@ static inline void a8_store(const Linear *L, const vec dots[4], int count, float
 }
 
 /* This thread's share of output rows against the rounded inputs. One input: four output rows
- * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a time
- * (read once for all of them, in the one-input order, so each input's outputs are bit for bit
- * what it gets alone), the last ones in a tile of their own, ROW_TILE + 1 of them in one, as
- * decode.c's tile_size. Inlined once per storage and common group size
- * (dispatched in linear_a8), so that each row's dot product is inlined too: a call and the
- * storage's branches per row were 15% of a w4a8 step. */
+ * at a time, summed together (vec_sum4). More: each weight row against ROW_TILE inputs at a
+ * time (read once for all of them, in the one-input order, so each input's outputs are bit for
+ * bit what it gets alone), the last ones in a tile of their own (simd.h's next_tile). Inlined
+ * once per storage and common group size (dispatched in linear_a8), so that each row's dot
+ * product is inlined too: a call and the storage's branches per row were 15% of a w4a8 step. */
 static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const Rounded *x,
                                                           int64_t rows, float *y, int accumulate,
                                                           const int q4, const int64_t group) {
@@ -363,7 +362,7 @@ static inline __attribute__((always_inline)) void a8_rows(const Linear *L, const
         for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
             vec dots[8]; /* up to MAX_TILE sums, stored in fours (a8_store) */
             for (int i = 0; i < 8; ++i) dots[i] = vec_zero();
-            n = rows - r0 == MAX_TILE ? MAX_TILE : rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
+            n = next_tile(rows - r0, 1);
             if (n == ROW_TILE) a8_dot(L, o, x + r0, ROW_TILE, dots, q4, group);
             else if (n == MAX_TILE) a8_dot(L, o, x + r0, MAX_TILE, dots, q4, group);
             else if (n == 1) a8_dot(L, o, x + r0, 1, dots, q4, group);

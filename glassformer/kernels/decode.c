@@ -107,6 +107,11 @@ static inline __attribute__((always_inline)) void tile_dot_of(const Linear *L, i
     if (L->storage == Q4)
         dot_q4_tile((const uint8_t *)L->weight + o * (L->in / 2), x, stride, scale,
                     L->mins + o * n_groups, L->in, R, dots);
+    else if (L->storage == INT8)
+        dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
+                      R, dots);
+    else if (R > ROW_TILE) /* never: next_tile gives fp32 and bf16 at most ROW_TILE */
+        return;
     else if (L->storage == F32 && w_rows == OUT_TILE)
         dot_f32_tile((const float *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
                      OUT_TILE, R, dots);
@@ -119,39 +124,18 @@ static inline __attribute__((always_inline)) void tile_dot_of(const Linear *L, i
     else if (L->storage == BF16)
         dot_bf16_tile((const uint16_t *)L->weight + o * L->in, x, stride, scale, L->in,
                       L->group, 1, R, dots);
-    else
-        dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride, scale, L->in, L->group,
-                      R, dots);
 }
 
-/* How many of the `left` inputs the next tile takes: ROW_TILE, or the batch's last ones. Those
- * share each weight's conversion too: one at a time, each took its own (2 rows of SmolLM2 int4
- * decoded 277-279 tokens/s in all, one row alone 284-285; 386-395 in a tile of 2). And where
- * ROW_TILE + 1 are left, int8 and int4 take them in one tile, whose sums still fit in the
- * registers: a tile of 4 and one of 1 convert each weight twice (SmolLM2 int4, 5 rows: 451-455
- * tokens/s in all, fewer than 4 rows' 529-555; 554-565 in a tile of 5). */
-static inline int64_t tile_size(const Linear *L, int64_t left) {
-    if (left == MAX_TILE && (L->storage == Q4 || L->storage == INT8)) return MAX_TILE;
-    return left < ROW_TILE ? left : ROW_TILE;
-}
-
-/* tile_dot_of for a tile of n inputs (tile_size), n a constant in each copy; ROW_TILE + 1 only
- * for int8 and int4, whose tiles take it */
+/* tile_dot_of for a tile of n inputs (next_tile), n a constant in each copy */
 static void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
                      int64_t stride, int64_t n, float *dots) {
-    const int64_t n_groups = L->in / L->group;
     if (n == ROW_TILE) tile_dot_of(L, o, w_rows, x, stride, ROW_TILE, dots);
     else if (n == 1) tile_dot_of(L, o, w_rows, x, stride, 1, dots);
 #if LANES == 16 /* ROW_TILE 4: partial tiles of 2 and 3 */
     else if (n == 2) tile_dot_of(L, o, w_rows, x, stride, 2, dots);
     else if (n == 3) tile_dot_of(L, o, w_rows, x, stride, 3, dots);
 #endif
-    else if (L->storage == Q4)
-        dot_q4_tile((const uint8_t *)L->weight + o * (L->in / 2), x, stride,
-                    L->scale + o * n_groups, L->mins + o * n_groups, L->in, MAX_TILE, dots);
-    else
-        dot_int8_tile((const int8_t *)L->weight + o * L->in, x, stride,
-                      L->scale ? L->scale + o * n_groups : 0, L->in, L->group, MAX_TILE, dots);
+    else tile_dot_of(L, o, w_rows, x, stride, MAX_TILE, dots); /* int8 and int4 only */
 }
 
 /* Output rows per block of the batched loop: their weights (OUT_BLOCK x in values, 9 KB of
@@ -166,7 +150,7 @@ static void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
  * Several inputs are a small matrix product, blocked as one: a block of OUT_BLOCK weight rows
  * at a time, read from memory once, and within it ROW_TILE inputs at a time, whose values stay
  * in the nearest cache and whose sums stay in registers (tile_dot), the last inputs in a tile
- * of their own (tile_size). Each input's dot products run in the single-input
+ * of their own (next_tile). Each input's dot products run in the single-input
  * order, so its outputs are bit for bit what it gets alone. */
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                    int accumulate) {
@@ -194,7 +178,7 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         const int64_t first = block * OUT_BLOCK;
         const int64_t last = first + OUT_BLOCK < L->out ? first + OUT_BLOCK : L->out;
         for (int64_t r0 = 0, n = 0; r0 < rows; r0 += n) {
-            n = tile_size(L, rows - r0);
+            n = next_tile(rows - r0, L->storage == Q4 || L->storage == INT8);
             const float *xs = x + r0 * stride;
             for (int64_t o = first; o < last;) {
                 const int64_t w_rows = tile_rows(L, last - o);

@@ -263,8 +263,20 @@ DEFINE_DOT(dot_bf16, uint16_t, load_bf16_step) /* x in bf16_order */
 #define ROW_TILE (LANES == 16 ? 4 : 2)
 #define OUT_TILE (LANES == 16 ? 2 : 1)
 /* The most inputs a tile of int8 or int4 weights takes: a batch's last tile may take one more
- * than a whole one (decode.c's tile_size), whose sums still fit in the registers. */
+ * than a whole one, whose sums still fit in the registers (next_tile). */
 #define MAX_TILE (ROW_TILE + 1)
+
+/* How many of the `left` inputs the next tile takes: ROW_TILE, or the batch's last ones. Those
+ * share each weight's conversion too: one at a time, each took its own (2 rows of SmolLM2 int4
+ * decoded 277-279 tokens/s in all, one row alone 284-285; 386-395 in a tile of 2). And where
+ * ROW_TILE + 1 are left, a storage whose tile takes MAX_TILE (`wide`: int8 and int4, with or
+ * without rounded inputs) takes them in one: a tile of 4 and one of 1 convert each weight twice
+ * (SmolLM2 int4, 5 rows: 451-455 tokens/s in all, fewer than 4 rows' 529-555; 554-565 in a
+ * tile of 5). */
+static inline int64_t next_tile(int64_t left, int wide) {
+    if (wide && left == MAX_TILE) return MAX_TILE;
+    return left < ROW_TILE ? left : ROW_TILE;
+}
 static inline vec pin(vec v) {
     __asm__("" : "+x"(v));
     return v;
