@@ -251,10 +251,14 @@ def _batch_matches(arch, bits, n_rows):
         want = model(ids, positions, cache=reference, last_token_only=True)[:, -1]  # (n, V)
         want = want[torch.tensor(order).argsort()]  # back in the rows' order
         got = step.rows(tokens, lengths, slots, fused)
-        one_by_one = torch.cat(
-            [step(t, n, alone, s) for t, n, s in zip(tokens, lengths, slots, strict=True)]
-        )
+        picks = step.picks  # the greedy picks the C step found
+        one_by_one, alone_picks = [], []
+        for t, n, s in zip(tokens, lengths, slots, strict=True):
+            one_by_one.append(step(t, n, alone, s))
+            alone_picks += step.picks
+        one_by_one = torch.cat(one_by_one)
     assert (got - want).abs().max() < _tolerance(bits)
+    assert picks == alone_picks == got.argmax(dim=-1).tolist()
     assert torch.equal(got, one_by_one)
     assert torch.equal(fused.k, alone.k) and torch.equal(fused.v, alone.v)
     torch.testing.assert_close(fused.k, reference.k, atol=1e-5, rtol=0)
@@ -262,6 +266,26 @@ def _batch_matches(arch, bits, n_rows):
         step.rows([1, 2], [3, 3], [0, 0], fused)
     with pytest.raises(ValueError, match=f"takes 1 to {n_rows} rows"):
         step.rows([1] * (n_rows + 1), [3] * (n_rows + 1), list(range(n_rows + 1)), fused)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_logit_is_no_pick_and_the_engine_says_why(bad, simd):
+    # A logit that is NaN or infinite (one head weight made so): the C step picks nothing for
+    # its row (FusedStep.picks -1, in one-row and batched calls), and a greedy Engine refuses
+    # the step with the words its torch path has, as torch's logits would make it.
+    model = _model("llama-gqa")
+    with torch.no_grad():
+        model.lm_head.weight[123, 0] = bad
+    step = FusedStep(model, max_tokens=3)
+    with torch.inference_mode():
+        cache = model.new_cache(3, 16)
+        logits = step(5, 0, cache, 1)
+        assert not logits[0, 123].isfinite() and step.picks == [-1]
+        step.rows([5, 6, 7], [1, 0, 0], [1, 0, 2], cache)
+        assert step.picks == [-1, -1, -1]
+    for fast in (True, False):
+        with pytest.raises(ValueError, match=r"logits at step 1 are NaN/inf"):
+            Engine(model, fast=fast).generate([3, 141, 59], 4, temperature=0.0)
 
 
 def test_the_engine_decodes_a_batch_through_the_fused_rows(monkeypatch):

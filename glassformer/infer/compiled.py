@@ -100,12 +100,13 @@ class CompiledDecoder(Engine):
             self._caches[capacity] = StaticKVCache(self.cfg, capacity, param.dtype, param.device)
         self.cache = self._caches[capacity]
 
-    def _decode(self, live: list[Row]) -> Tensor:
-        """One compiled step for the row's last token (1, V). Its inputs are made inside
-        inference mode: the graph's guards include the grad mode and whether each input is an
-        inference tensor, and a mismatch recompiles."""
+    def _decode(self, live: list[Row]) -> tuple[Tensor, None]:
+        """One compiled step for the row's last token -> its logits (1, V), and no picks (the
+        Engine's argmax_picks finds them). Its inputs are made inside inference mode: the
+        graph's guards include the grad mode and whether each input is an inference tensor, and
+        a mismatch recompiles."""
         (row,) = live
         device = self.model.device
         token = torch.tensor([[row.context[-1]]], device=device)
         position = torch.tensor([row.length], device=device)
-        return self.compiled_forward(token, position, self.cache)
+        return self.compiled_forward(token, position, self.cache), None

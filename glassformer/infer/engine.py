@@ -433,8 +433,8 @@ class Engine(Loops, Reuse):
             for row in live:
                 if row.length >= self.cache.max_seq_len:
                     self._shift(row)
-            logits = self._decode(live)  # (n, V)
-            picks = argmax_picks(live, logits)
+            logits, found = self._decode(live)  # (n, V), the C step's greedy picks or None
+            picks = argmax_picks(live, logits, found)
             for i, row in enumerate(live):
                 token = row.sample(logits[i : i + 1]) if picks[i] is None else picks[i]
                 row.accept(token, rows_in_step=len(live))
@@ -444,19 +444,19 @@ class Engine(Loops, Reuse):
                 self._leave(row)
         return live
 
-    def _decode(self, live: list[Row]) -> Tensor:
-        """One batched forward: each live row's last token at its own position (the fused
-        step, when there is one for this model and cache and it takes this many rows)."""
+    def _decode(self, live: list[Row]) -> tuple[Tensor, list[int] | None]:
+        """One batched forward, each live row's last token at its own position (the fused step
+        where it takes this model, cache and rows) -> logits (n, V), the step's picks or None."""
         fused = self.fused
         if fused is not None and fused.supports(self.cache) and len(live) <= fused.max_tokens:
             if len(live) == 1:
                 (row,) = live
-                return fused(row.context[-1], row.length, self.cache, row.slot)
+                return fused(row.context[-1], row.length, self.cache, row.slot), fused.picks
             tokens = [row.context[-1] for row in live]
             positions = [row.length for row in live]
             logits = fused.rows(tokens, positions, [row.slot for row in live], self.cache)
             if logits is not None:
-                return logits
+                return logits, fused.picks
         device = self.model.device
         ids = torch.tensor([[row.context[-1]] for row in live], device=device)  # (n, 1)
         lengths = [row.length for row in live]
@@ -465,7 +465,7 @@ class Engine(Loops, Reuse):
         else:
             positions = torch.tensor(lengths, device=device)[:, None]  # (n, 1)
         cache = self.cache.rows(0, len(live))
-        return self.model(ids, positions, cache=cache, last_token_only=True)[:, -1]
+        return self.model(ids, positions, cache=cache, last_token_only=True)[:, -1], None
 
     def _shift(self, row: Row) -> None:
         """The row's slot is full: keep the window's second half and prefill it again, so the

@@ -117,6 +117,10 @@ class FusedStep:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.model, self.cfg, self.max_tokens = model, model.cfg, max_tokens
         self._function, self._rows_function = step_h.decode_functions(kernels.library())
+        # The last call's greedy picks, one per row: the index of its largest logit (the first
+        # of equal ones, as argmax), -1 where its logits hold a NaN or an infinity; found by
+        # the C step (decode.c's pick_rows). None after a call that ran the torch modules.
+        self.picks: list[int] | None = None
         self._build()
 
     @classmethod
@@ -333,13 +337,16 @@ class FusedStep:
             if not 0 <= token < cfg.vocab_size:
                 raise ValueError(f"token id {token} is outside the vocabulary ({cfg.vocab_size})")
         if not self._fused_now():
+            self.picks = None
             return self._modules_step(tokens, position, cache, slot)
         self._point_at(cache, slot)
-        ids = (ctypes.c_int64 * n)(*tokens)
+        ids, picks = (ctypes.c_int64 * n)(*tokens), (ctypes.c_int64 * n)()
         logits = torch.empty(n, self.cfg.vocab_size)
         self._function(
-            ctypes.byref(self._struct), ids, n, position, logits.data_ptr(), torch.get_num_threads()
-        )
+            ctypes.byref(self._struct), ids, n, position, logits.data_ptr(), picks,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        self.picks = list(picks)
         return logits  # float32 whatever the weights: the C step computes in float32
 
     def rows(
@@ -370,17 +377,19 @@ class FusedStep:
             if not 0 <= token < cfg.vocab_size:
                 raise ValueError(f"token id {token} is outside the vocabulary ({cfg.vocab_size})")
         if not self._fused_now():
+            self.picks = None
             return None
         self._point_at(cache, 0)
         row_stride = cache.k.stride(1)  # elements from one slot's block to the next's
         ids = (ctypes.c_int64 * n)(*tokens)
         at = (ctypes.c_int64 * n)(*positions)
         offsets = (ctypes.c_int64 * n)(*(slot * row_stride for slot in slots))
-        logits = torch.empty(n, cfg.vocab_size)
+        logits, picks = torch.empty(n, cfg.vocab_size), (ctypes.c_int64 * n)()
         self._rows_function(
-            ctypes.byref(self._struct), ids, n, at, offsets, logits.data_ptr(),
+            ctypes.byref(self._struct), ids, n, at, offsets, logits.data_ptr(), picks,
             torch.get_num_threads(),
         )  # fmt: skip
+        self.picks = list(picks)
         return logits
 
     def _modules_step(self, tokens: list[int], position: int, cache: KVCache, slot: int) -> Tensor:

@@ -340,14 +340,21 @@ class Row:
         return GenerationResult(token_ids=list(self.tokens), stats=self.stats)
 
 
-def argmax_picks(rows: list[Row], logits: Tensor) -> list[int | None]:
-    """Each row's token where it is just the argmax of its logits (Row.picks_argmax), taken in
-    one reduction over the batch (logits (n, V)); None for the other rows, which sample alone,
-    and for every row when fewer than two pick the argmax or a logit is NaN/inf (each row's own
-    sample then refuses it, naming the step). Sampling 32 greedy rows one by one, a check, an
-    argmax and their dispatch per row, took 6% of a 32-client server's turn; batched, a
-    32-client burst on the Q8_0 SmolLM2 went from 247-251 to 257-258 tok/s."""
+def argmax_picks(
+    rows: list[Row], logits: Tensor, found: list[int] | None = None
+) -> list[int | None]:
+    """Each row's token where it is just the argmax of its logits (Row.picks_argmax), None for
+    the other rows, which sample alone. `found`: the fused step's picks (FusedStep.picks: each
+    row's argmax, -1 where its logits hold a NaN or an infinity), taken as they are. Without
+    them the picks come from one reduction over the batch (logits (n, V)), and every row samples
+    alone when fewer than two pick the argmax or a logit is NaN/inf (each row's own sample then
+    refuses it, naming the step). Sampling 32 greedy rows one by one, a check, an argmax and
+    their dispatch per row, took 6% of a 32-client server's turn; batched, a 32-client burst on
+    the Q8_0 SmolLM2 went from 247-251 to 257-258 tok/s."""
     plain = [row.picks_argmax for row in rows]
+    if found is not None:
+        pairs = zip(found, plain, strict=True)
+        return [token if wanted and token >= 0 else None for token, wanted in pairs]
     if sum(plain) < 2:
         return [None] * len(rows)
     if not all_finite(logits):

@@ -199,13 +199,8 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
 /* out = norm(x) * weight (+ bias): RMSNorm, or LayerNorm (centred, biased variance). */
 static void norm(const float *x, float *out, int64_t n, const float *weight, const float *bias,
                  int rms, float eps) {
-    double mean = 0.0, square = 0.0;
-    if (!rms) {
-        for (int64_t i = 0; i < n; ++i) mean += x[i];
-        mean /= n;
-    }
-    for (int64_t i = 0; i < n; ++i) square += (x[i] - mean) * (x[i] - mean);
-    const float inv = 1.0f / sqrtf((float)(square / n) + eps);
+    const double mean = rms ? 0.0 : sum_double(x, n, 0.0, 0) / n;
+    const float inv = 1.0f / sqrtf((float)(sum_double(x, n, mean, 1) / n) + eps);
     for (int64_t i = 0; i < n; ++i) {
         float v = (float)(x[i] - mean) * inv * weight[i];
         out[i] = bias ? v + bias[i] : v;
@@ -262,15 +257,45 @@ static void activate_all(float *ff, int64_t F, int64_t kind, int gated, int64_t 
     }
 }
 
+/* picks[r] = the index of row r's largest logit, the first of equal ones (torch.argmax's), or
+ * -1 where one of its logits is a NaN or an infinity: greedy decoding's token, found inside the
+ * step, where each thread has its share of the head's rows still in its own cache. Found after
+ * the step, by Python, it was the engine's slowest part of a token outside the step (90 us to
+ * check the logits finite and 125 us for their argmax, every cache cold after the step's 110 MB
+ * of SmolLM2 int4 weights, against 8 us warm). Each thread takes its share of every row's
+ * columns (best_of), then one thread compares the shares: best[], at[] and odd[] hold a slot
+ * per thread and row. */
+static void pick_rows(const float *logits, int64_t n, int64_t V, float *best, int64_t *at,
+                      int *odd, int64_t *picks) {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t start = V * me / threads, end = V * (me + 1) / threads;
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t slot = me * n + r;
+        odd[slot] = best_of(logits + r * V + start, end - start, &best[slot], &at[slot]);
+        at[slot] += start;
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int64_t r = 0; r < n; ++r) {
+        int64_t winner = r, bad = odd[r];
+        for (int64_t t = 1; t < threads; ++t) { /* a later share wins only when larger */
+            bad |= odd[t * n + r];
+            if (best[t * n + r] > best[winner]) winner = t * n + r;
+        }
+        picks[r] = bad ? -1 : at[winner];
+    }
+}
+
 /* --- the step -------------------------------------------------------------------------------- */
 
 /* n rows, row r the token tokens[r] at position positions[r] of the cache row that starts
  * offsets[r] elements after each layer's k_cache/v_cache (which holds its positions
- * 0..positions[r]-1): writes each row's keys and values and the logits (n, V). Row r attends
- * to the keys 0..positions[r] of its cache row, so n consecutive tokens of one cache row (the
- * same offset, positions pos..pos+n-1) see each other as a forward over them would. */
+ * 0..positions[r]-1): writes each row's keys and values, the logits (n, V) and, unless picks is
+ * NULL, each row's greedy pick (pick_rows). Row r attends to the keys 0..positions[r] of its
+ * cache row, so n consecutive tokens of one cache row (the same offset, positions
+ * pos..pos+n-1) see each other as a forward over them would. */
 void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t *positions,
-                 const int64_t *offsets, float *logits, int n_threads) {
+                 const int64_t *offsets, float *logits, int64_t *picks, int n_threads) {
     const int64_t C = m->d_model, D = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t QKV = (H + 2 * Hkv) * D, F = m->d_ff;
     const int rms = (int)m->rms_norm;
@@ -310,10 +335,8 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
             for (int64_t head = 0; head < Hkv; ++head) {
                 const int64_t at =
                     offsets[r] + head * m->cache_head_stride + positions[r] * m->cache_pos_stride;
-                for (int64_t d = 0; d < D; ++d) {
-                    cache_set(layer->k_cache, at + d, k[head * D + d], (int)m->cache_kind);
-                    cache_set(layer->v_cache, at + d, v[head * D + d], (int)m->cache_kind);
-                }
+                cache_put(layer->k_cache, at, k + head * D, D, (int)m->cache_kind);
+                cache_put(layer->v_cache, at, v + head * D, D, (int)m->cache_kind);
             }
         }
         /* The attention, shared out in units: with enough of them (several rows), a unit is
@@ -360,21 +383,27 @@ void decode_rows(const Model *m, const int64_t *tokens, int64_t n, const int64_t
     }
     for (int64_t r = 0; r < n; ++r)
         norm(x + r * C, h + r * C, C, m->final_norm_weight, m->final_norm_bias, rms, m->norm_eps);
+    float best[n_threads * n];
+    int64_t at[n_threads * n];
+    int odd[n_threads * n];
 #pragma omp parallel num_threads(n_threads)
-    linear(&m->head, h, C, n, logits, 0);
+    {
+        linear(&m->head, h, C, n, logits, 0);
+        if (picks) pick_rows(logits, n, m->head.out, best, at, odd, picks);
+    }
 }
 
 /* The tokens tokens[0..n-1] at positions pos..pos+n-1 of the cache row the layers point at
  * (which holds 0..pos-1): one decode step for n = 1, a short run of tokens (a speculative
  * round's check) for more. */
 void decode_tokens(const Model *m, const int64_t *tokens, int64_t n, int64_t pos, float *logits,
-                   int n_threads) {
+                   int64_t *picks, int n_threads) {
     int64_t positions[n], offsets[n];
     for (int64_t r = 0; r < n; ++r) {
         positions[r] = pos + r;
         offsets[r] = 0;
     }
-    decode_rows(m, tokens, n, positions, offsets, logits, n_threads);
+    decode_rows(m, tokens, n, positions, offsets, logits, picks, n_threads);
 }
 
 

@@ -121,59 +121,15 @@ int all_finite(const float *x, int64_t n) {
 }
 
 /* out[r] = the index of the largest of x's row r (n floats), the first where several are equal,
- * as torch.argmax: each lane keeps its largest value and the first index it was seen at, then
- * the lanes' winners are compared, the smaller index winning a tie; -1 for a row holding a NaN
- * (torch's answer is the NaN's index: the caller asks torch). Returns how many rows held one.
- * For greedy decoding's pick over a vocabulary's logits (SmolLM2: 49,152 floats), where torch's
- * argmax took 66 us a row. */
+ * as torch.argmax (simd.h's best_of); -1 for a row holding a NaN (torch's answer is the NaN's
+ * index: the caller asks torch). Returns how many rows held one. For greedy decoding's pick
+ * over a vocabulary's logits (SmolLM2: 49,152 floats), where torch's argmax took 66 us a row. */
 int64_t argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
     int64_t with_nan = 0;
     for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * n;
-        float best = -INFINITY;
-        int64_t at = 0, i = 0, nan = 0;
-        if (n >= LANES) {
-            float lane_best[LANES];
-            int32_t lane_at[LANES];
-            vec top = vec_load(row);
-#ifdef __AVX512F__
-            __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            __m512i index = where;
-            __mmask16 unordered = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
-            for (i = LANES; i + LANES <= n; i += LANES) {
-                const vec v = vec_load(row + i);
-                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                index = _mm512_add_epi32(index, _mm512_set1_epi32(LANES));
-                where = _mm512_mask_mov_epi32(where, _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), index);
-                top = _mm512_max_ps(v, top);
-            }
-            _mm512_storeu_si512(lane_at, where);
-            nan = unordered != 0;
-#else
-            __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), index = where;
-            vec unordered = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
-            for (i = LANES; i + LANES <= n; i += LANES) {
-                const vec v = vec_load(row + i);
-                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                index = _mm256_add_epi32(index, _mm256_set1_epi32(LANES));
-                const __m256i greater = _mm256_castps_si256(_mm256_cmp_ps(v, top, _CMP_GT_OQ));
-                where = _mm256_blendv_epi8(where, index, greater);
-                top = _mm256_max_ps(v, top);
-            }
-            _mm256_storeu_si256((__m256i *)lane_at, where);
-            nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-            vec_store(lane_best, top);
-            best = lane_best[0], at = lane_at[0];
-            for (int k = 1; k < LANES; ++k)
-                if (lane_best[k] > best || (lane_best[k] == best && lane_at[k] < at))
-                    best = lane_best[k], at = lane_at[k];
-        }
-        for (; i < n; ++i) {
-            nan |= isnan(row[i]);
-            if (row[i] > best) best = row[i], at = i;
-        }
-        out[r] = nan ? -1 : at;
+        float best;
+        const int nan = best_of(x + r * n, n, &best, &out[r]) & HAS_NAN;
+        if (nan) out[r] = -1;
         with_nan += nan != 0;
     }
     return with_nan;

@@ -186,6 +186,93 @@ static inline void vec_sum4(const vec v[4], float out[4]) {
 #endif
 }
 
+/* sum_i (x_i - shift)^2, or sum_i (x_i - shift) where !square, in double (the norms' sums over
+ * 576 and more values, which a float running sum would round): four sums of 8 doubles in
+ * flight, in GCC's vector extension (one AVX-512 register each, or two AVX2 ones). One double
+ * running sum waited 4 cycles on each addition: 3.3 kcycles a norm of SmolLM2's 576 values,
+ * two of them a layer, on one thread while the other waited. */
+typedef float float8 __attribute__((vector_size(32), aligned(4)));
+typedef double double8 __attribute__((vector_size(64)));
+static inline double sum_double(const float *x, int64_t n, double shift, int square) {
+    double8 acc[4] = {{0}, {0}, {0}, {0}};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; ++k) {
+            const double8 v = __builtin_convertvector(*(const float8 *)(x + i + 8 * k), double8) - shift;
+            acc[k] += square ? v * v : v;
+        }
+    const double8 all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    double total = 0.0;
+    for (int k = 0; k < 8; ++k) total += all[k];
+    for (; i < n; ++i) {
+        const double v = x[i] - shift;
+        total += square ? v * v : v;
+    }
+    return total;
+}
+
+/* The largest of x's n floats and the first index it stands at (torch.argmax's answer) into
+ * *best and *at: each lane keeps its largest value and the first index it saw it at, then the
+ * lanes' winners are compared, the smaller index winning a tie. Returns 0 where every value is
+ * finite, else NOT_FINITE, with HAS_NAN where one is a NaN (whose comparisons are all false:
+ * *at is then not torch's answer, the NaN's index). v * 0 is NaN for an infinity or a NaN and
+ * 0 for the rest: one more operation a vector finds both. */
+#define NOT_FINITE 1
+#define HAS_NAN 2
+static inline int best_of(const float *x, int64_t n, float *best_out, int64_t *at_out) {
+    float best = -INFINITY;
+    int64_t at = 0, i = 0;
+    int odd = 0;
+    if (n >= LANES) {
+        float lane_best[LANES];
+        int32_t lane_at[LANES];
+        vec top = vec_load(x);
+#ifdef __AVX512F__
+        __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i index = where;
+        const vec zeroed = vec_mul(top, vec_zero());
+        __mmask16 unordered = _mm512_cmp_ps_mask(zeroed, zeroed, _CMP_UNORD_Q);
+        for (i = LANES; i + LANES <= n; i += LANES) {
+            const vec v = vec_load(x + i), v0 = vec_mul(v, vec_zero());
+            unordered |= _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q);
+            index = _mm512_add_epi32(index, _mm512_set1_epi32(LANES));
+            where = _mm512_mask_mov_epi32(where, _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), index);
+            top = _mm512_max_ps(v, top);
+        }
+        _mm512_storeu_si512(lane_at, where);
+        odd = unordered != 0;
+#else
+        __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), index = where;
+        const vec zeroed = vec_mul(top, vec_zero());
+        vec unordered = _mm256_cmp_ps(zeroed, zeroed, _CMP_UNORD_Q);
+        for (i = LANES; i + LANES <= n; i += LANES) {
+            const vec v = vec_load(x + i), v0 = vec_mul(v, vec_zero());
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+            index = _mm256_add_epi32(index, _mm256_set1_epi32(LANES));
+            const __m256i greater = _mm256_castps_si256(_mm256_cmp_ps(v, top, _CMP_GT_OQ));
+            where = _mm256_blendv_epi8(where, index, greater);
+            top = _mm256_max_ps(v, top);
+        }
+        _mm256_storeu_si256((__m256i *)lane_at, where);
+        odd = _mm256_movemask_ps(unordered) != 0;
+#endif
+        vec_store(lane_best, top);
+        best = lane_best[0], at = lane_at[0];
+        for (int k = 1; k < LANES; ++k)
+            if (lane_best[k] > best || (lane_best[k] == best && lane_at[k] < at))
+                best = lane_best[k], at = lane_at[k];
+    }
+    for (; i < n; ++i) {
+        odd |= !isfinite(x[i]);
+        if (x[i] > best) best = x[i], at = i;
+    }
+    *best_out = best, *at_out = at;
+    if (!odd) return 0;
+    for (i = 0; i < n; ++i) /* rare: which kind */
+        if (isnan(x[i])) return NOT_FINITE | HAS_NAN;
+    return NOT_FINITE;
+}
+
 /* Software prefetch: each load of weights first asks for the cache line PREFETCH_BYTES further
  * on in the same row (and, past its end, the next rows: a thread's rows are contiguous). The
  * hardware prefetcher alone left the int8 dot waiting on memory at half its instructions: one

@@ -140,8 +140,9 @@ def decode_functions(library: ctypes.CDLL) -> tuple:
     arguments declared, once the library's layout matches the structs above."""
     check_layout(library)
     tokens, rows = library.decode_tokens, library.decode_rows
-    tokens.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(_I), _I, _I, _P, ctypes.c_int]
+    # ..., logits, picks (NULL: none), n_threads
+    tokens.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(_I), _I, _I, _P, _P, ctypes.c_int]
     rows.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(_I), _I, ctypes.POINTER(_I),
-                     ctypes.POINTER(_I), _P, ctypes.c_int]  # fmt: skip
+                     ctypes.POINTER(_I), _P, _P, ctypes.c_int]  # fmt: skip
     tokens.restype = rows.restype = None
     return tokens, rows
