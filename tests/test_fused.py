@@ -500,6 +500,37 @@ def test_a_hook_added_after_the_engine_is_built_runs_on_every_step(torch_steps):
     assert _greedy(engine) == before and torch_steps == []  # the C step again
 
 
+def test_generate_checks_the_model_once_and_a_block_until_recheck(torch_steps, monkeypatch):
+    # No code of the caller's runs between generate's steps, so they check the model once
+    # (FusedStep.unchanged); between two generates, each check sees a hook added. Inside a
+    # block the caller vouches that nothing changes: a hook added there is looked for again
+    # only after recheck(), and every call after the block checks.
+    model = _model("llama-gqa")
+    engine = Engine(model)
+    checks, changed = [], FusedStep._changed
+    monkeypatch.setattr(FusedStep, "_changed", lambda self: checks.append(1) or changed(self))
+    before = _greedy(engine)
+    assert len(checks) == 1  # 11 decode steps
+    shift = torch.randn(model.cfg.d_model)
+    handle = model.blocks[0].register_forward_hook(lambda module, args, out: out + shift)
+    assert _greedy(engine) == _eager(model) != before and len(torch_steps) == 11
+    handle.remove()
+    step, cache = engine.fused, model.new_cache(1, 16)
+    torch_steps.clear()
+    with torch.inference_mode():
+        with step.unchanged():
+            step(5, 0, cache)
+            handle = model.blocks[0].register_forward_hook(lambda module, args, out: out + shift)
+            step(6, 1, cache)
+            assert torch_steps == []
+            step.recheck()
+            step(7, 2, cache)
+            assert len(torch_steps) == 1  # the hook seen: the torch modules ran
+        handle.remove()
+        step(8, 3, cache)
+    assert len(torch_steps) == 1  # after the block the call checks, and the hook is gone
+
+
 def test_an_attention_capture_after_the_engine_is_built_records_every_step():
     model = _model("qwen3-qk-norm")
     engine = Engine(model)

@@ -1,6 +1,7 @@
 """Scheduler.call: work on the served model (the lab's hooked forwards) runs on the engine
 thread between two decode steps, never beside one; its result or exception comes back, and a
-stopped engine refuses it. The decoding rows are unchanged by it (Engine.generate alone)."""
+stopped engine refuses it. The decoding rows are unchanged by it (Engine.generate alone), and
+the steps after it see what it changed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 from conftest import tiny_model
 from processes import DEADLINE_S
 from test_server_scheduler import greedy, make_scheduler, serve
@@ -67,3 +69,28 @@ def test_calls_run_on_the_engine_thread_between_steps_and_leave_the_rows_alone()
         assert tokens == alone.token_ids
     with pytest.raises(Stopped):
         scheduler.call(lambda: None)
+
+
+def test_weights_a_call_gives_new_storage_reach_the_next_decode_steps() -> None:
+    # The engine thread checks the model before its steps only after call()'s work
+    # (Engine.model_unchanged, recheck_model): weights given new storage inside a call reach
+    # the fused step of the next request, which decodes as the changed model does.
+    model, other = tiny_model(max_seq_len=64), tiny_model(max_seq_len=64, seed=1)
+    scheduler = make_scheduler(model)
+    assert scheduler.engine.fused is not None  # the path under test: the C step
+    jobs = [([3, 14, 15, 9], greedy(20))]
+
+    def swap():
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), other.parameters(), strict=True):
+                p.data = q.detach().clone()
+
+    scheduler.start()
+    try:
+        ((before, _),) = asyncio.run(serve(scheduler, jobs))
+        scheduler.call(swap).result(timeout=DEADLINE_S)
+        ((after, _),) = asyncio.run(serve(scheduler, jobs))
+    finally:
+        scheduler.stop()
+    want = gf.Engine(other).generate([3, 14, 15, 9], 20, temperature=0.0, eos_token_id=NO_EOS)
+    assert after == want.token_ids != before

@@ -7,6 +7,7 @@ compiled and speculative ones too, chunked prefill or not) streams and batches a
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from torch import Tensor
 
@@ -64,8 +65,9 @@ class Loops:
     ) -> GenerationResult:
         """Generate up to max_new_tokens; temperature 0 means greedy. The other arguments are
         stream's."""
-        stream = self.stream(prompt_ids, max_new_tokens, *args, **kwargs)
-        return GenerationResult(token_ids=list(stream), stats=stream.stats)
+        with self.model_unchanged():  # none of the caller's code runs until it returns
+            stream = self.stream(prompt_ids, max_new_tokens, *args, **kwargs)
+            return GenerationResult(token_ids=list(stream), stats=stream.stats)
 
     def generate_batch(
         self,
@@ -90,16 +92,28 @@ class Loops:
             self.reserve(len(rows), min(self.slot_len, longest + max_new_tokens))
         # More prompts than free slots: each waits for a row to finish (continuous batching).
         waiting, added = list(enumerate(rows)), []
-        while waiting or any(not row.finished for row in added):
-            while waiting and (self.cache is None or len(self.rows) < self.cache.batch_size):
-                i, prompt = waiting.pop(0)
-                row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
-                params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
-                added.append(self.add(prompt, params, on_full_context=on_full_context))
-            stepped = self.step() or self.pending
-            if not stepped and waiting and len(self.rows) >= self.cache.batch_size:
-                self.add(waiting[0][1])  # no slot will free up (parked rows): the clear error
+        with self.model_unchanged():  # none of the caller's code runs until it returns
+            while waiting or any(not row.finished for row in added):
+                while waiting and (self.cache is None or len(self.rows) < self.cache.batch_size):
+                    i, prompt = waiting.pop(0)
+                    row_seed = None if seed is None else (seed + i) % (MAX_SEED + 1)
+                    params = SamplingParams(max_new_tokens=max_new_tokens, seed=row_seed, **kwargs)
+                    added.append(self.add(prompt, params, on_full_context=on_full_context))
+                stepped = self.step() or self.pending
+                if not stepped and waiting and len(self.rows) >= self.cache.batch_size:
+                    self.add(waiting[0][1])  # no slot will free up (parked rows): the clear error
         return [row.result() for row in added]
+
+    def model_unchanged(self) -> AbstractContextManager:
+        """A block whose decode steps check the model once, not each (FusedStep.unchanged):
+        for loops between whose steps nothing changes the model."""
+        return self.fused.unchanged() if self.fused is not None else nullcontext()
+
+    def recheck_model(self) -> None:
+        """Inside model_unchanged(), after work that may have changed the model: the next step
+        checks it again."""
+        if self.fused is not None:
+            self.fused.recheck()
 
     def _batch_prompts(self, prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
         """Check every prompt like `add`; errors name the prompt's number (from 1)."""

@@ -23,7 +23,9 @@ the scheduler holds), or the scheduler stopping (503).
 
 Other work on the served model (the lab's attention capture, which hooks its modules) is handed
 to the engine thread with call(): it runs between two steps, so no other request's forward can
-reach the hooks, and its answer comes back through a Future.
+reach the hooks, and its answer comes back through a Future. Nothing else touches the model, so
+the engine thread's steps check it only after such work (Engine.model_unchanged: the check
+walks every module and tensor, 0.2 ms of a 4.6 ms SmolLM2 int4 token).
 """
 
 from __future__ import annotations
@@ -231,6 +233,8 @@ class Scheduler:
                 future.set_result(work())
             except Exception as err:  # the caller re-raises it; the engine goes on
                 future.set_exception(err)
+            finally:
+                self.engine.recheck_model()
 
     def cancel(self, request: Request) -> None:
         """The client went away: its rows leave at the start of the next loop turn."""
@@ -246,8 +250,9 @@ class Scheduler:
         try:
             engine = self.engine  # every slot's keys/values, up front (the prefix cache's too)
             engine.reserve(engine.max_rows, engine.slot_len)
-            while self._turn():
-                pass
+            with engine.model_unchanged():  # but for call()'s work: _run_calls
+                while self._turn():
+                    pass
         finally:  # stopping, or something no turn caught: no handler may wait on this thread
             with self.wake:
                 self.stopped = True
