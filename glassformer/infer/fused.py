@@ -30,6 +30,9 @@ and the server's engine thread, which runs all other work on the model between i
                                                    # position.. (a speculative round's check)
     logits = step.rows(ids, positions, slots, cache)  # (n, V): row i the token ids[i] at
                                                    # positions[i] of cache row slots[i] (a batch)
+    step.picks                                     # each row's argmax of the last call's
+                                                   # logits, -1 where one is NaN/inf
+    with step.unchanged(): ...                     # nothing changes the model in here: check once
 
 Shapes: C channels, H query heads, Hkv key/value heads, D head dim, V vocab, Tmax cache length.
 """
