@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import needs_kernels, tiny_model
 from processes import DEADLINE_S
 from test_server_scheduler import greedy, make_scheduler, serve
 
@@ -71,6 +71,7 @@ def test_calls_run_on_the_engine_thread_between_steps_and_leave_the_rows_alone()
         scheduler.call(lambda: None)
 
 
+@needs_kernels
 def test_weights_a_call_gives_new_storage_reach_the_next_decode_steps() -> None:
     # The engine thread checks the model before its steps only after call()'s work
     # (Engine.model_unchanged, recheck_model): weights given new storage inside a call reach
