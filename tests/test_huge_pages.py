@@ -68,6 +68,21 @@ def test_moved_weights_keep_their_values_ties_and_output():
     assert to_huge_pages(model, min_bytes=4096) == 0  # nothing left to move
 
 
+def test_every_byte_of_every_moved_tensor_is_advised():
+    # Matrices under 2 MB and of no whole number of 2 MB pages (the 300 x 64 embedding, 76.8
+    # KB): each lies in advised memory from its first byte to its last, tails included, where
+    # a mapping of its own would advise none of it.
+    model = tiny_model(**MODEL)
+    moved = to_huge_pages(model, min_bytes=4096)
+    tensors = {id(t): t for t in model.parameters() if t.nbytes >= 4096}.values()
+    assert moved == sum(t.nbytes for t in tensors) > 0
+    for tensor in tensors:
+        assert tensor.data_ptr() % 64 == 0  # on a cache line
+        assert "hg" in _mapping_flags(tensor.data_ptr())
+        assert "hg" in _mapping_flags(tensor.data_ptr() + tensor.nbytes - 1)
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes  # its own bytes, counted once
+
+
 @needs_kernels
 def test_fused_step_on_moved_weights_decodes_like_the_modules():
     model = tiny_model(**MODEL)

@@ -87,8 +87,8 @@ class Engine(Loops, Reuse):
         llama.cpp's n_batch); then add/add_many only take slots and the prompts are prefilled,
         oldest first, across the next steps, beside the live rows' decoding. None (the
         default): each prompt is prefilled whole in add/add_many, its first token sampled there.
-    huge_pages: first move the model's parameters and buffers of 2 MB or more into 2 MB pages
-        (infer/huge_pages.py: the same values, modules and ties; fused decode steps 1.05-1.18x
+    huge_pages: first move the model's parameters and buffers (16 KB or more) into 2 MB pages
+        (infer/huge_pages.py: the same values, modules and ties; fused decode steps 1.00-1.31x
         faster), and ask for the KV cache's. Off by default: the caller's tensors move.
     kv_dtype: the keys/values' dtype (None: the model's); torch.bfloat16 or torch.float16 halve
         the cache's bytes per token (llama.cpp stores f16 by default), rounding each key and

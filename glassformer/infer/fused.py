@@ -10,10 +10,10 @@ models it supports (`FusedStep.for_model` says which and why not), one row or a 
 all of them; prefill and every other model run the torch modules, which stay the reference the
 tests hold this path to.
 The step reads the weights where they are; moved into 2 MB pages first (infer/huge_pages.py,
-which the Engine does with huge_pages=True) they stream faster (fp32 steps 1.05-1.18x in
-benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs it fills mirror
-step.h's (kernels/step.py); the library's own sizes and offsets are checked against them before
-the first call (check_layout).
+which the Engine does with huge_pages=True) they stream faster (fp32 and bf16 steps
+1.22-1.31x in benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs it
+fills mirror step.h's (kernels/step.py); the library's own sizes and offsets are checked
+against them before the first call (check_layout).
 
 The model may change after the step is built, and every call checks: weights written in place,
 replaced or loaded are read again (the structs are rebuilt), and while a hook, an attention

@@ -7,12 +7,17 @@ this 2-core machine one read of a 1 GiB tensor ran at 26-28 GB/s from 4 KB pages
 GB/s from 2 MB pages, so each decoded token can be that much faster.
 
 torch allocates in 4 KB pages (unless THP_MEM_ALLOC_ENABLE=1 is set before its first
-allocation), so `to_huge_pages(model)` moves each parameter and buffer of at least 2 MB into a
-fresh private mapping that Linux is asked to back with transparent huge pages
-(madvise(MADV_HUGEPAGE)), and points the tensor at it: `tensor.data = moved`, so every module,
-tied weight and optimizer that holds the tensor sees the new memory. Only a mapping's whole
-2 MB pages are advised; its tail stays in 4 KB pages and costs no extra memory. Elsewhere
-(other systems, huge pages off, tensors off the CPU) nothing moves.
+allocation), so `to_huge_pages(model)` moves the model's parameters and buffers (each of at least
+`min_bytes`, 16 KB) end to end into one fresh private mapping that Linux is asked to back with
+transparent huge pages (madvise(MADV_HUGEPAGE)), and points each tensor at its place:
+`tensor.data = moved`, so every module, tied weight and optimizer that holds the tensor sees the
+new memory. One mapping for all of them, not one each: most of a small model's matrices are
+under 2 MB (of SmolLM2's four a layer, three in bf16, all four in int8 and int4), and a
+tensor's own mapping holds its whole 2 MB pages only, its tail in 4 KB pages. Those tails are the last rows, the
+second thread's share of a matrix-vector product: the fused step's thread 1 spent 12.1 against
+thread 0's 8.5 million cycles a token in SmolLM2's bf16 gate/up matrix (3.5 MB: one huge page
+and a tail), and thread 0 waited for it. Elsewhere (other systems, huge pages off, tensors off
+the CPU) nothing moves.
 
     moved = to_huge_pages(model)   # bytes moved (Engine(model, huge_pages=True) calls it)
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
 from pathlib import Path
 
 import torch
@@ -62,25 +68,52 @@ def huge_page_empty(nbytes: int) -> Tensor:
     return torch.frombuffer(memoryview(region)[start : start + nbytes], dtype=torch.uint8)
 
 
-def to_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
+ALIGN = 64  # bytes: each moved tensor starts on a cache line
+_ARENAS: dict[int, int] = {}  # start -> end of each live mapping to_huge_pages made
+
+
+def to_huge_pages(model: nn.Module, min_bytes: int = 16 * 2**10) -> int:
     """Move every CPU parameter and buffer of at least `min_bytes` that owns its memory into
-    huge pages (see the module docstring); returns the bytes moved, 0 where unsupported. Tied
-    tensors move once and stay tied; a tensor already on a 2 MB boundary is left where it is,
-    so a second call moves nothing."""
+    one mapping of huge pages (see the module docstring); returns the bytes moved, 0 where
+    unsupported. Tied tensors move once and stay tied; a tensor moved already stays where it
+    is, so a second call moves nothing."""
     if not supported():
         return 0
-    moved = 0
+    tensors: dict[int, Tensor] = {}  # by identity: a tied tensor once
     for module in model.modules():
         for registry in (module._parameters, module._buffers):
             for tensor in registry.values():
-                if not _movable(tensor, min_bytes):
-                    continue
-                with torch.no_grad():
-                    target = huge_page_empty(tensor.nbytes).view(tensor.dtype).view(tensor.shape)
-                    target.copy_(tensor)
-                tensor.data = target
-                moved += tensor.nbytes
-    return moved
+                if _movable(tensor, min_bytes):
+                    tensors[id(tensor)] = tensor
+    if not tensors:
+        return 0
+    offsets, total = [], 0
+    for tensor in tensors.values():
+        offsets.append(total)
+        total += -(-tensor.nbytes // ALIGN) * ALIGN
+    region, start = _huge_mapping(total)
+    view = memoryview(region)
+    for tensor, offset in zip(tensors.values(), offsets, strict=True):
+        at = start + offset
+        # a storage of exactly the tensor's bytes (quant.weight_bytes counts storages)
+        target = torch.frombuffer(view[at : at + tensor.nbytes], dtype=torch.uint8)
+        target = target.view(tensor.dtype).view(tensor.shape)
+        with torch.no_grad():
+            target.copy_(tensor)
+        tensor.data = target
+    return sum(tensor.nbytes for tensor in tensors.values())
+
+
+def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private mapping with `nbytes` from a 2 MB boundary on, every 2 MB page that holds them
+    advised (the last one too: at most 2 MB of memory that holds nothing), and that start."""
+    region = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    start = -base % HUGE_PAGE  # a multiple of 4 KB: mmap returns whole pages
+    region.madvise(mmap.MADV_HUGEPAGE, start, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    _ARENAS[base + start] = base + start + nbytes
+    weakref.finalize(region, _ARENAS.pop, base + start, None)  # unmapped: forget the range
+    return region, start
 
 
 MADV_COLLAPSE = 25  # Linux 6.1+; Python's mmap module names it from 3.12 on
@@ -111,5 +144,5 @@ def _movable(tensor: Tensor | None, min_bytes: int) -> bool:
         and tensor.nbytes >= min_bytes
         and tensor.is_contiguous()
         and tensor.untyped_storage().nbytes() == tensor.nbytes  # not a view into a larger one
-        and tensor.data_ptr() % HUGE_PAGE != 0  # not moved already (a tied tensor's 2nd visit)
+        and not any(start <= tensor.data_ptr() < end for start, end in _ARENAS.items())
     )
