@@ -50,6 +50,8 @@ def measure(model, position: int, args) -> tuple[float, float, int]:
     huge_pages.to_huge_pages(model)  # the weights in 2 MB pages too, as the buffer below
     step = FusedStep(model)
     cache = model.new_cache(batch_size=1, max_seq_len=position + args.calls + 1)
+    huge_pages.advise_in_place(cache.k)  # the keys and values too, as the Engine's
+    huge_pages.advise_in_place(cache.v)
     element = cache.k.element_size()
     nbytes = int(weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, element, position))
     if huge_pages.supported():
