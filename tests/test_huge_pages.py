@@ -36,14 +36,15 @@ def _mapping_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_whole_huge_pages_are_advised_and_the_tail_is_not():
+def test_every_page_of_the_tensor_is_advised_and_the_slack_is_not():
     tensor = huge_page_empty(3 * HUGE_PAGE + 12345)
     assert tensor.data_ptr() % HUGE_PAGE == 0 and tensor.numel() == 3 * HUGE_PAGE + 12345
     assert tensor.untyped_storage().nbytes() == tensor.numel()  # no slack counted as weights
-    # madvise splits the mapping: "hg" (MADV_HUGEPAGE) on the 3 whole pages only.
+    # madvise splits the mapping: "hg" (MADV_HUGEPAGE) on the 4 pages that hold the tensor,
+    # its tail's included, and not past them.
     assert "hg" in _mapping_flags(tensor.data_ptr())
-    assert "hg" in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE - 1)
-    assert "hg" not in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE)
+    assert "hg" in _mapping_flags(tensor.data_ptr() + 3 * HUGE_PAGE + 12344)
+    assert "hg" not in _mapping_flags(tensor.data_ptr() + 4 * HUGE_PAGE)
 
 
 MODEL = dict(vocab_size=300, d_model=64, n_kv_heads=None, d_ff=128, tie_embeddings=True, scale=1)

@@ -13,11 +13,11 @@ transparent huge pages (madvise(MADV_HUGEPAGE)), and points each tensor at its p
 `tensor.data = moved`, so every module, tied weight and optimizer that holds the tensor sees the
 new memory. One mapping for all of them, not one each: most of a small model's matrices are
 under 2 MB (of SmolLM2's four a layer, three in bf16, all four in int8 and int4), and a
-tensor's own mapping holds its whole 2 MB pages only, its tail in 4 KB pages. Those tails are the last rows, the
-second thread's share of a matrix-vector product: the fused step's thread 1 spent 12.1 against
-thread 0's 8.5 million cycles a token in SmolLM2's bf16 gate/up matrix (3.5 MB: one huge page
-and a tail), and thread 0 waited for it. Elsewhere (other systems, huge pages off, tensors off
-the CPU) nothing moves.
+tensor's own mapping holds its whole 2 MB pages only, its tail in 4 KB pages. Those tails are
+the last rows, the second thread's share of a matrix-vector product: the fused step's thread 1
+spent 12.1 against thread 0's 8.5 million cycles a token in SmolLM2's bf16 gate/up matrix (3.5
+MB: one huge page and a tail), and thread 0 waited for it. Elsewhere (other systems, huge pages
+off, tensors off the CPU) nothing moves.
 
     moved = to_huge_pages(model)   # bytes moved (Engine(model, huge_pages=True) calls it)
 
@@ -56,20 +56,15 @@ def supported() -> bool:
 
 def huge_page_empty(nbytes: int) -> Tensor:
     """An uninitialised uint8 tensor of `nbytes` that starts on a 2 MB boundary of its own
-    private mapping, its whole 2 MB pages advised to be huge pages."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
-    start = -base % HUGE_PAGE  # a multiple of 4 KB: mmap returns whole pages
-    advised = nbytes // HUGE_PAGE * HUGE_PAGE
-    if advised:
-        region.madvise(mmap.MADV_HUGEPAGE, start, advised)
+    private mapping, every 2 MB page that holds it advised to be a huge page."""
+    region, start = _huge_mapping(nbytes)
     # A storage of exactly nbytes (the slice holds `region` alive), so that sizes read from the
     # storage (quant.weight_bytes) count the tensor, not the mapping's alignment slack.
     return torch.frombuffer(memoryview(region)[start : start + nbytes], dtype=torch.uint8)
 
 
 ALIGN = 64  # bytes: each moved tensor starts on a cache line
-_ARENAS: dict[int, int] = {}  # start -> end of each live mapping to_huge_pages made
+_ARENAS: dict[int, int] = {}  # start -> end of each live mapping made here
 
 
 def to_huge_pages(model: nn.Module, min_bytes: int = 16 * 2**10) -> int:
