@@ -10,6 +10,9 @@ import platform
 import sys
 from pathlib import Path
 
+# Environment variables that change what a run measures: the command shows those set.
+SETTINGS = ("GLASSFORMER_KERNELS", "GLASSFORMER_PREFILL_MATMUL")
+
 
 def cpu_name() -> str:
     try:
@@ -35,8 +38,10 @@ def machine(threads: int, **more) -> dict:
 
 def write(path: Path, threads: int, fields: dict) -> None:
     """Write `fields` (the run's settings and rows) with the command, date and machine."""
+    settings = [f"{name}={os.environ[name]}" for name in SETTINGS if name in os.environ]
+    command = ["python", "benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]
     result = {
-        "command": "python " + " ".join(["benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join([*settings, *command]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(threads),
         **fields,

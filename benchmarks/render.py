@@ -618,6 +618,7 @@ TABLES = {
     ),
     "decode-128": Table("decode.json", lambda r: measured_by(decode_rows(r, prompt=128), r)),
     "step-bandwidth": Table("step_bandwidth.json", step_bandwidth),
+    "step-bandwidth-avx2": Table("step_bandwidth_avx2.json", step_bandwidth),
     "huge-pages": Table("huge_pages.json", huge_pages),
     "prefill-matmul": Table("prefill_matmul.json", prefill_matmul),
     "kv-cache": Table("kv_cache.json", kv_cache),

@@ -14,6 +14,7 @@ out.
     python benchmarks/step_bandwidth.py            # GPT-2 and SmolLM2, fp32 bf16 int8 int4
     python benchmarks/step_bandwidth.py --models gpt2 --precision fp32 --positions 128 960
     python benchmarks/step_bandwidth.py --json benchmarks/results/step_bandwidth.json  # the docs'
+    GLASSFORMER_KERNELS=avx2 python benchmarks/step_bandwidth.py  # the AVX2 kernels, on AVX-512
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import record  # benchmarks/record.py
 import torch
 from decode import PRECISIONS, glassformer_variant, kv_bytes_per_step, weight_bytes_per_step
 
+from glassformer import kernels
 from glassformer.config import ModelConfig
 from glassformer.infer import huge_pages
 from glassformer.infer.fused import FusedStep
@@ -84,8 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"{args.threads} threads, blocks of {args.calls} steps and {args.calls} reads, "
-          f"median of {args.blocks}\n")  # fmt: skip
+    print(f"{args.threads} threads, {kernels.simd()} kernels, blocks of {args.calls} steps and "
+          f"{args.calls} reads, median of {args.blocks}\n")  # fmt: skip
     print(f"{'model':<20}{'prec':<6}{'position':>9}{'MB/step':>9}{'step GB/s':>11}"
           f"{'read GB/s':>11}{'step/read':>11}")  # fmt: skip
     for name in args.models:
@@ -113,7 +115,12 @@ def main() -> None:
                     }
                 )
     if args.json:
-        fields = {"calls": args.calls, "blocks": args.blocks, "rows": rows}
+        fields = {
+            "calls": args.calls,
+            "blocks": args.blocks,
+            "kernels": kernels.simd(),
+            "rows": rows,
+        }
         record.write(args.json, args.threads, fields)
 
 

@@ -26,7 +26,7 @@ static inline vec sum_in_flight(const vec t[IN_FLIGHT]) {
  * (so a long group is not one chain of additions either). */
 #define INT8_VECS (32 / LANES)
 static inline void int8_load32(const int8_t *w, vec q[INT8_VECS]) { /* 32 weights as floats */
-    prefetch_ahead(w);
+    if (((uintptr_t)w & 63) < 32) prefetch_ahead(w); /* once a line, however the rows align */
     for (int i = 0; i < INT8_VECS; ++i) q[i] = load_int8(w + i * LANES);
 }
 static inline vec int8_dot32(const vec q[INT8_VECS], const float *x) { /* q . x, in lanes */
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void dot_int8_tile(
 static inline void q4_weights(const uint8_t *w_row, int64_t g, const float *scale_row,
                               const float *min_row, vec w[Q4_VECS]) {
     if (g % 4 == 0) prefetch_ahead(w_row + 16 * g); /* one line: four groups */
-    q4_unpack(_mm_loadu_si128((const __m128i *)(w_row + 16 * g)), scale_row[g], min_row[g], w);
+    q4_unpack(w_row + 16 * g, scale_row[g], min_row[g], w);
 }
 
 /* A row's scales and mins are more streams beside its weights: ask for those of the row

@@ -62,10 +62,10 @@ static inline vec load_int8(const int8_t *w) {
  * bits: each byte widened once to an int32 is its low nibble's index as it is, and shifted right
  * by 4 its high nibble's (no masks: 4 vector operations for 32 weights' indexes, not 7). */
 #define Q4_VECS 2
-static inline void q4_unpack(__m128i bytes, float scale, float min, vec w[Q4_VECS]) {
+static inline void q4_unpack(const uint8_t *bytes, float scale, float min, vec w[Q4_VECS]) {
     const vec q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const vec table = _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(min));
-    const __m512i index = _mm512_cvtepu8_epi32(bytes);
+    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
     w[0] = _mm512_permutexvar_ps(index, table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), table);
 }
@@ -123,17 +123,20 @@ static inline vec load_int8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
 #define Q4_VECS 4 /* 16 nibbles, 8 at a time: scale * q + min, as AVX-512's table holds */
-static inline vec q4_eight(__m128i nibbles, vec scale, vec min) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)), scale, min);
+static inline vec q4_eight(__m256i q, vec scale, vec min) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, min);
 }
-static inline void q4_unpack(__m128i bytes, float scale, float min, vec w[Q4_VECS]) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+/* Each half of the bytes widened once to int32s, straight from memory (a load and one shuffle):
+ * its low nibbles are a mask of it, its high ones a shift (2 shuffles a group, not 6). */
+static inline void q4_unpack(const uint8_t *bytes, float scale, float min, vec w[Q4_VECS]) {
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
     const vec s = _mm256_set1_ps(scale), m = _mm256_set1_ps(min);
-    w[0] = q4_eight(low, s, m);
-    w[1] = q4_eight(_mm_srli_si128(low, 8), s, m);
-    w[2] = q4_eight(high, s, m);
-    w[3] = q4_eight(_mm_srli_si128(high, 8), s, m);
+    w[0] = q4_eight(_mm256_and_si256(first, mask), s, m);   /* weights 0-7 */
+    w[1] = q4_eight(_mm256_and_si256(second, mask), s, m);  /* 8-15 */
+    w[2] = q4_eight(_mm256_srli_epi32(first, 4), s, m);     /* 16-23 */
+    w[3] = q4_eight(_mm256_srli_epi32(second, 4), s, m);    /* 24-31 */
 }
 #endif
 
@@ -273,14 +276,20 @@ static inline int best_of(const float *x, int64_t n, float *best_out, int64_t *a
     return NOT_FINITE;
 }
 
-/* Software prefetch: each load of weights first asks for the cache line PREFETCH_BYTES further
- * on in the same row (and, past its end, the next rows: a thread's rows are contiguous). The
- * hardware prefetcher alone left the int8 dot waiting on memory at half its instructions: one
- * thread, SmolLM2's shapes, 2 KB ahead took an int8 matrix-vector product from 0.73 to 0.87 of
- * a plain read of its bytes (1 and 4 KB: less). */
+/* Software prefetch, once a line of weights: the line PREFETCH_BYTES further on in the same row
+ * (and, past its end, the next rows: a thread's rows are contiguous) into the nearest cache,
+ * and the line PREFETCH_FAR_BYTES on into L2. The hardware prefetcher alone left the int8 dot
+ * waiting on memory at half its instructions: one thread, SmolLM2's shapes, 2 KB ahead took an
+ * int8 matrix-vector product from 0.73 to 0.87 of a plain read of its bytes (1 and 4 KB: less).
+ * The far request keeps more lines coming from memory at once than 2 KB in flight can: SmolLM2's
+ * one-row step at position 128 (the C step alone, 3 rounds in turn, 2026-12-07) took int8
+ * 5.3-5.8 -> 4.0-4.6 ms, bf16 9.9-10.5 -> 8.1-8.4, fp32 17.4-17.7 -> 16.1-16.6, int4 4.2-4.5 ->
+ * 4.0-4.1 (16 KB: about the same; the keys' and values' rows with it: no gain). */
 #define PREFETCH_BYTES 2048
+#define PREFETCH_FAR_BYTES 8192
 static inline void prefetch_ahead(const void *p) {
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + PREFETCH_FAR_BYTES, _MM_HINT_T1);
 }
 
 /* prefetch_ahead as an instruction GCC must keep where it stands: in the batched tiles below,
@@ -288,6 +297,7 @@ static inline void prefetch_ahead(const void *p) {
  * weights. (In the one-row loops the builtin is kept, and there it schedules better.) */
 static inline void prefetch_kept(const void *p) {
     __asm__ volatile("prefetcht0 %0" : : "m"(*((const char *)p + PREFETCH_BYTES)));
+    __asm__ volatile("prefetcht1 %0" : : "m"(*((const char *)p + PREFETCH_FAR_BYTES)));
 }
 
 /* n floats from p on, a line at a time */
