@@ -612,9 +612,11 @@ class Table:
 
 TABLES = {
     "decode-llama": Table("decode.json", lambda r: measured_by(against_llama(r), r)),
-    "decode-llama-128": Table("decode.json", lambda r: against_llama(r, prompt=128)),
     "decode-llama-fp16-cache": Table(
         "decode_fp16_cache.json", lambda r: measured_by(against_llama(r), r)
+    ),
+    "decode-llama-fp16-cache-128": Table(
+        "decode_fp16_cache.json", lambda r: against_llama(r, prompt=128)
     ),
     "decode-128": Table("decode.json", lambda r: measured_by(decode_rows(r, prompt=128), r)),
     "step-bandwidth": Table("step_bandwidth.json", step_bandwidth),

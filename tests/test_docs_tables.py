@@ -45,15 +45,18 @@ def test_every_table_is_in_the_docs_and_every_json_exists() -> None:
 
 
 def test_a_changed_json_value_fails_the_check(copy_of_the_docs: Path) -> None:
-    source = copy_of_the_docs / render.RESULTS / "decode.json"
+    source = copy_of_the_docs / render.RESULTS / "decode_fp16_cache.json"
     result = json.loads(source.read_text())
     first_glassformer = next(r for r in result["rows"] if r["engine"] == "glassformer")
     first_glassformer["decode_tok_s"] += 10.0
     source.write_text(json.dumps(result))
     problems = render.check(copy_of_the_docs)
-    assert any("README.md: table 'decode-llama-128' differs" in p for p in problems), problems
-    assert any("docs/performance.md: table 'decode-llama' differs" in p for p in problems)
-    assert any("docs/performance.md: table 'decode-128' differs" in p for p in problems)
+    readme = "README.md: table 'decode-llama-fp16-cache-128' differs"
+    assert any(readme in p for p in problems), problems
+    assert any(
+        "docs/performance.md: table 'decode-llama-fp16-cache' differs" in p for p in problems
+    )
+    assert not any("table 'decode-llama' differs" in p for p in problems)  # decode.json's
     assert not any("kv-cache" in p for p in problems)
 
 
