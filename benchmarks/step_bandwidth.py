@@ -3,7 +3,8 @@ one token's step comes to the memory-bandwidth limit (seed 000 §2.5.1).
 
 A decode step at cache position p must read every weight once (the tied head included) and the
 cached keys and values of positions 0..p-1 in every layer. This script times the fused C step
-(glassformer/infer/fused.py, what Engine(model) decodes one row with) at position p, and torch's
+(glassformer/infer/fused.py, what Engine(model) decodes one row with, inside step.unchanged() as
+the Engine calls it) at position p, and torch's
 sum over a buffer of exactly those bytes in 2 MB pages (where the weights are too), alternating
 blocks of --calls steps and --calls reads so that the machine's bandwidth, which moves by the
 minute here, is the same for both; figures are medians over --blocks. benchmarks/decode.py
@@ -15,6 +16,7 @@ out.
     python benchmarks/step_bandwidth.py --models gpt2 --precision fp32 --positions 128 960
     python benchmarks/step_bandwidth.py --json benchmarks/results/step_bandwidth.json  # the docs'
     GLASSFORMER_KERNELS=avx2 python benchmarks/step_bandwidth.py  # the AVX2 kernels, on AVX-512
+    GLASSFORMER_KERNELS=avx512 python benchmarks/step_bandwidth.py  # int4 without AMX's tiles
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def measure(model, position: int, args) -> tuple[float, float, int]:
         step(42, position, cache)
 
     steps, reads = [], []
-    with torch.inference_mode():
+    # Inside unchanged(), as the Engine's generate and the server run their steps: a bare call
+    # first checks that the model is as the step was built from, 0.2-0.3 ms of a 4 ms
+    # SmolLM2 int4 step (fused.py), which is no part of reading the weights.
+    with torch.inference_mode(), step.unchanged():
         for block in range(args.blocks + 1):  # the first block of each warms up
             s, r = _block_seconds(decode, args.calls), _block_seconds(data.sum, args.calls)
             if block:
@@ -86,8 +91,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    print(f"{args.threads} threads, {kernels.simd()} kernels, blocks of {args.calls} steps and "
-          f"{args.calls} reads, median of {args.blocks}\n")  # fmt: skip
+    tiles = " (int4 on AMX's tile unit)" if kernels.amx() else ""
+    print(f"{args.threads} threads, {kernels.simd()} kernels{tiles}, blocks of {args.calls} "
+          f"steps and {args.calls} reads, median of {args.blocks}\n")  # fmt: skip
     print(f"{'model':<20}{'prec':<6}{'position':>9}{'MB/step':>9}{'step GB/s':>11}"
           f"{'read GB/s':>11}{'step/read':>11}")  # fmt: skip
     for name in args.models:
@@ -119,6 +125,7 @@ def main() -> None:
             "calls": args.calls,
             "blocks": args.blocks,
             "kernels": kernels.simd(),
+            "amx": kernels.amx(),
             "rows": rows,
         }
         record.write(args.json, args.threads, fields)

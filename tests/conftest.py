@@ -105,20 +105,27 @@ needs_kernels = pytest.mark.skipif(
 
 
 def _width(name: str):
-    """The SIMD width `name` as a parameter, skipped with the reason where it cannot run."""
+    """The SIMD width `name` (or "amx": AVX-512 with the tile unit) as a parameter, skipped
+    with the reason where it cannot run."""
     missing = KERNELS_MISSING
-    if missing is None and name not in kernels.simd_widths():
+    if missing is None and name == "amx" and not kernels.build.has_amx():
+        missing = "the CPU has no AMX tile unit with byte products"
+    elif missing is None and name != "amx" and name not in kernels.simd_widths():
         missing = f"the CPU has no {name.upper()}"
     reason = f"needs the {name.upper()} kernels: {missing}"
     return pytest.param(name, marks=pytest.mark.skipif(missing is not None, reason=reason))
 
 
-@pytest.fixture(params=[_width("avx2"), _width("avx512")])
+@pytest.fixture(params=[_width("avx2"), _width("avx512"), _width("amx")])
 def simd(request, monkeypatch) -> str:
-    """The kernels of each SIMD width in turn, for one test: AVX2 (forced on an AVX-512 CPU
-    too, as GLASSFORMER_KERNELS=avx2 does) and AVX-512."""
-    monkeypatch.setattr(kernels, "SWITCH", "avx2" if request.param == "avx2" else "on")
-    assert kernels.simd() == request.param, "the kernels failed to build: see the warning"
+    """The kernels of each width in turn, for one test: AVX2 (forced on an AVX-512 CPU too, as
+    GLASSFORMER_KERNELS=avx2 does), AVX-512 without the tile unit (=avx512) and, on a CPU with
+    AMX, AVX-512 with int4's products on the tile unit (the default there: amx.h)."""
+    switch = {"avx2": "avx2", "avx512": "avx512", "amx": "on"}[request.param]
+    monkeypatch.setattr(kernels, "SWITCH", switch)
+    width = "avx2" if request.param == "avx2" else "avx512"
+    assert kernels.simd() == width, "the kernels failed to build: see the warning"
+    assert kernels.amx() == (request.param == "amx"), "Linux refused the tile unit's registers"
     return request.param
 
 

@@ -384,6 +384,7 @@ def _projections_match(d_model, bits, rows):
     block = model.blocks[0]
     for module in (block.attn.qkv_proj, block.attn.out_proj, block.ffn.down, model.lm_head):
         struct = step._linear(module)
+        step._pack_for_tiles([(struct, module)])  # int4 on the tile unit where it runs there
         x = 3 * torch.randn(rows, struct.in_, generator=generator)
         x[0, :32] = 0.0  # a group of zeros: d = 0
         got = torch.empty(rows, struct.out)
@@ -391,6 +392,80 @@ def _projections_match(d_model, bits, rows):
         with torch.inference_mode():
             want = module(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def _int4_products(switch, module, x, monkeypatch):
+    """decode.c's linear() (linear_rows) for an int4 module under GLASSFORMER_KERNELS=switch."""
+    monkeypatch.setattr(kernels, "SWITCH", switch)
+    step = FusedStep(_model("llama-gqa"))  # keeps the tensors the struct points to
+    struct = step._linear(module)
+    step._pack_for_tiles([(struct, module)])
+    assert (struct.packed is not None) == (switch == "on")  # amx.h's copy, or dot_q4
+    function = kernels.library().linear_rows
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int]  # fmt: skip
+    y = torch.empty(x.shape[0], struct.out)
+    function(ctypes.addressof(struct), x.contiguous().data_ptr(), x.shape[0], y.data_ptr(), 2)
+    return y
+
+
+@pytest.fixture
+def int4_case():
+    """An int4 projection of 16 * 5 + 7 rows (a rest past the tile unit's blocks of 16) and 9
+    groups (an odd count: amx.h pairs them), and inputs with a zero group, a group 1000 times
+    the others, one of tiny values and one whose values span 2^20."""
+    from glassformer.nn.quant import Int4Linear
+
+    generator = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(288, 87, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(87, 288, generator=generator) * 0.05)
+        linear.bias.copy_(torch.randn(87, generator=generator))
+    module = Int4Linear.from_linear(linear)
+    x = 3 * torch.randn(5, 288, generator=generator)
+    x[0, :32] = 0.0
+    x[1, 32:64] *= 1000.0
+    x[2, 64:96] *= 1e-30
+    x[3, 96:128] *= torch.logspace(0, -6, 32)  # 2^0 .. 2^-20
+    return module, x
+
+
+@pytest.mark.skipif(not kernels.build.has_amx(), reason="needs a CPU with the AMX tile unit")
+def test_int4_products_on_the_tile_unit_are_as_close_to_float64_as_dot_q4s(int4_case, monkeypatch):
+    # amx.h computes s * (q . x) + m * sum(x) with x in digits against each group's largest:
+    # another order of the same sums, which must land as close to the exact (float64) products
+    # of the file's weights scale * q + min as groups.h's float FMAs do.
+    module, x = int4_case
+    weight = module.dequantize().double()  # the fp32 FMA's rounding of scale * q + min
+    exact = x.double() @ weight.T + module.bias.double()
+    scale = x.double().abs() @ weight.abs().T  # sum |x| |w|: an fp32 sum's errors scale with it
+    errors = {}
+    for switch in ("avx512", "on"):
+        got = _int4_products(switch, module, x, monkeypatch).double()
+        errors[switch] = ((got - exact).abs() / scale).mean().item()
+        assert ((got - exact).abs() <= 2.0**-20 * scale + 1e-6).all(), switch
+    assert errors["on"] <= 1.5 * errors["avx512"], errors
+
+
+@pytest.mark.skipif(not kernels.build.has_amx(), reason="needs a CPU with the AMX tile unit")
+def test_int4_tile_unit_rows_are_bit_for_bit_each_row_alone(int4_case, monkeypatch):
+    # two inputs share a tile of digits (and one is left alone after an odd count): each row's
+    # integer sums and their float steps are the same as when it is the only input
+    module, x = int4_case
+    together = _int4_products("on", module, x, monkeypatch)
+    for r in range(x.shape[0]):
+        alone = _int4_products("on", module, x[r : r + 1], monkeypatch)
+        assert torch.equal(together[r], alone[0]), r
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int4_products_with_a_non_finite_input_are_not_finite(int4_case, bad, simd, monkeypatch):
+    module, x = int4_case
+    x = x[:2].clone()
+    x[1, 200] = bad
+    switch = {"avx2": "avx2", "avx512": "avx512", "amx": "on"}[simd]
+    got = _int4_products(switch, module, x, monkeypatch)
+    assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1]).any()
 
 
 def test_engine_decodes_the_same_tokens_with_and_without_it():
@@ -578,6 +653,21 @@ def test_weights_changed_after_the_engine_is_built_are_read_again(change, torch_
             model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
     assert _greedy(engine) == _eager(model) == _eager(other) != before
     assert torch_steps == []  # the C step, rebuilt on the new weights
+
+
+def test_int4_weights_written_in_place_reach_the_tile_units_copy(simd):
+    # With AMX the step reads int4 matrices from its own copy in the tile unit's order
+    # (kernels.pack_q4_tiles): a write into the model's packed weights, scales or mins must
+    # reach it, as it reaches dot_q4's reads of the model's own memory elsewhere.
+    model = quantize_int4(_model("llama-gqa"))
+    other = quantize_int4(_model("llama-gqa", seed=1))
+    step, old = FusedStep(model), copy.deepcopy(model)
+    assert (step._layers[0].up.packed is not None) == (simd == "amx")
+    with torch.no_grad():
+        for p, q in zip(model.state_dict().values(), other.state_dict().values(), strict=True):
+            p.copy_(q)
+    assert _compare(old, step=step) > 0.1  # the write changed the logits...
+    assert _compare(other, step=step) < 1e-4  # ...and the step built before it follows
 
 
 def test_bf16_weights_written_in_place_reach_the_float32_copies():

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from glassformer import kernels
+from glassformer.infer import huge_pages
 from glassformer.kernels import step as step_h
 from glassformer.nn.kv_cache import KVCache
 
@@ -168,6 +169,40 @@ class FusedStep:
             int(getattr(module, "round_inputs", False)),
         )
 
+    def _pack_for_tiles(self, linears: list[tuple[step_h.Linear, nn.Module]]) -> None:
+        """Where the kernels run int4 products on AMX's tile unit (amx.h), give each int4 matrix
+        of 16 rows or more (inputs not rounded) a copy in the tile unit's order
+        (kernels.pack_q4_tiles), all in one buffer in 2 MB pages where the system has them:
+        the step streams the copies as it streams the weights (SmolLM2 int4 step against a read,
+        4 KB pages 0.67-0.69x, 2 MB pages 0.71-0.72x; benchmarks/step_bandwidth.py)."""
+        if not kernels.amx():
+            return
+        chosen = [
+            (linear, module)
+            for linear, module in linears
+            if linear.storage == step_h.STORAGE[torch.uint8]
+            and not linear.round_inputs
+            and linear.out >= 16
+        ]
+        if not chosen:
+            return
+        tiles = [
+            kernels.pack_q4_tiles(m.weight.detach(), m.scales.detach(), m.mins.detach())
+            for _, m in chosen
+        ]
+        starts = [0]
+        for t in tiles:  # each copy on a cache line of its own
+            starts.append(starts[-1] + (t.numel() + 63) // 64 * 64)
+        if huge_pages.supported():
+            arena = huge_pages.huge_page_empty(starts[-1])
+        else:
+            arena = torch.empty(starts[-1], dtype=torch.uint8)
+        for (linear, module), t, start in zip(chosen, tiles, starts, strict=False):
+            arena[start : start + t.numel()].copy_(t.reshape(-1))
+            linear.packed = arena.data_ptr() + start
+            self._copied.extend([module.weight, module.scales, module.mins])  # writes rebuild it
+        self._keep.append(arena)
+
     def _norm(self, norm: nn.Module) -> tuple[int | None, int | None]:
         return self._f32(norm.weight), self._f32(getattr(norm, "bias", None))
 
@@ -237,6 +272,17 @@ class FusedStep:
             buffer = torch.zeros(self.max_tokens * size)
             self._keep.append(buffer)
             setattr(struct, name, buffer.data_ptr())
+        # the structs' views (ctypes shares their memory): packed copies are set in place
+        linears = [(struct.head, model.lm_head)]
+        for layer, block in zip(layers, model.blocks, strict=True):
+            up, down = (
+                (block.ffn.gate_up, block.ffn.down)
+                if gated
+                else (block.ffn.fc_in, block.ffn.fc_out)
+            )
+            linears += [(layer.qkv, block.attn.qkv_proj), (layer.out, block.attn.out_proj)]
+            linears += [(layer.up, up), (layer.down, down)]
+        self._pack_for_tiles(linears)
         return struct
 
     # --- what the structs were built from -----------------------------------------------------

@@ -13,9 +13,10 @@ memory. A plain C shared object rather than a torch C++ extension: it builds in 
 instead of a minute, and needs no torch headers.
 
 One switch, the environment variable GLASSFORMER_KERNELS, read at import: `on` (the default:
-AVX-512 loops where the CPU has them, else AVX2), `avx2` (the AVX2 loops even on an AVX-512
-CPU, so one machine can test both widths) or `off` (`0` too: torch everywhere, as on a machine
-that cannot build the kernels).
+AVX-512 loops where the CPU has them, else AVX2, and int4 decode products on the tile unit
+where the CPU has AMX: amx.h), `avx512` (the AVX-512 loops without the tile unit), `avx2` (the
+AVX2 loops even on an AVX-512 CPU, so one machine can test every width) or `off` (`0` too:
+torch everywhere, as on a machine that cannot build the kernels).
 """
 
 from __future__ import annotations
@@ -45,16 +46,18 @@ _STORAGES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 def _switch(value: str) -> str:
     """GLASSFORMER_KERNELS's value as one of "on", "avx2" and "off"."""
-    switches = {"": "on", "1": "on", "on": "on", "avx2": "avx2", "0": "off", "off": "off"}
+    switches = {"": "on", "1": "on", "on": "on", "avx512": "avx512", "avx2": "avx2"}
+    switches |= {"0": "off", "off": "off"}
     if value.strip().lower() not in switches:
         raise ValueError(
-            f"GLASSFORMER_KERNELS={value!r} is not a setting: use on (the default), avx2 "
-            "(the AVX2 loops even on an AVX-512 CPU) or off (torch's F.linear everywhere)"
+            f"GLASSFORMER_KERNELS={value!r} is not a setting: use on (the default), avx512 "
+            "(without the AMX tile unit), avx2 (the AVX2 loops even on an AVX-512 CPU) or off "
+            "(torch's F.linear everywhere)"
         )
     return switches[value.strip().lower()]
 
 
-# The kernels in use: "on", "avx2" or "off". Tests set it per test (monkeypatch) to check
+# The kernels in use: "on", "avx512", "avx2" or "off". Tests set it per test (monkeypatch) to check
 # both SIMD widths and the fallback in one process; each setting has its own library.
 SWITCH = _switch(os.environ.get("GLASSFORMER_KERNELS", "on"))
 
@@ -76,7 +79,8 @@ def _load(switch: str) -> ctypes.CDLL | None:
     if switch == "off" or build.missing_on_this_machine() is not None:
         return None
     try:
-        return build.load(avx512="avx512" in simd_widths() if switch == "on" else False)
+        avx512 = "avx512" in simd_widths() and switch in ("on", "avx512")
+        return build.load(avx512=avx512, amx=avx512 and switch == "on" and build.has_amx())
     except (OSError, RuntimeError) as error:
         warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=4)
         return None
@@ -99,7 +103,39 @@ def simd() -> str | None:
     """The SIMD width of the kernels in use: "avx512", "avx2", or None without kernels."""
     if _library() is None:
         return None
-    return "avx512" if SWITCH == "on" and "avx512" in simd_widths() else "avx2"
+    return "avx512" if SWITCH in ("on", "avx512") and "avx512" in simd_widths() else "avx2"
+
+
+def amx() -> bool:
+    """Whether the decode step's int4 products run on the tile unit (amx.h): kernels built
+    with it, and Linux granting this process its registers."""
+    library = _library()
+    return library is not None and library.glassformer_amx() == 1
+
+
+def pack_q4_tiles(weight: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
+    """An int4 matrix in amx.h's order, for the tile unit, as one stream of bytes: its whole
+    blocks of 16 rows (the rest stay with the row-by-row products), groups paired (a zero group
+    after an odd count), each block and pair 768 bytes. Their first 512: chunk c's low nibbles
+    are the tile's row 2c and its high nibbles row 2c + 1, tile row kk holding q[n][4kk..4kk+3]
+    for the block's rows n; then the pair's scales and mins, (2 groups, 16 rows) floats each.
+    weight: (out, in / 2) uint8 in GGUF's order (byte j of a group: weight j low, j + 16 high);
+    scales, mins: (out, in / 32). Returns (out // 16, pairs, 768) uint8."""
+    out, groups = scales.shape
+    blocks, pairs = out // 16, (groups + 1) // 2
+    packed = weight[: 16 * blocks].reshape(blocks * 16, groups, 16)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # (rows, groups, 32) in column order
+    q = F.pad(q, (0, 0, 0, 2 * pairs - groups)).reshape(blocks, 16, pairs, 16, 4)
+    # (block, pair, tile row kk, weight row n, 4 columns) -> chunks of two tile rows
+    tiles = q.permute(0, 2, 3, 1, 4).reshape(blocks, pairs, 8, 2, 64)
+    nibbles = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).reshape(blocks, pairs, 512)
+
+    def by_pair(values: Tensor) -> Tensor:  # (blocks, pairs, 2 groups, 16 rows) as bytes
+        values = F.pad(values[: 16 * blocks].float(), (0, 2 * pairs - groups))
+        values = values.reshape(blocks, 16, pairs, 2).permute(0, 2, 3, 1).contiguous()
+        return values.view(torch.uint8).reshape(blocks, pairs, 128)
+
+    return torch.cat([nibbles, by_pair(scales), by_pair(mins)], dim=2).contiguous()
 
 
 def in_features(weight: Tensor) -> int:

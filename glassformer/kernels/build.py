@@ -18,10 +18,18 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
-HEADERS = tuple(HERE / name for name in ("simd.h", "groups.h", "a8.h", "attention.h", "step.h"))
+HEADERS = tuple(
+    HERE / name for name in ("simd.h", "groups.h", "a8.h", "amx.h", "attention.h", "step.h")
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
 VNNI_FLAGS = ("-mavx512vnni",)  # a8.h's byte dot products in one instruction, where it has those
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-DGLASSFORMER_AMX")  # amx.h's int4 products
+
+
+def has_amx() -> bool:
+    """Whether the CPU has the tile unit with byte products (Intel Xeons from Sapphire Rapids)."""
+    return {"amx_tile", "amx_int8", "avx512f", "avx512bw"} <= cpu_flags()
 
 
 def cpu_flags() -> set[str]:
@@ -37,14 +45,15 @@ def cpu_flags() -> set[str]:
     )
 
 
-def build_flags(avx512: bool | None = None) -> tuple[str, ...]:
+def build_flags(avx512: bool | None = None, amx: bool = False) -> tuple[str, ...]:
     """Compiler flags: AVX2 + FMA, plus AVX-512 where `avx512` (default: where the CPU has
-    it)."""
+    it), plus the tile unit's where `amx` too."""
     if avx512 is None:
         avx512 = "avx512" in simd_widths()
     if not avx512:
         return FLAGS
-    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if "avx512_vnni" in cpu_flags() else ())
+    vnni = VNNI_FLAGS if "avx512_vnni" in cpu_flags() else ()
+    return FLAGS + AVX512_FLAGS + vnni + (AMX_FLAGS if amx else ())
 
 
 def compiler() -> str | None:
@@ -117,10 +126,11 @@ def compile_library(flags: tuple[str, ...]) -> Path:
     return target
 
 
-def load(avx512: bool) -> ctypes.CDLL:
-    """The kernels built with or without the AVX-512 loops, each entry point's arguments
-    declared; OSError or RuntimeError when they cannot be built or loaded."""
-    library = ctypes.CDLL(str(compile_library(build_flags(avx512=avx512))))
+def load(avx512: bool, amx: bool = False) -> ctypes.CDLL:
+    """The kernels built with or without the AVX-512 loops (and with or without amx.h's tile
+    unit products), each entry point's arguments declared; OSError or RuntimeError when they
+    cannot be built or loaded."""
+    library = ctypes.CDLL(str(compile_library(build_flags(avx512=avx512, amx=amx))))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for storage in ("f32", "bf16", "int8"):
         function = getattr(library, f"matvec_{storage}")
@@ -138,4 +148,6 @@ def load(avx512: bool) -> ctypes.CDLL:
     library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n
     library.all_finite.restype = ctypes.c_int
+    library.glassformer_amx.argtypes = []  # 1 where the tile unit is built in and Linux grants it
+    library.glassformer_amx.restype = ctypes.c_int
     return library

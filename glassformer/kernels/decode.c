@@ -35,7 +35,8 @@
  * kernels/step.py. glassformer_layout() hands the mirror every struct's size and every field's
  * offset and size as this compiler lays them out, and the step refuses to run when they differ:
  * one field out of order would be read as another. A query head's attention is attention.h's;
- * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's; the dot products
+ * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's; an int4 one on
+ * Intel's tile unit, amx.h's; the dot products
  * of each weight storage, simd.h's (fp32, bf16) and groups.h's (int8, int4).
  */
 #include <math.h>
@@ -44,6 +45,7 @@
 #include <string.h>
 
 #include "a8.h"
+#include "amx.h"
 #include "attention.h"
 #include "groups.h"
 #include "simd.h"
@@ -158,6 +160,12 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         linear_a8(L, x, stride, rows, y, accumulate);
         return;
     }
+#if AMX
+    if (L->packed && glassformer_amx() == 1) { /* int4 on the tile unit */
+        linear_amx(L, x, stride, rows, y, accumulate);
+        return;
+    }
+#endif
     if (L->storage == BF16) { /* each thread puts its own copy of x in bf16_order (simd.h) */
         float *ordered = (float *)thread_scratch(rows * L->in * (int64_t)sizeof(float));
         for (int64_t r = 0; r < rows; ++r) bf16_order(x + r * stride, ordered + r * L->in, L->in);
@@ -430,7 +438,7 @@ static const LayoutEntry LAYOUT[] = {
     STRUCT(Linear),
     FIELD(Linear, weight), FIELD(Linear, scale), FIELD(Linear, mins), FIELD(Linear, bias),
     FIELD(Linear, in), FIELD(Linear, out), FIELD(Linear, group), FIELD(Linear, storage),
-    FIELD(Linear, round_inputs),
+    FIELD(Linear, round_inputs), FIELD(Linear, packed),
     STRUCT(Layer),
     FIELD(Layer, attn_norm_weight), FIELD(Layer, attn_norm_bias), FIELD(Layer, q_norm_weight),
     FIELD(Layer, k_norm_weight), FIELD(Layer, ffn_norm_weight), FIELD(Layer, ffn_norm_bias),

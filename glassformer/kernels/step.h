@@ -18,6 +18,7 @@ typedef struct {
     int64_t in, out, group;
     int64_t storage;
     int64_t round_inputs; /* 1: x rounded to int8 in groups of 32 first (a8.h: w8a8, w4a8) */
+    const uint8_t *packed; /* int4 repacked for the tile unit (amx.h), or NULL */
 } Linear;
 
 typedef struct {

@@ -39,6 +39,7 @@ class Linear(ctypes.Structure):
         ("group", _I),
         ("storage", _I),
         ("round_inputs", _I),
+        ("packed", _P),
     ]
 
 
