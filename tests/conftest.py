@@ -125,7 +125,13 @@ def simd(request, monkeypatch) -> str:
     monkeypatch.setattr(kernels, "SWITCH", switch)
     width = "avx2" if request.param == "avx2" else "avx512"
     assert kernels.simd() == width, "the kernels failed to build: see the warning"
-    assert kernels.amx() == (request.param == "amx"), "Linux refused the tile unit's registers"
+    if request.param == "amx":
+        state = kernels.library().glassformer_amx()
+        if state == -1:
+            pytest.skip("Linux refuses this process the AMX tile registers (kernel before 5.16)")
+        assert state == 1, "the kernels were built without the tile unit: see the warning"
+    else:
+        assert not kernels.amx()
     return request.param
 
 

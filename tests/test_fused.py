@@ -374,6 +374,23 @@ def test_byte_products_without_vnni_are_the_same(monkeypatch):
         kernels._load.cache_clear()
 
 
+def test_a_compiler_without_the_tile_units_flags_builds_the_loops_alone(monkeypatch):
+    # GCC before 11 knows no -mamx-int8: on an AMX CPU the build with the tile unit fails, and
+    # the kernels come without it (a warning says so) rather than not at all.
+    if not kernels.build.has_amx():
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setattr(kernels, "SWITCH", "on")
+    monkeypatch.setattr(kernels.build, "AMX_FLAGS", ("-mno-such-flag",))
+    kernels._load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="AMX kernels unavailable"):
+            assert kernels.simd() == "avx512"
+        assert not kernels.amx()
+        _projections_match(224, 4, 7)
+    finally:
+        kernels._load.cache_clear()
+
+
 def _projections_match(d_model, bits, rows):
     sizes = {**SIZES, "d_model": d_model, "n_heads": 2, "d_ff": 160 if d_model == 224 else 416}
     model = _quantized(tiny_model(**sizes | LLAMA, seed=2, scale=1), bits)

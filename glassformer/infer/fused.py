@@ -11,7 +11,9 @@ all of them; prefill and every other model run the torch modules, which stay the
 tests hold this path to.
 The step reads the weights where they are; moved into 2 MB pages first (infer/huge_pages.py,
 which the Engine does with huge_pages=True) they stream faster (fp32 and bf16 steps
-1.22-1.31x in benchmarks/huge_pages.py), a choice for the model's owner. The ctypes structs it
+1.22-1.31x in benchmarks/huge_pages.py), a choice for the model's owner. One exception: on a
+CPU with AMX, int4 matrices are read from a copy in the tile unit's order (kernels/amx.h,
+_pack_for_tiles), the step's own, in 2 MB pages. The ctypes structs it
 fills mirror step.h's (kernels/step.py); the library's own sizes and offsets are checked
 against them before the first call (check_layout).
 
@@ -174,7 +176,8 @@ class FusedStep:
         of 16 rows or more (inputs not rounded) a copy in the tile unit's order
         (kernels.pack_q4_tiles), all in one buffer in 2 MB pages where the system has them:
         the step streams the copies as it streams the weights (SmolLM2 int4 step against a read,
-        4 KB pages 0.67-0.69x, 2 MB pages 0.71-0.72x; benchmarks/step_bandwidth.py)."""
+        called bare: 4 KB pages 0.66-0.70x in 4 runs, 2 MB pages 0.71x and 0.72x;
+        benchmarks/step_bandwidth.py)."""
         if not kernels.amx():
             return
         chosen = [

@@ -45,7 +45,7 @@ _STORAGES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 
 def _switch(value: str) -> str:
-    """GLASSFORMER_KERNELS's value as one of "on", "avx2" and "off"."""
+    """GLASSFORMER_KERNELS's value as one of "on", "avx512", "avx2" and "off"."""
     switches = {"": "on", "1": "on", "on": "on", "avx512": "avx512", "avx2": "avx2"}
     switches |= {"0": "off", "off": "off"}
     if value.strip().lower() not in switches:
@@ -78,10 +78,14 @@ def _load(switch: str) -> ctypes.CDLL | None:
     """The kernels built for `switch`, or None (with one warning when a build fails)."""
     if switch == "off" or build.missing_on_this_machine() is not None:
         return None
+    avx512 = "avx512" in simd_widths() and switch in ("on", "avx512")
+    amx = avx512 and switch == "on" and build.has_amx()
     try:
-        avx512 = "avx512" in simd_widths() and switch in ("on", "avx512")
-        return build.load(avx512=avx512, amx=avx512 and switch == "on" and build.has_amx())
+        return build.load(avx512=avx512, amx=amx)
     except (OSError, RuntimeError) as error:
+        if amx:  # a compiler without the tile unit's flags (GCC before 11): the loops alone
+            warnings.warn(f"AMX kernels unavailable, int4 on AVX-512: {error}", stacklevel=4)
+            return _load("avx512")
         warnings.warn(f"decode kernels unavailable, using torch's F.linear: {error}", stacklevel=4)
         return None
 

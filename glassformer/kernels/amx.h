@@ -51,10 +51,11 @@
 #if defined(GLASSFORMER_AMX) && LANES == 16
 #define AMX 1
 /* Linux hands a process the tile registers' state only when asked (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): asked once; 1 where granted. */
-static int amx_granted = -1;
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): asked once. 1 where granted, -1 where refused
+ * (a kernel before 5.16); 0 from a library built without the tile unit (below). */
+static int amx_granted = 0;
 int glassformer_amx(void) {
-    if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    if (amx_granted == 0) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
     return amx_granted;
 }
 

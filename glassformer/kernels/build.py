@@ -148,6 +148,7 @@ def load(avx512: bool, amx: bool = False) -> ctypes.CDLL:
     library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n
     library.all_finite.restype = ctypes.c_int
-    library.glassformer_amx.argtypes = []  # 1 where the tile unit is built in and Linux grants it
+    # 1: the tile unit built in and granted by Linux; -1: built in, refused; 0: not built in
+    library.glassformer_amx.argtypes = []
     library.glassformer_amx.restype = ctypes.c_int
     return library
