@@ -44,6 +44,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "a8.h" /* thread_scratch */
 #include "groups.h"
 #include "step.h"
@@ -165,30 +167,37 @@ static inline void amx_add(const int32_t *C, const float *scale, const float *mi
 }
 
 /* The tile unit waits for a weight tile's stores to land before it can load it: the tile of
- * pair p + AMX_AHEAD is split while pair p's is multiplied (a ring of AMX_RING tiles). In
- * one SmolLM2-sized matrix (2 threads) that took the products from 0.054 to 0.025 ms. */
+ * pair i + AMX_AHEAD is split while pair i's is multiplied (a ring of AMX_RING tiles). In one
+ * SmolLM2-sized matrix (2 threads) that took the products from 0.054 to 0.025 ms. The ring
+ * runs over a thread's blocks as one stream of pairs, where each block had started it afresh
+ * and waited on its first split: SmolLM2 int4 step / read 0.75-0.79x -> 0.82-0.86x
+ * (benchmarks/step_bandwidth.py, 3 rounds in turn). */
 #define AMX_AHEAD 2
 #define AMX_RING 4
 #define AMX_PAIR 768 /* a block's pair: 512 bytes of nibbles, then 2 x 16 scales and mins */
 
-/* Rows 16b..16b + 15 of L against R inputs in digits: y[r][o] (+)= dot + bias */
-static void amx_block(const Linear *L, int64_t b, const Digits *d, int64_t R, float *y,
-                      int accumulate) {
+/* Rows 16 b0 .. 16 b1 - 1 of L (whole blocks) against R inputs in digits:
+ * y[r][o] (+)= dot + bias */
+static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d, int64_t R,
+                       float *y, int accumulate) {
     const int64_t groups = (L->in / 32 + 1) / 2 * 2, pairs = groups / 2;
-    const uint8_t *w = L->packed + b * pairs * AMX_PAIR;
+    const int64_t stream = (b1 - b0) * pairs; /* the blocks' pairs follow one another */
+    const uint8_t *w = L->packed + b0 * pairs * AMX_PAIR;
     uint8_t ring[AMX_RING][1024] __attribute__((aligned(64)));
     int32_t C[256] __attribute__((aligned(64)));
     __m512 totals[R][2];
-    for (int64_t r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < AMX_AHEAD && p < pairs; ++p) amx_weight_tile(w + AMX_PAIR * p, ring[p]);
-    for (int64_t p = 0; p < pairs; ++p) {
-        const uint8_t *next = w + AMX_PAIR * (p + AMX_AHEAD);
-        if (p + AMX_AHEAD < pairs) {
+    for (int64_t i = 0; i < AMX_AHEAD && i < stream; ++i) amx_weight_tile(w + AMX_PAIR * i, ring[i]);
+    for (int64_t i = 0; i < stream; ++i) {
+        const int64_t p = i % pairs, b = b0 + i / pairs;
+        if (p == 0)
+            for (int64_t r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm512_setzero_ps();
+        const uint8_t *next = w + AMX_PAIR * (i + AMX_AHEAD);
+        if (i + AMX_AHEAD < stream) {
             for (int line = 0; line < AMX_PAIR / 64; ++line) prefetch_ahead(next + 64 * line);
-            amx_weight_tile(next, ring[(p + AMX_AHEAD) % AMX_RING]);
+            amx_weight_tile(next, ring[(i + AMX_AHEAD) % AMX_RING]);
         }
-        const float *scale = (const float *)(w + AMX_PAIR * p + 512), *mins = scale + 32;
-        _tile_loadd(0, ring[p % AMX_RING], 64);
+        const float *scale = (const float *)(w + AMX_PAIR * i + 512), *mins = scale + 32;
+        _tile_loadd(0, ring[i % AMX_RING], 64);
         for (int64_t r = 0; r < R; r += 2) {
             const int8_t *digits = d->digits + (p * R + r) * 512;
             if (r + 1 < R) { /* two inputs */
@@ -202,25 +211,27 @@ static void amx_block(const Linear *L, int64_t b, const Digits *d, int64_t R, fl
                 _tile_dpbsud(4, 3, 0);
                 _tile_stored(4, C, 64);
             }
-            for (int64_t i = r; i < R && i < r + 2; ++i)
-                amx_add(C + 128 * (i - r), scale, mins, d->powers + i * groups * 4,
-                        d->sums + i * groups, p, totals[i]);
+            for (int64_t k = r; k < R && k < r + 2; ++k)
+                amx_add(C + 128 * (k - r), scale, mins, d->powers + k * groups * 4,
+                        d->sums + k * groups, p, totals[k]);
         }
-    }
-    for (int64_t r = 0; r < R; ++r) {
-        float dots[16], *out = y + r * L->out + 16 * b;
-        _mm512_storeu_ps(dots, _mm512_add_ps(totals[r][0], totals[r][1]));
-        for (int n = 0; n < 16; ++n) {
-            const float dot = L->bias ? dots[n] + L->bias[16 * b + n] : dots[n];
-            out[n] = accumulate ? out[n] + dot : dot;
+        if (p < pairs - 1) continue;
+        for (int64_t r = 0; r < R; ++r) { /* block b done */
+            float dots[16], *out = y + r * L->out + 16 * b;
+            _mm512_storeu_ps(dots, _mm512_add_ps(totals[r][0], totals[r][1]));
+            for (int n = 0; n < 16; ++n) {
+                const float dot = L->bias ? dots[n] + L->bias[16 * b + n] : dots[n];
+                out[n] = accumulate ? out[n] + dot : dot;
+            }
         }
     }
 }
 
 /* decode.c's linear() for an int4 matrix FusedStep packed for the tile unit: each thread
  * writes every input's digits into its own scratch (as a8.h rounds them: the same bytes in
- * each thread, no barrier), then takes its share of the blocks of 16 rows; the rows past the
- * last whole block are dot_q4's. */
+ * each thread, no barrier), then takes its share of the blocks of 16 rows, one run of whole
+ * blocks a thread as schedule(static) would give them; the rows past the last whole block are
+ * dot_q4's, the last thread's. */
 static void linear_amx(const Linear *L, const float *x, int64_t stride, int64_t R, float *y,
                        int accumulate) {
     const int64_t groups = (L->in / 32 + 1) / 2 * 2, blocks = L->out / 16;
@@ -229,12 +240,12 @@ static void linear_amx(const Linear *L, const float *x, int64_t stride, int64_t 
                       (float *)(memory + R * groups * 256) + R * groups * 4};
     for (int64_t r = 0; r < R; ++r) x_to_digits(x + r * stride, L->in, R, r, &d);
     amx_configure();
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks + (L->out % 16 != 0); ++b) {
-        if (b < blocks) {
-            amx_block(L, b, &d, R, y, accumulate);
-            continue;
-        }
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t share = (blocks + threads - 1) / threads;
+    const int64_t b0 = t * share < blocks ? t * share : blocks;
+    const int64_t b1 = b0 + share < blocks ? b0 + share : blocks;
+    if (b1 > b0) amx_blocks(L, b0, b1, &d, R, y, accumulate);
+    if (t == threads - 1)
         for (int64_t o = 16 * blocks; o < L->out; ++o)
             for (int64_t r = 0; r < R; ++r) {
                 const float *row_scale = L->scale + o * (L->in / 32);
@@ -245,7 +256,7 @@ static void linear_amx(const Linear *L, const float *x, int64_t stride, int64_t 
                 float *out = y + r * L->out + o;
                 *out = accumulate ? *out + dot : dot;
             }
-    }
+#pragma omp barrier
 }
 #else /* built without the tile unit (GLASSFORMER_KERNELS=avx512 or avx2, or a CPU without) */
 #define AMX 0
