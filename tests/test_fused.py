@@ -527,6 +527,20 @@ def test_inspected_and_adapted_models_use_torch():
     assert "merge adapters" in unsupported(model)
 
 
+def test_a_cache_sharing_the_keys_memory_but_not_the_values_is_pointed_at_anew():
+    # The step points its layers at a cache once and keeps that while the cache is the same
+    # memory. A cache made after another was freed can take the keys' old address (and their
+    # object's id) with its values elsewhere; the step must write and read the new values.
+    model = _model("llama-gqa")
+    step, first = FusedStep(model), model.new_cache(1, 48)
+    step(7, 0, first)
+    second = copy.copy(first)  # the same keys tensor, new values
+    second.k, second.v = first.k, torch.zeros_like(first.v)
+    first.v.zero_()
+    step(7, 0, second)
+    assert second.v[:, 0, :, 0].abs().sum() > 0 and first.v.abs().sum() == 0
+
+
 def test_bad_positions_and_tokens_are_clear_errors():
     model = _model("llama-gqa")
     step, cache = FusedStep(model), model.new_cache(1, 48)

@@ -359,8 +359,12 @@ class FusedStep:
         self._held_verdict = None
 
     def _point_at(self, cache: KVCache, slot: int) -> None:
-        """Point every layer at the cache row `slot` (once per cache and slot)."""
-        key = (id(cache.k), cache.k.data_ptr(), slot)
+        """Point every layer at the cache row `slot` (once per cache memory, layout and slot).
+        The key is the memory itself, keys' and values' both: a cache freed and another made
+        can take the keys' old address and object id while its values land elsewhere, and the
+        layers would read and write values freed."""
+        k, v = cache.k, cache.v
+        key = (k.data_ptr(), v.data_ptr(), k.shape, k.stride(), k.dtype, slot)
         if key == self._cache_key:
             return
         k, v = cache.k[:, slot], cache.v[:, slot]  # (L, Hkv, Tmax, D)
