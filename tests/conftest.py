@@ -116,13 +116,16 @@ def _width(name: str):
     return pytest.param(name, marks=pytest.mark.skipif(missing is not None, reason=reason))
 
 
+# GLASSFORMER_KERNELS's setting for each of the simd fixture's widths
+SWITCH_FOR = {"avx2": "avx2", "avx512": "avx512", "amx": "on"}
+
+
 @pytest.fixture(params=[_width("avx2"), _width("avx512"), _width("amx")])
 def simd(request, monkeypatch) -> str:
     """The kernels of each width in turn, for one test: AVX2 (forced on an AVX-512 CPU too, as
     GLASSFORMER_KERNELS=avx2 does), AVX-512 without the tile unit (=avx512) and, on a CPU with
     AMX, AVX-512 with int4's products on the tile unit (the default there: amx.h)."""
-    switch = {"avx2": "avx2", "avx512": "avx512", "amx": "on"}[request.param]
-    monkeypatch.setattr(kernels, "SWITCH", switch)
+    monkeypatch.setattr(kernels, "SWITCH", SWITCH_FOR[request.param])
     width = "avx2" if request.param == "avx2" else "avx512"
     assert kernels.simd() == width, "the kernels failed to build: see the warning"
     if request.param == "amx":

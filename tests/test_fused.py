@@ -12,7 +12,7 @@ import ctypes
 
 import pytest
 import torch
-from conftest import needs_kernels, tiny_model
+from conftest import SWITCH_FOR, needs_kernels, tiny_model
 
 from glassformer import kernels
 from glassformer.config import ModelConfig
@@ -480,8 +480,7 @@ def test_int4_products_with_a_non_finite_input_are_not_finite(int4_case, bad, si
     module, x = int4_case
     x = x[:2].clone()
     x[1, 200] = bad
-    switch = {"avx2": "avx2", "avx512": "avx512", "amx": "on"}[simd]
-    got = _int4_products(switch, module, x, monkeypatch)
+    got = _int4_products(SWITCH_FOR[simd], module, x, monkeypatch)
     assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1]).any()
 
 

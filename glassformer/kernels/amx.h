@@ -80,6 +80,9 @@ typedef struct {
     float *powers, *sums;
 } Digits;
 
+/* a matrix's groups of 32 columns, rounded up to whole pairs (the zero group of an odd count) */
+static inline int64_t amx_groups(int64_t in) { return (in / 32 + 1) / 2 * 2; }
+
 static inline float power_of_two(int k) { /* 2^k for k in -126..127: the exponent bits */
     const uint32_t bits = (uint32_t)(k + 127) << 23;
     float f;
@@ -94,7 +97,7 @@ static inline __m512d as_doubles(__m512 v, int half) { /* 8 of v's floats */
 }
 
 static void x_to_digits(const float *x, int64_t in, int64_t R, int64_t r, const Digits *d) {
-    const int64_t groups = (in / 32 + 1) / 2 * 2;
+    const int64_t groups = amx_groups(in);
     for (int64_t g = 0; g < groups; ++g) {
         int8_t *rows = d->digits + ((g / 2) * R + r) * 512;
         const int h = (int)(g % 2);
@@ -180,7 +183,7 @@ static inline void amx_add(const int32_t *C, const float *scale, const float *mi
  * y[r][o] (+)= dot + bias */
 static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d, int64_t R,
                        float *y, int accumulate) {
-    const int64_t groups = (L->in / 32 + 1) / 2 * 2, pairs = groups / 2;
+    const int64_t groups = amx_groups(L->in), pairs = groups / 2;
     const int64_t stream = (b1 - b0) * pairs; /* the blocks' pairs follow one another */
     const uint8_t *w = L->packed + b0 * pairs * AMX_PAIR;
     uint8_t ring[AMX_RING][1024] __attribute__((aligned(64)));
@@ -234,7 +237,7 @@ static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d,
  * dot_q4's, the last thread's. */
 static void linear_amx(const Linear *L, const float *x, int64_t stride, int64_t R, float *y,
                        int accumulate) {
-    const int64_t groups = (L->in / 32 + 1) / 2 * 2, blocks = L->out / 16;
+    const int64_t groups = amx_groups(L->in), blocks = L->out / 16;
     char *memory = thread_scratch(R * groups * (256 + 5 * 4));
     const Digits d = {(int8_t *)memory, (float *)(memory + R * groups * 256),
                       (float *)(memory + R * groups * 256) + R * groups * 4};
