@@ -190,8 +190,7 @@ static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d,
     int32_t C[256] __attribute__((aligned(64)));
     __m512 totals[R][2];
     for (int64_t i = 0; i < AMX_AHEAD && i < stream; ++i) amx_weight_tile(w + AMX_PAIR * i, ring[i]);
-    for (int64_t i = 0; i < stream; ++i) {
-        const int64_t p = i % pairs, b = b0 + i / pairs;
+    for (int64_t i = 0, p = 0, b = b0; i < stream; ++i) { /* pair p of block b */
         if (p == 0)
             for (int64_t r = 0; r < R; ++r) totals[r][0] = totals[r][1] = _mm512_setzero_ps();
         const uint8_t *next = w + AMX_PAIR * (i + AMX_AHEAD);
@@ -218,7 +217,7 @@ static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d,
                 amx_add(C + 128 * (k - r), scale, mins, d->powers + k * groups * 4,
                         d->sums + k * groups, p, totals[k]);
         }
-        if (p < pairs - 1) continue;
+        if (++p < pairs) continue;
         for (int64_t r = 0; r < R; ++r) { /* block b done */
             float dots[16], *out = y + r * L->out + 16 * b;
             _mm512_storeu_ps(dots, _mm512_add_ps(totals[r][0], totals[r][1]));
@@ -227,6 +226,7 @@ static void amx_blocks(const Linear *L, int64_t b0, int64_t b1, const Digits *d,
                 out[n] = accumulate ? out[n] + dot : dot;
             }
         }
+        p = 0, ++b;
     }
 }
 
