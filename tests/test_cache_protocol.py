@@ -106,6 +106,19 @@ def test_swap_rows_exchanges_two_rows_and_leaves_the_others(name):
         assert torch.equal(after[1], old[1])
 
 
+@pytest.mark.parametrize("name", ["KVCache", "SlidingWindowCache", "StaticKVCache"])
+def test_swapping_the_first_positions_leaves_the_later_ones(name):
+    # The Engine swaps only the positions rows hold: the (L, B, ...) block's rows in one view,
+    # a list's layer by layer; the slots past them stay where they were.
+    cache = filled(name)
+    before = [t.clone() for t in state(cache)]
+    cache.swap_rows(0, 2, n_positions=3)
+    for after, old in zip(state(cache), before, strict=True):  # (B, Hkv, slots, D) each
+        assert torch.equal(after[0, :, :3], old[2, :, :3])
+        assert torch.equal(after[2, :, :3], old[0, :, :3])
+        assert torch.equal(after[:, :, 3:], old[:, :, 3:]) and torch.equal(after[1], old[1])
+
+
 def test_nbytes_count_every_tensor_and_row_bytes_share_them(name):
     cache = filled(name)
     assert cache.nbytes == sum(t.nbytes for t in state(cache))

@@ -314,6 +314,50 @@ def test_the_engine_decodes_a_batch_through_the_fused_rows(monkeypatch):
     assert max(calls) == 4 and not torch_decodes
 
 
+def test_a_short_prefill_runs_through_the_fused_step(monkeypatch):
+    # A prompt of FUSED_PREFILL tokens or fewer, and a conversation's next turn, go through
+    # FusedStep.many (max_tokens at a time: 8 here; a decode step is a `many` of one), a longer
+    # one through the torch forward; the tokens are those of the torch modules alone.
+    from glassformer.infer.engine import FUSED_PREFILL
+    from glassformer.infer.sampling import SamplingParams
+
+    model = _model("llama-gqa")
+    fast, plain = Engine(model, max_rows=4), Engine(model, max_rows=4, fast=False)
+    assert fast.fused.max_tokens == 8 and FUSED_PREFILL > 20
+    runs, forwards = [], []
+    many, forward = FusedStep.many, model.forward
+
+    def counted_many(self, tokens, position, *rest):
+        runs.append((len(tokens), position))
+        return many(self, tokens, position, *rest)
+
+    def counted_forward(ids, *rest, **kwargs):
+        forwards.append(ids.shape[1])
+        return forward(ids, *rest, **kwargs)
+
+    monkeypatch.setattr(FusedStep, "many", counted_many)
+    monkeypatch.setattr(model, "forward", counted_forward)
+    short = [(7 * i) % 250 + 1 for i in range(20)]
+    long = [(11 * i) % 250 + 1 for i in range(FUSED_PREFILL + 1)]
+    for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3}):
+        runs.clear(), forwards.clear()
+        got = fast.generate(short, max_new_tokens=6, **params).token_ids
+        assert runs[:3] == [(8, 0), (8, 8), (4, 16)] and forwards == []  # then the decode steps
+        assert got == plain.generate(short, max_new_tokens=6, **params).token_ids
+        forwards.clear()
+        got = fast.generate(long, max_new_tokens=6, **params).token_ids
+        assert forwards == [len(long)]
+        assert got == plain.generate(long, max_new_tokens=6, **params).token_ids
+    first = fast.add(short, SamplingParams(temperature=0.0, max_new_tokens=6), keep_cache=True)
+    while not first.finished:
+        fast.step()
+    runs.clear(), forwards.clear()
+    turn = [*first.context, 5, 6, 7]
+    second = fast.add(turn, continues=first)
+    assert second.stats.cached_prompt_tokens == len(first.context) - 1
+    assert runs[0] == (4, len(first.context) - 1) and forwards == []
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_bf16_weights_match_their_float32_copy(arch, simd):
     # The C step reads bf16 weights and computes in float32: the exact reference is a float32
@@ -599,7 +643,8 @@ def test_a_hook_added_after_the_engine_is_built_runs_on_every_step(torch_steps):
     shift = torch.randn(model.cfg.d_model)
     handle = model.blocks[0].register_forward_hook(lambda module, args, out: out + shift)
     assert _greedy(engine) == _eager(model) != before
-    assert len(torch_steps) == 11  # every decode step: the C step would run past the hook
+    assert len(torch_steps) == 12  # the prompt's and every decode step's: the C step would
+    # run past the hook
     handle.remove()
     torch_steps.clear()
     assert _greedy(engine) == before and torch_steps == []  # the C step again
@@ -615,10 +660,10 @@ def test_generate_checks_the_model_once_and_a_block_until_recheck(torch_steps, m
     checks, changed = [], FusedStep._changed
     monkeypatch.setattr(FusedStep, "_changed", lambda self: checks.append(1) or changed(self))
     before = _greedy(engine)
-    assert len(checks) == 1  # 11 decode steps
+    assert len(checks) == 1  # the prompt's prefill and 11 decode steps
     shift = torch.randn(model.cfg.d_model)
     handle = model.blocks[0].register_forward_hook(lambda module, args, out: out + shift)
-    assert _greedy(engine) == _eager(model) != before and len(torch_steps) == 11
+    assert _greedy(engine) == _eager(model) != before and len(torch_steps) == 12
     handle.remove()
     step, cache = engine.fused, model.new_cache(1, 16)
     torch_steps.clear()
