@@ -30,7 +30,7 @@ from torch import nn
 import glassformer
 from glassformer.detokenize import TokenBytes
 from glassformer.infer.constrain import ConstraintError, check_constraint, constraint_from
-from glassformer.infer.engine import Engine
+from glassformer.infer.engine import FUSED_PREFILL, Engine
 from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
@@ -161,10 +161,15 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
 
 
 def _warm_up(engine: Engine) -> None:
-    """One two-token generation, so the first request does not pay one-time costs (the decode
-    kernels are built on first use): the browser lab's first chat turn waited 2.8 s for its
-    first token without it, 0.41 s with it (tests/test_browser_lab.py's screenshot)."""
+    """A two-token generation and a 64-token prefill, so the first request does not pay
+    one-time costs: the decode kernels are built on first use (the browser lab's first chat
+    turn waited 2.8 s for its first token without it, 0.41 s with it:
+    tests/test_browser_lab.py's screenshot), and the torch forward that prefills prompts longer
+    than FUSED_PREFILL is slow the first time (SmolLM2 int8, 128 tokens: 231 ms, then 182;
+    after a 64-token prefill 178)."""
     engine.generate([0], max_new_tokens=2, temperature=0.0, eos_token_id=NO_EOS)
+    prompt = [0] * min(2 * FUSED_PREFILL, engine.slot_len - 1)
+    engine.generate(prompt, max_new_tokens=1, temperature=0.0, eos_token_id=NO_EOS)
 
 
 async def _client_gone(request: Request) -> None:
