@@ -74,12 +74,11 @@ ON_FULL_CONTEXT = ("stop", "shift")
 
 # The most new tokens a row's prefill runs through the fused step (Engine._prefill), each
 # weight read once for all of them, rather than through the torch forward. SmolLM2, 2 threads,
-# up to 64 tokens from position 100, more from 0 (2026-12-07; fused step against torch forward,
-# ms): int4 1 token 4.9
-# against 24.8, 16: 27 against 93, 32: 52 against 112, 64: 111 against 149, 128: 211
-# against 199; int8 32: 96 against 120, 64: 199 against 156; fp32 32: 74 against 99, 64: 136
-# against 135. A prompt whose first 127 tokens were cached waited 40-50 ms for its first token
-# through the server, most of it the one token's torch forward.
+# fused step against torch forward in ms, up to 64 tokens from position 100, more from 0
+# (2026-12-07): int4 1 token 4.9 against 24.8, 16: 27 against 93, 32: 52 against 112, 64: 111
+# against 149, 128: 211 against 199; int8 32: 96 against 120, 64: 199 against 156; fp32 32: 74
+# against 99, 64: 136 against 135. A prompt whose first 127 tokens were cached waited 40-50 ms
+# for its first token through the server, most of it the one token's torch forward.
 FUSED_PREFILL = 32
 
 
@@ -91,7 +90,8 @@ class Engine(Loops, Reuse):
     max_seq_len: positions per slot (default: the model's context window).
     tokenizer: lets rows stop at stop strings and follow their text (row.text).
     fast: decode one row's steps with the fused C step (infer/fused.py) where the model allows
-        it (a GPT-family model on the CPU), prefill's fp32 matmuls on oneDNN (FastLinears); False
+        it (a GPT-family model on the CPU), and prefills of FUSED_PREFILL tokens or fewer;
+        longer prefills' fp32 matmuls on oneDNN or MKL (FastLinears); False
         runs everything through the torch modules, the reference the fast path is tested against.
         The fused step follows later changes to the model: new or edited weights are read
         again, and hooks, attention captures and adapters send its steps through the modules.
