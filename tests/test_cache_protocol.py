@@ -11,10 +11,10 @@ import torch
 
 from glassformer.config import ModelConfig
 from glassformer.models import build_model
+from glassformer.nn.cross_cache import CrossAttentionCache
 from glassformer.nn.kv_cache import (
     AttentionCache,
     Cache,
-    CrossAttentionCache,
     KVCache,
     SlidingWindowCache,
     StaticKVCache,

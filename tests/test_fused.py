@@ -318,7 +318,7 @@ def test_a_short_prefill_runs_through_the_fused_step(monkeypatch):
     # A prompt of FUSED_PREFILL tokens or fewer, and a conversation's next turn, go through
     # FusedStep.many (max_tokens at a time: 8 here; a decode step is a `many` of one), a longer
     # one through the torch forward; the tokens are those of the torch modules alone.
-    from glassformer.infer.engine import FUSED_PREFILL
+    from glassformer.infer.prefill import FUSED_PREFILL
     from glassformer.infer.sampling import SamplingParams
 
     model = _model("llama-gqa")

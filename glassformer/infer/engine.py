@@ -1,7 +1,8 @@
 """The generation engine (seed 000 §2.5.1): prefill a prompt in one parallel pass into a
 preallocated KV cache, then decode one token at a time, sampling each from the logits. (A few
-tokens, FUSED_PREFILL at most, go through the fused C step instead, as a run of positions
-whose weights are read once: a short prompt, or the rest of one after a cached prefix.)
+tokens, prefill.py's FUSED_PREFILL at most, go through the fused C step instead, as a run of
+positions whose weights are read once: a short prompt, or the rest of one after a cached
+prefix.)
 
 The engine owns a cache of R row slots. `add` puts a prompt into a free slot (its prefill runs
 at once, its first token is sampled); `step` decodes one token for every active row in one
@@ -45,7 +46,7 @@ from glassformer.infer.constrain import Grammars, RowGrammar
 from glassformer.infer.fused import FusedStep
 from glassformer.infer.huge_pages import advise_in_place, to_huge_pages
 from glassformer.infer.loops import Loops
-from glassformer.infer.prefill import Chunk, Pending, check_budget, forwards, plan
+from glassformer.infer.prefill import Pending, Prefills, check_budget
 from glassformer.infer.reuse import Reuse
 from glassformer.infer.rows import (
     GenerationResult,
@@ -72,17 +73,8 @@ __all__ = [
 
 ON_FULL_CONTEXT = ("stop", "shift")
 
-# The most new tokens a row's prefill runs through the fused step (Engine._prefill), each
-# weight read once for all of them, rather than through the torch forward. SmolLM2, 2 threads,
-# fused step against torch forward in ms, up to 64 tokens from position 100, more from 0
-# (2026-12-07): int4 1 token 4.9 against 24.8, 16: 27 against 93, 32: 52 against 112, 64: 111
-# against 149, 128: 211 against 199; int8 32: 96 against 120, 64: 199 against 156; fp32 32: 74
-# against 99, 64: 136 against 135. A prompt whose first 127 tokens were cached waited 40-50 ms
-# for its first token through the server, most of it the one token's torch forward.
-FUSED_PREFILL = 32
 
-
-class Engine(Loops, Reuse):
+class Engine(Loops, Prefills, Reuse):
     """Generates from any model that offers `new_cache(batch_size, max_seq_len, dtype)` (a cache
     with rows/swap_rows/row_bytes) and `model(ids, positions, cache=cache, last_token_only=True)`.
 
@@ -370,68 +362,6 @@ class Engine(Loops, Reuse):
         self.rows.append(row)
         row.slot = len(self.rows) - 1
         self._swap(row.slot, self.n_held)  # the first parked row (if any) moves behind it
-
-    def _prefill_pending(self) -> list[Row]:
-        """Prefill this step's chunks of the pending prompts (all of every prompt without a
-        budget); a row whose prompt is then whole samples its first token and joins the live
-        rows. Returns those rows."""
-        chunks = plan(self.pending, self.prefill_chunk)
-        whole: list[tuple[Row, Tensor]] = []
-        with torch.inference_mode():
-            for group in forwards(chunks, batched=type(self.cache) is KVCache):
-                logits = self._prefill_chunks(group)  # (n, V)
-                for chunk, row_logits in zip(group, logits, strict=True):
-                    if chunk.last:
-                        whole.append((chunk.row, row_logits[None]))
-        for waiting, chunk in zip(self.pending, chunks, strict=False):  # chunks follow pending
-            waiting.done = chunk.stop
-        for row, logits in whole:
-            self.pending = [waiting for waiting in self.pending if waiting.row is not row]
-            self._swap(row.slot, self.n_live)  # the first pending slot: now the last live one
-            self.n_live += 1
-            self._first_token(row, logits)
-        return [row for row, _ in whole]
-
-    def _prefill(self, row: Row, new_ids: list[int], start: int) -> Tensor:
-        """Run a row's new tokens (positions start..) through its slot -> logits (1, V). A
-        few tokens (a short prompt, a prompt's rest after a cached prefix, a chat's next turn)
-        go through the fused step, up to its max_tokens a call; more through the torch forward,
-        whose batched matmuls win there (see FUSED_PREFILL)."""
-        fused = self.fused
-        if fused is not None and len(new_ids) <= FUSED_PREFILL and fused.supports(self.cache):
-            at = fused.max_tokens
-            for i in range(0, len(new_ids), at):
-                logits = fused.many(new_ids[i : i + at], start + i, self.cache, row.slot)
-            return logits[-1:]
-        slot = self.cache.rows(row.slot, row.slot + 1)
-        if start == 0:
-            slot.reset()  # a recurrent state must start from zero; a KV cache just overwrites
-        ids = torch.tensor([new_ids], device=self.model.device)  # (1, T)
-        positions = torch.arange(start, start + len(new_ids), device=ids.device)
-        with self._linears():
-            return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
-
-    def _prefill_chunks(self, group: list[Chunk]) -> Tensor:
-        """Chunks of rows in consecutive slots, all from one position, in one forward -> the
-        logits (n, V) at each chunk's last token: the chunks right-padded (token 0) to the
-        longest (a single chunk is _prefill's)."""
-        if len(group) == 1:
-            (chunk,) = group
-            return self._prefill(chunk.row, chunk.ids, chunk.start)
-        first, start = group[0].row.slot, group[0].start
-        view = self.cache.rows(first, first + len(group))
-        if start == 0:
-            view.reset()
-        device = self.model.device
-        longest = max(len(chunk.ids) for chunk in group)
-        ids = torch.zeros(len(group), longest, dtype=torch.long, device=device)  # (n, T)
-        for i, chunk in enumerate(group):
-            ids[i, : len(chunk.ids)] = torch.tensor(chunk.ids, device=device)
-        positions = torch.arange(start, start + longest, device=device)
-        with self._linears():
-            hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
-        last = torch.tensor([len(chunk.ids) - 1 for chunk in group], device=device)
-        return self.model.lm_head(hidden[torch.arange(len(group), device=device), last])
 
     def step(self) -> list[Row]:
         """Decode one token for every live row, then prefill this step's chunks of the pending

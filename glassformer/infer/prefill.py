@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from glassformer.infer.rows import Row
+from glassformer.nn.kv_cache import KVCache
 
 # The server's budget (glassformer serve --prefill-chunk), by benchmarks/serve.py --prefill-chunks
 # on SmolLM2, 2 cores: while 8 prompts of 256 tokens join 4 running streams, their p99 gap is
@@ -99,3 +103,81 @@ def forwards(chunks: list[Chunk], batched: bool) -> list[list[Chunk]]:
         else:
             groups.append([chunk])
     return groups
+
+
+# The most new tokens a row's prefill runs through the fused step (Engine._prefill), each
+# weight read once for all of them, rather than through the torch forward. SmolLM2, 2 threads,
+# fused step against torch forward in ms, up to 64 tokens from position 100, more from 0
+# (2026-12-07): int4 1 token 4.9 against 24.8, 16: 27 against 93, 32: 52 against 112, 64: 111
+# against 149, 128: 211 against 199; int8 32: 96 against 120, 64: 199 against 156; fp32 32: 74
+# against 99, 64: 136 against 135. A prompt whose first 127 tokens were cached waited 40-50 ms
+# for its first token through the server, most of it the one token's torch forward.
+FUSED_PREFILL = 32
+
+
+class Prefills:
+    """The Engine's prefill (infer/engine.py): this step's chunks of the pending prompts, each
+    through the fused step (FUSED_PREFILL tokens or fewer) or the torch forward, and the rows
+    whose prompts are then whole sampled and made live."""
+
+    def _prefill_pending(self) -> list[Row]:
+        """Prefill this step's chunks of the pending prompts (all of every prompt without a
+        budget); a row whose prompt is then whole samples its first token and joins the live
+        rows. Returns those rows."""
+        chunks = plan(self.pending, self.prefill_chunk)
+        whole: list[tuple[Row, Tensor]] = []
+        with torch.inference_mode():
+            for group in forwards(chunks, batched=type(self.cache) is KVCache):
+                logits = self._prefill_chunks(group)  # (n, V)
+                for chunk, row_logits in zip(group, logits, strict=True):
+                    if chunk.last:
+                        whole.append((chunk.row, row_logits[None]))
+        for waiting, chunk in zip(self.pending, chunks, strict=False):  # chunks follow pending
+            waiting.done = chunk.stop
+        for row, logits in whole:
+            self.pending = [waiting for waiting in self.pending if waiting.row is not row]
+            self._swap(row.slot, self.n_live)  # the first pending slot: now the last live one
+            self.n_live += 1
+            self._first_token(row, logits)
+        return [row for row, _ in whole]
+
+    def _prefill(self, row: Row, new_ids: list[int], start: int) -> Tensor:
+        """Run a row's new tokens (positions start..) through its slot -> logits (1, V). A
+        few tokens (a short prompt, a prompt's rest after a cached prefix, a chat's next turn)
+        go through the fused step, up to its max_tokens a call; more through the torch forward,
+        whose batched matmuls win there (see FUSED_PREFILL)."""
+        fused = self.fused
+        if fused is not None and len(new_ids) <= FUSED_PREFILL and fused.supports(self.cache):
+            at = fused.max_tokens
+            for i in range(0, len(new_ids), at):
+                logits = fused.many(new_ids[i : i + at], start + i, self.cache, row.slot)
+            return logits[-1:]
+        slot = self.cache.rows(row.slot, row.slot + 1)
+        if start == 0:
+            slot.reset()  # a recurrent state must start from zero; a KV cache just overwrites
+        ids = torch.tensor([new_ids], device=self.model.device)  # (1, T)
+        positions = torch.arange(start, start + len(new_ids), device=ids.device)
+        with self._linears():
+            return self.model(ids, positions, cache=slot, last_token_only=True)[:, -1]
+
+    def _prefill_chunks(self, group: list[Chunk]) -> Tensor:
+        """Chunks of rows in consecutive slots, all from one position, in one forward -> the
+        logits (n, V) at each chunk's last token: the chunks right-padded (token 0) to the
+        longest (a single chunk is _prefill's)."""
+        if len(group) == 1:
+            (chunk,) = group
+            return self._prefill(chunk.row, chunk.ids, chunk.start)
+        first, start = group[0].row.slot, group[0].start
+        view = self.cache.rows(first, first + len(group))
+        if start == 0:
+            view.reset()
+        device = self.model.device
+        longest = max(len(chunk.ids) for chunk in group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long, device=device)  # (n, T)
+        for i, chunk in enumerate(group):
+            ids[i, : len(chunk.ids)] = torch.tensor(chunk.ids, device=device)
+        positions = torch.arange(start, start + longest, device=device)
+        with self._linears():
+            hidden = self.model.hidden_states(ids, positions, cache=view)  # (n, T, C)
+        last = torch.tensor([len(chunk.ids) - 1 for chunk in group], device=device)
+        return self.model.lm_head(hidden[torch.arange(len(group), device=device), last])

@@ -24,8 +24,9 @@ from glassformer.config import ModelConfig
 from glassformer.models.common import LossOutput, check_token_ids, init_weights
 from glassformer.nn.attention import AttentionMask, attention_mask
 from glassformer.nn.block import Block
+from glassformer.nn.cross_cache import CrossAttentionCache
 from glassformer.nn.ffn import moe_aux_loss
-from glassformer.nn.kv_cache import CrossAttentionCache, KVCache
+from glassformer.nn.kv_cache import KVCache
 from glassformer.nn.norm import make_norm
 from glassformer.nn.position import (
     AbsolutePositions,

@@ -8,8 +8,9 @@ from glassformer.nn.attention import (
     sdpa_attention,
 )
 from glassformer.nn.block import Block
+from glassformer.nn.cross_cache import CrossAttentionCache
 from glassformer.nn.ffn import MLP, GatedMLP, MoE, make_ffn
-from glassformer.nn.kv_cache import CrossAttentionCache, KVCache, SlidingWindowCache
+from glassformer.nn.kv_cache import KVCache, SlidingWindowCache
 from glassformer.nn.norm import LayerNorm, RMSNorm, make_norm
 from glassformer.nn.position import (
     AbsolutePositions,

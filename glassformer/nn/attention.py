@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
-from glassformer.nn.kv_cache import AttentionCache, CrossAttentionCache
+from glassformer.nn.cross_cache import CrossAttentionCache
+from glassformer.nn.kv_cache import AttentionCache
 from glassformer.nn.norm import RMSNorm, upcast
 from glassformer.nn.position import alibi_bias, apply_rope
 

@@ -7,8 +7,9 @@ from torch import Tensor, nn
 
 from glassformer.config import ModelConfig
 from glassformer.nn.attention import Attention, AttentionMask
+from glassformer.nn.cross_cache import CrossAttentionCache
 from glassformer.nn.ffn import make_ffn
-from glassformer.nn.kv_cache import AttentionCache, CrossAttentionCache
+from glassformer.nn.kv_cache import AttentionCache
 from glassformer.nn.norm import make_norm
 
 

@@ -30,8 +30,8 @@ from torch import nn
 import glassformer
 from glassformer.detokenize import TokenBytes
 from glassformer.infer.constrain import ConstraintError, check_constraint, constraint_from
-from glassformer.infer.engine import FUSED_PREFILL, Engine
-from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
+from glassformer.infer.engine import Engine
+from glassformer.infer.prefill import FUSED_PREFILL, MIN_SHARED_PREFIX, PREFILL_CHUNK
 from glassformer.infer.sampling import NO_EOS, SamplingParams
 from glassformer.infer.thinking import no_think_suffix, thinking_markers
 from glassformer.nn.quant import precision_name
