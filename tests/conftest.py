@@ -138,6 +138,18 @@ def simd(request, monkeypatch) -> str:
     return request.param
 
 
+def rounded_product(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A w8a8 or w4a8 module's function in float64, the reference every kernel that computes it
+    is held to: x rounded to int8 in groups of 32 as llama.cpp's Q8_0 rounds it (d = max|x| /
+    127 in float32, q = round(x / d): test_quant checks round_to_int8 against gguf-py), times
+    the module's dequantized weight, plus its bias."""
+    groups = x.float().unflatten(-1, (-1, 32))
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(groups * torch.where(d != 0, 1.0 / d, torch.zeros_like(d)))
+    y = (q.double() * d.double()).flatten(-2) @ module.dequantize().double().T
+    return y if module.bias is None else y + module.bias.double()
+
+
 # --- tiny training runs -----------------------------------------------------------------------
 
 

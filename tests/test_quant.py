@@ -12,17 +12,24 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import finish_gguf, tiny_model
+from conftest import finish_gguf, rounded_product, tiny_model
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 import glassformer as gf
+from glassformer import kernels
 from glassformer.cli import main
 from glassformer.interop.gguf import load_gguf, rules
 from glassformer.interop.hf import export_state
 from glassformer.interop.pretrained import from_pretrained
 from glassformer.nn import quant
-from glassformer.nn.quant import Int8Linear, quantize_groupwise, quantize_int8, weight_bytes
+from glassformer.nn.quant import (
+    Int4Linear,
+    Int8Linear,
+    quantize_groupwise,
+    quantize_int8,
+    weight_bytes,
+)
 from glassformer.tokenizers import CharTokenizer
 from glassformer.train.checkpoint import save_checkpoint, save_model_weights
 
@@ -321,3 +328,30 @@ def test_round_inputs_makes_w4a8_and_w8a8_models(char_checkpoint):
         assert both[1] > 0 and both != weights_only and both[1] < 3 * weights_only[1]
     loaded, _ = from_pretrained(char_checkpoint, quantize="w8a8")
     assert precision_name(loaded) == "w8a8"
+
+
+@pytest.mark.parametrize("kind", ["int8/32", "int8/64", "int4"])
+@pytest.mark.parametrize("rows", [1, 16, 37])
+@pytest.mark.parametrize("out_features", [48, 40])
+def test_rounded_inputs_multiply_as_their_float64_products(kind, rows, out_features, simd):
+    """w8a8 and w4a8 modules against their function in float64, with each kernel: on the tile
+    unit (tiles_a8.h, the simd fixture's "amx"), else x rounded in torch and then the C loops
+    (8 rows or fewer) or the dequantized matmul. 16 rows are one tile of inputs, 37 two and a
+    part; 40 outputs two blocks of 16 weight rows and a part. A group of zeros (d = 0) and a
+    group with one large value."""
+    generator = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(192, out_features)
+    if kind == "int4":
+        module = Int4Linear.from_linear(linear)
+    else:
+        module = Int8Linear.from_linear(linear, int(kind.split("/")[1]))
+    module.round_inputs = True
+    x = 3 * torch.randn(rows, 192, generator=generator)
+    x[0, :32] = 0.0
+    x[-1, 64] = 40.0
+    with torch.inference_mode():
+        got = module(x)
+        on_tiles = kernels.matmul_a8(x, module.weight, module.scales, getattr(module, "mins", None))
+    assert (on_tiles is not None) == (simd == "amx")
+    want = rounded_product(module, x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -13,8 +13,8 @@ memory. A plain C shared object rather than a torch C++ extension: it builds in 
 instead of a minute, and needs no torch headers.
 
 One switch, the environment variable GLASSFORMER_KERNELS, read at import: `on` (the default:
-AVX-512 loops where the CPU has them, else AVX2, and int4 decode products on the tile unit
-where the CPU has AMX: amx.h), `avx512` (the AVX-512 loops without the tile unit), `avx2` (the
+AVX-512 loops where the CPU has them, else AVX2, and on the tile unit where the CPU has AMX:
+int4 decode products, amx.h, and w8a8/w4a8 products of many rows, tiles_a8.h), `avx512` (the AVX-512 loops without the tile unit), `avx2` (the
 AVX2 loops even on an AVX-512 CPU, so one machine can test every width) or `off` (`0` too:
 torch everywhere, as on a machine that cannot build the kernels).
 """
@@ -243,6 +243,48 @@ def matvec(
         )
     y = y.view(*x.shape[:-1], n_out)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def matmul_a8(
+    x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | None = None
+) -> Tensor | None:
+    """x (..., in) @ W.T for an int8 W (scale: (out, G)) or an int4 one (uint8, scale and mins)
+    whose inputs are rounded to int8 in groups of 32 first (w8a8 and w4a8: nn/quant.py's
+    round_to_int8), on the tile unit (tiles_a8.h): each group's products summed in integers.
+    None where that does not run here (no tile unit, a tensor off the CPU or not float32,
+    gradients, torch.compile's tracing): the caller rounds x and takes matvec."""
+    n_in, n_out = in_features(weight), weight.shape[0]
+    if (
+        torch.compiler.is_compiling()
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.shape[-1] != n_in
+        or n_in % 32
+        or _group_size(weight, scale) % 32
+        or not weight.is_contiguous()
+        or torch.is_grad_enabled()
+        or not amx()
+    ):
+        return None
+    x2d = x.reshape(-1, n_in).contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    if mins is not None:
+        mins = mins.to(torch.float32).contiguous()
+    y = torch.empty(x2d.shape[0], n_out)
+    done = library().matmul_a8(
+        x2d.data_ptr(),
+        x2d.shape[0],
+        weight.data_ptr(),
+        3 if weight.dtype == torch.uint8 else 2,  # step.h's Q4 and INT8
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        n_in,
+        n_out,
+        _group_size(weight, scale),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], n_out) if done else None
 
 
 @functools.cache

@@ -306,6 +306,7 @@ static char *thread_scratch(int64_t bytes) {
         free(scratch_memory);
         scratch_capacity = (bytes + 4095) / 4096 * 4096;
         scratch_memory = aligned_alloc(64, (size_t)scratch_capacity);
+        if (!scratch_memory) scratch_capacity = 0; /* none: asked again next time */
     }
     return scratch_memory;
 }

@@ -19,7 +19,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
 HEADERS = tuple(
-    HERE / name for name in ("simd.h", "groups.h", "a8.h", "amx.h", "attention.h", "step.h")
+    HERE / name
+    for name in ("simd.h", "groups.h", "a8.h", "amx.h", "tiles_a8.h", "attention.h", "step.h")
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
@@ -144,6 +145,10 @@ def load(avx512: bool, amx: bool = False) -> ctypes.CDLL:
     library.dequant_int8.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     library.dequant_q4.argtypes = [pointer] * 4 + [size] * 2 + [ctypes.c_int]
     library.dequant_int8.restype = library.dequant_q4.restype = None
+    # x, rows, weight, storage, scale, mins, in, out, group, y, n_threads -> 1 done, 0 not here
+    library.matmul_a8.argtypes = [pointer, size, pointer, size, pointer, pointer]
+    library.matmul_a8.argtypes += [size] * 3 + [pointer, ctypes.c_int]
+    library.matmul_a8.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
     library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n

@@ -35,9 +35,9 @@
  * kernels/step.py. glassformer_layout() hands the mirror every struct's size and every field's
  * offset and size as this compiler lays them out, and the step refuses to run when they differ:
  * one field out of order would be read as another. A query head's attention is attention.h's;
- * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's; an int4 one on
- * Intel's tile unit, amx.h's; the dot products
- * of each weight storage, simd.h's (fp32, bf16) and groups.h's (int8, int4).
+ * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's, or with many rows
+ * (TILES_A8_ROWS) on Intel's tile unit tiles_a8.h's; an int4 one on the tile unit, amx.h's; the
+ * dot products of each weight storage, simd.h's (fp32, bf16) and groups.h's (int8, int4).
  */
 #include <math.h>
 #include <omp.h>
@@ -50,6 +50,7 @@
 #include "groups.h"
 #include "simd.h"
 #include "step.h"
+#include "tiles_a8.h"
 
 /* --- pieces ---------------------------------------------------------------------------------- */
 
@@ -157,6 +158,17 @@ static void tile_dot(const Linear *L, int64_t o, int64_t w_rows, const float *x,
 static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows, float *y,
                    int accumulate) {
     if (L->round_inputs) {
+#if AMX
+        if (rows >= TILES_A8_ROWS && glassformer_amx() == 1) {
+            char *memory;
+#pragma omp single copyprivate(memory)
+            memory = thread_scratch(tiles_a8_bytes(L, rows)); /* one thread's, shared */
+            if (memory) {
+                tiles_a8(L, x, stride, rows, y, accumulate, memory);
+                return;
+            }
+        }
+#endif
         linear_a8(L, x, stride, rows, y, accumulate);
         return;
     }

@@ -17,9 +17,11 @@ are fp16).
 
 w8a8 and w4a8 (round_inputs) go one step further, as llama.cpp does: each module's input is
 rounded to int8 too, in groups of 32 columns (round_to_int8), so the decode step's products are
-integer sums (glassformer/kernels/a8.h) instead of a float conversion per weight. That changes
-the function computed (benchmarks/quantization.py measures by how much), so it is a precision
-of its own, never what int8 or int4 run.
+integer sums (glassformer/kernels/a8.h) instead of a float conversion per weight, and a prompt's
+many rows are products of int8 tiles on the CPU's tile unit where it has one (AMX:
+kernels/tiles_a8.h, kernels.matmul_a8), else rounded here and multiplied in floats. That
+changes the function computed (benchmarks/quantization.py measures by how much), so it is a
+precision of its own, never what int8 or int4 run.
 
 Shapes: O output features, K input features, G = K / group_size groups per row.
 """
@@ -126,9 +128,11 @@ class Int8Linear(nn.Module):
         return kernels.dequantize(self.weight, self.scales, torch.float32)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.round_inputs:
-            x = round_to_int8(x)
-        y = kernels.matvec(x, self.weight, self.scales)  # (..., O)
+        y = kernels.matmul_a8(x, self.weight, self.scales) if self.round_inputs else None
+        if y is None:  # weight-only, or no tile unit here: round x, then the float product
+            y = kernels.matvec(
+                round_to_int8(x) if self.round_inputs else x, self.weight, self.scales
+            )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -258,9 +262,10 @@ class Int4Linear(nn.Module):
         return kernels.dequantize(self.weight, self.scales, torch.float32, self.mins)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.round_inputs:
-            x = round_to_int8(x)
-        y = kernels.matvec(x, self.weight, self.scales, self.mins)  # (..., O)
+        y = kernels.matmul_a8(x, self.weight, self.scales, self.mins) if self.round_inputs else None
+        if y is None:
+            x = round_to_int8(x) if self.round_inputs else x
+            y = kernels.matvec(x, self.weight, self.scales, self.mins)  # (..., O)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

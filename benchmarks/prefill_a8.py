@@ -1,0 +1,142 @@
+"""w8a8 and w4a8 prefill on the tile unit (kernels/tiles_a8.h) against the path it replaced (x
+rounded in torch, then an fp32 matmul of the dequantized weights), side by side in one run on
+SmolLM2. Both compute the same function (x rounded to int8 in groups of 32, times the file's
+weights); the tile unit sums each group's products in integers.
+
+Three tables: each of a layer's four matrices alone at --tokens rows (GMAC/s, and each
+product's largest error against the float64 products); a whole 128-token prefill through the
+Engine; and a burst, --burst prompts of 128 tokens in one batched forward (what the server runs
+when many requests arrive at once). The tile unit is switched off the way GLASSFORMER_KERNELS=
+avx512 switches it off (the AVX-512 loops without AMX), round by round, so that the machine's
+other load hits both alike; figures are medians over --rounds.
+
+    python benchmarks/prefill_a8.py
+    python benchmarks/prefill_a8.py --json benchmarks/results/prefill_a8.json  # the docs'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import record  # benchmarks/record.py
+import torch
+
+from glassformer import kernels
+from glassformer.cli.common import DecodeOptions, load_for_decode
+from glassformer.infer.engine import Engine
+from glassformer.interop.pretrained import resolve
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import rounded_product  # the tests' float64 reference
+
+PATHS = {"tiles": "on", "torch": "avx512"}  # GLASSFORMER_KERNELS for each contestant
+
+
+def _ms(fn, calls: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def side_by_side(fn, rounds: int, calls: int = 1) -> dict[str, float]:
+    """Median ms of fn() on each path, the paths alternating round by round."""
+    times = {path: [] for path in PATHS}
+    for switch in PATHS.values():  # warm-up: each library built and loaded
+        with mock.patch.object(kernels, "SWITCH", switch):
+            fn()
+    for _ in range(rounds):
+        for path, switch in PATHS.items():
+            with mock.patch.object(kernels, "SWITCH", switch):
+                times[path].append(_ms(fn, calls))
+    return {path: statistics.median(v) for path, v in times.items()}
+
+
+def matrices(model, precision: str, tokens: int, rounds: int) -> list[dict]:
+    block = model.blocks[0]
+    layers = {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
+              "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
+    print(f"\n{precision}, {tokens} rows, one matrix at a time (GMAC/s, median of {rounds})")
+    print("| matrix | shape | tiles | torch | ratio | tiles error | torch error |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, layer in layers.items():
+        x = torch.randn(tokens, layer.in_features)
+        want = rounded_product(layer, x)
+        ms = side_by_side(lambda layer=layer, x=x: layer(x), rounds, calls=5)
+        error = {}
+        for path, switch in PATHS.items():
+            with mock.patch.object(kernels, "SWITCH", switch):
+                error[path] = (layer(x).double() - want).abs().max().item()
+        gmac = tokens * layer.in_features * layer.out_features / 1e9
+        rate = {path: gmac / (v / 1e3) for path, v in ms.items()}
+        print(f"| {name} | {(layer.out_features, layer.in_features)} | {rate['tiles']:.0f} | "
+              f"{rate['torch']:.0f} | {rate['tiles'] / rate['torch']:.2f}x | "
+              f"{error['tiles']:.1e} | {error['torch']:.1e} |")  # fmt: skip
+        rows.append({"precision": precision, "tokens": tokens, "matrix": name,
+                     "shape": [layer.out_features, layer.in_features],
+                     "tiles_gmac_s": rate["tiles"], "torch_gmac_s": rate["torch"],
+                     "tiles_error": error["tiles"], "torch_error": error["torch"]})  # fmt: skip
+    return rows
+
+
+def whole(model, tokenizer, precision: str, burst: int, rounds: int) -> dict:
+    engine = Engine(model, tokenizer=tokenizer)
+    prompt = list(range(1000, 1128))
+
+    def prefill():
+        engine.cancel(engine.add(prompt))  # the prefill and the first token
+
+    # `burst` distinct 128-token prompts in one batched forward, as the server's burst prefill
+    ids = torch.arange(1000, 1128).repeat(burst, 1) + torch.arange(burst)[:, None]
+    positions = torch.arange(128).expand(burst, 128)
+
+    def batched():
+        cache = model.new_cache(burst, 256)
+        model(ids, positions, cache=cache, last_token_only=True)
+
+    one = side_by_side(prefill, rounds)
+    many = side_by_side(batched, max(3, rounds // 3))
+    print(f"\n{precision}: ms, median of {rounds} (the burst: of {max(3, rounds // 3)})")
+    print(f"  one 128-token prompt:  tiles {one['tiles']:6.1f}  torch {one['torch']:6.1f}  "
+          f"{one['torch'] / one['tiles']:.2f}x")  # fmt: skip
+    print(f"  {burst} x 128 in one forward: tiles {many['tiles']:6.1f}  "
+          f"torch {many['torch']:6.1f}  {many['torch'] / many['tiles']:.2f}x")  # fmt: skip
+    return {"precision": precision, "prompt_ms": one, "burst": burst, "burst_ms": many}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--precisions", nargs="+", default=["w8a8", "w4a8"])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--burst", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write every row here (benchmarks/results/)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if not kernels.amx():
+        raise SystemExit("no AMX tile unit here (kernels.amx() is False): nothing to compare")
+    rows, prefills = [], []
+    for precision in args.precisions:
+        options = DecodeOptions(threads=args.threads, quantize=precision)
+        model, tokenizer = load_for_decode(str(resolve("smollm2")), options, "prefill_a8")
+        with torch.inference_mode():
+            rows += matrices(model, precision, args.tokens, args.rounds)
+            prefills.append(whole(model, tokenizer, precision, args.burst, args.rounds))
+    if args.json:
+        fields = {"model": "SmolLM2-135M", "rounds": args.rounds, "matrices": rows}
+        record.write(args.json, args.threads, {**fields, "prefill": prefills})
+
+
+if __name__ == "__main__":
+    main()
