@@ -296,6 +296,38 @@ def prefill_matmul(result: dict) -> list[str]:
     return markdown(header, rows)
 
 
+def prefill_a8(result: dict) -> list[str]:
+    """w8a8/w4a8 on the tile unit against x rounded in torch and an fp32 matmul: each matrix,
+    then one prompt's prefill and a burst of prompts in one forward."""
+    rows = []
+    for r in result["matrices"]:
+        shape, tiles, torch_ = tuple(r["shape"]), r["tiles_gmac_s"], r["torch_gmac_s"]
+        rows.append(
+            [
+                f"{r['precision']} {r['matrix']} {shape}, {r['tokens']} rows",
+                f"{tiles:.0f} GMAC/s",
+                f"{torch_:.0f} GMAC/s",
+                f"{tiles / torch_:.2f}x",
+                f"{r['tiles_error']:.1e} / {r['torch_error']:.1e}",
+            ]
+        )
+    for p in result["prefill"]:
+        for what, ms in (("one 128-token prompt", p["prompt_ms"]),
+                         (f"{p['burst']} x 128 tokens in one forward", p["burst_ms"])):  # fmt: skip
+            rows.append(
+                [
+                    f"{p['precision']} prefill, {what}",
+                    f"{ms['tiles']:.1f} ms",
+                    f"{ms['torch']:.1f} ms",
+                    f"{ms['torch'] / ms['tiles']:.2f}x",
+                    "",
+                ]
+            )
+    header = ["product", "tile unit (tiles_a8.h)", "x rounded, fp32 matmul", "speed-up"]
+    header += ["error vs float64: tiles / fp32"]
+    return markdown(header, rows, "-:::-")
+
+
 # --- benchmarks/kv_cache.py, quantization.py ---------------------------------------------------
 
 
@@ -623,6 +655,7 @@ TABLES = {
     "step-bandwidth-avx2": Table("step_bandwidth_avx2.json", step_bandwidth),
     "huge-pages": Table("huge_pages.json", huge_pages),
     "prefill-matmul": Table("prefill_matmul.json", prefill_matmul),
+    "prefill-a8": Table("prefill_a8.json", prefill_a8),
     "kv-cache": Table("kv_cache.json", kv_cache),
     "kv-dtype": Table("kv_dtype.json", kv_dtype),
     "quantization": Table("quantization.json", quantization),

@@ -14,9 +14,10 @@ instead of a minute, and needs no torch headers.
 
 One switch, the environment variable GLASSFORMER_KERNELS, read at import: `on` (the default:
 AVX-512 loops where the CPU has them, else AVX2, and on the tile unit where the CPU has AMX:
-int4 decode products, amx.h, and w8a8/w4a8 products of many rows, tiles_a8.h), `avx512` (the AVX-512 loops without the tile unit), `avx2` (the
-AVX2 loops even on an AVX-512 CPU, so one machine can test every width) or `off` (`0` too:
-torch everywhere, as on a machine that cannot build the kernels).
+int4 decode products, amx.h, and w8a8/w4a8 products of many rows, tiles_a8.h), `avx512` (the
+AVX-512 loops without the tile unit), `avx2` (the AVX2 loops even on an AVX-512 CPU, so one
+machine can test every width) or `off` (`0` too: torch everywhere, as on a machine that cannot
+build the kernels).
 """
 
 from __future__ import annotations
