@@ -12,6 +12,7 @@ import ctypes
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import SWITCH_FOR, needs_kernels, rounded_product, tiny_model
 
 from glassformer import kernels
@@ -400,8 +401,9 @@ def test_each_projection_matches_its_module_on_the_same_input(d_model, bits, row
     # one row and a tile of inputs and a rest. a8.h takes int4 rows 4 groups of 32 at a time
     # (AVX2: 2) and int8 rows 2 (AVX2: 1), in pairs of chunks, then one whole chunk and a part
     # where they are left: widths of 7 and 9 groups (d_model) and 5 and 13 (d_ff) take each.
-    # 19 rows of rounded inputs go to the tile unit where it runs (tiles_a8.h), as the module's
-    # own forward does: both are held to the float64 products (rounded_product).
+    # 19 rows of int8 or int4 weights go to the tile unit where it runs (tiles_a8.h for
+    # rounded inputs, tiles_split.h for float ones), as the module's own forward does: both
+    # are held to the float64 products too.
     _projections_match(d_model, bits, rows)
 
 
@@ -456,8 +458,12 @@ def _projections_match(d_model, bits, rows):
             want = module(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         if getattr(module, "round_inputs", False):
-            exact = rounded_product(module, x).float()
-            torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+            exact = rounded_product(module, x)
+        else:  # the weights the module holds, in float64
+            weight = module.dequantize() if hasattr(module, "dequantize") else module.weight
+            exact = F.linear(x.double(), weight.double().detach())
+            exact = exact if module.bias is None else exact + module.bias.double()
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
 
 
 def _int4_products(switch, module, x, monkeypatch):

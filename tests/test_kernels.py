@@ -162,6 +162,7 @@ def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(
     else:
         weight, scale = quantize_groupwise(w, None if kind == "int8 per row" else 32)
         mins = None
+    monkeypatch.setattr(kernels, "amx", lambda: False)  # the slices even on an AMX CPU
     x = torch.randn(2, 9, 64)  # (batch, time, in): leading dims kept
     with torch.no_grad():
         assert not kernels.can_use(x, weight, scale) and kernels._can_slice(x, weight, scale)
@@ -169,6 +170,37 @@ def test_many_rows_dequantize_slice_by_slice_like_the_whole_matrix(
     want = F.linear(x.double(), kernels.dequantize(weight, scale, torch.float64, mins))
     assert got.shape == (2, 9, 23) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8 per row", "int8 groups of 32", "int8 groups of 64", "int4"])
+@pytest.mark.parametrize("rows", [9, 16, 37])
+@pytest.mark.parametrize("out_features", [40, 48])
+def test_many_rows_of_quantized_weights_equal_the_float64_products(kind, rows, out_features, simd):
+    """Prefill's int8 and int4 products: on an AMX CPU (the simd fixture's "amx") through the
+    tile unit's bf16 products, x in three exact bf16 pieces (tiles_split.h), elsewhere the
+    dequantized slices; both against float64, element by element within 2e-6 of sum |w x| (an
+    fp32 dot product's rounding; leaving out x's third piece, an error of 2^-16 of each x,
+    fails it). 16 rows are one tile of inputs, 37 two and a part, 40 outputs two blocks of 16
+    and a part; rows of inputs from 1e-3 to 1e3, and a chunk of zeros."""
+    from glassformer.nn.quant import quantize_groupwise, quantize_q4
+
+    torch.manual_seed(rows + out_features)
+    w = torch.randn(out_features, 192)
+    if kind == "int4":
+        weight, scale, mins = quantize_q4(w)
+    else:
+        group = {"int8 per row": None, "int8 groups of 32": 32, "int8 groups of 64": 64}[kind]
+        (weight, scale), mins = quantize_groupwise(w, group), None
+    x = torch.randn(rows, 192) * torch.logspace(-3, 3, rows)[:, None]
+    x[0, 32:64] = 0.0
+    with torch.no_grad():
+        got = kernels.matvec(x, weight, scale, mins)
+        tiles = kernels._on_tiles("matmul_split", x, weight, scale, mins)
+    assert (tiles is not None) == (simd == "amx")
+    dequantized = kernels.dequantize(weight, scale, torch.float64, mins)
+    want = F.linear(x.double(), dequantized)
+    bound = 2e-6 * F.linear(x.double().abs(), dequantized.abs())
+    assert ((got.double() - want).abs() <= bound).all()
 
 
 def test_fast_linears_multiply_in_fp32_on_onednn(monkeypatch):

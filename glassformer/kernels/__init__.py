@@ -2,10 +2,12 @@
 
 `matvec(x, weight, scale, mins)` computes x @ weight.T (int8: times group scales; int4: packed
 nibbles times group scales plus group mins) with the C loops in matvec.c when the input has few
-rows and the CPU has AVX2/FMA. Many rows (prefill) go to oneDNN's fp32 matmul (`linear`), an
-int8 or int4 weight one dequantized slice at a time (the C loop fills a small reused buffer);
-anything else (other CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized
-weight, which is also the reference the tests hold the kernels to.
+rows and the CPU has AVX2/FMA. Many rows (prefill) of an int8 or int4 weight go to the tile
+unit's bf16 products where the CPU has AMX (x in three exact bf16 pieces: tiles_split.h), else
+to an fp32 matmul (`linear`: oneDNN's or MKL's) one dequantized slice at a time (the C loop
+fills a small reused buffer), as fp32 weights' many rows do whole; anything else (other
+CPUs, no C compiler, GPUs) goes to torch's F.linear on the dequantized weight, which is also
+the reference the tests hold the kernels to.
 
 The C files are compiled on first use with the system C compiler into a cache folder keyed by
 the sources, flags and CPU (~1 s; kernels/build.py), and called through ctypes on the tensors'
@@ -209,8 +211,9 @@ def matvec(
         # torch.compile cannot trace a ctypes call: it sees one opaque op instead (below).
         return matvec_op(x, weight, scale, mins)
     if not can_use(x, weight, scale):
-        if _can_slice(x, weight, scale):
-            return _matmul_by_slices(x, weight, scale, mins)
+        if _can_slice(x, weight, scale):  # many rows of an int8 or int4 weight (prefill)
+            y = _on_tiles("matmul_split", x, weight, scale, mins)  # the tile unit, else slices
+            return y if y is not None else _matmul_by_slices(x, weight, scale, mins)
         return linear(x, dequantize(weight, scale, x.dtype, mins))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
@@ -254,6 +257,15 @@ def matmul_a8(
     round_to_int8), on the tile unit (tiles_a8.h): each group's products summed in integers.
     None where that does not run here (no tile unit, a tensor off the CPU or not float32,
     gradients, torch.compile's tracing): the caller rounds x and takes matvec."""
+    return _on_tiles("matmul_a8", x, weight, scale, mins)
+
+
+def _on_tiles(
+    entry: str, x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | None
+) -> Tensor | None:
+    """x (..., in) @ W.T for an int8 or int4 W through the tile unit's `entry` (matmul_a8:
+    inputs rounded to int8; matmul_split: float inputs, tiles_split.h), or None where it does
+    not run here."""
     n_in, n_out = in_features(weight), weight.shape[0]
     if (
         torch.compiler.is_compiling()
@@ -272,7 +284,7 @@ def matmul_a8(
     if mins is not None:
         mins = mins.to(torch.float32).contiguous()
     y = torch.empty(x2d.shape[0], n_out)
-    done = library().matmul_a8(
+    done = getattr(library(), entry)(
         x2d.data_ptr(),
         x2d.shape[0],
         weight.data_ptr(),

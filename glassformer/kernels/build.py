@@ -20,17 +20,22 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "matvec.c", HERE / "decode.c")  # built into one library
 HEADERS = tuple(
     HERE / name
-    for name in ("simd.h", "groups.h", "a8.h", "amx.h", "tiles_a8.h", "attention.h", "step.h")
+    for name in (
+        *("simd.h", "groups.h", "a8.h", "amx.h"),
+        *("tiles_a8.h", "tiles_split.h", "attention.h", "step.h"),
+    )
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has them
 VNNI_FLAGS = ("-mavx512vnni",)  # a8.h's byte dot products in one instruction, where it has those
-AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-DGLASSFORMER_AMX")  # amx.h's int4 products
+# the tile unit: amx.h's int4 products, tiles_a8.h's byte ones, tiles_split.h's bf16 ones
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16", "-DGLASSFORMER_AMX")
 
 
 def has_amx() -> bool:
-    """Whether the CPU has the tile unit with byte products (Intel Xeons from Sapphire Rapids)."""
-    return {"amx_tile", "amx_int8", "avx512f", "avx512bw"} <= cpu_flags()
+    """Whether the CPU has the tile unit with byte and bf16 products (Intel Xeons from Sapphire
+    Rapids on)."""
+    return {"amx_tile", "amx_int8", "amx_bf16", "avx512f", "avx512bw"} <= cpu_flags()
 
 
 def cpu_flags() -> set[str]:
@@ -149,6 +154,8 @@ def load(avx512: bool, amx: bool = False) -> ctypes.CDLL:
     library.matmul_a8.argtypes = [pointer, size, pointer, size, pointer, pointer]
     library.matmul_a8.argtypes += [size] * 3 + [pointer, ctypes.c_int]
     library.matmul_a8.restype = ctypes.c_int
+    library.matmul_split.argtypes = library.matmul_a8.argtypes  # the same arguments
+    library.matmul_split.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
     library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n

@@ -36,8 +36,10 @@
  * offset and size as this compiler lays them out, and the step refuses to run when they differ:
  * one field out of order would be read as another. A query head's attention is attention.h's;
  * a projection whose inputs are rounded to int8 first (w8a8, w4a8), a8.h's, or with many rows
- * (TILES_A8_ROWS) on Intel's tile unit tiles_a8.h's; an int4 one on the tile unit, amx.h's; the
- * dot products of each weight storage, simd.h's (fp32, bf16) and groups.h's (int8, int4).
+ * (TILES_A8_ROWS) on Intel's tile unit tiles_a8.h's; an int8 or int4 one with many rows
+ * (TILES_SPLIT_ROWS) on its bf16 products, tiles_split.h's, and an int4 one with fewer on its
+ * byte products, amx.h's; the dot products of each weight storage, simd.h's (fp32, bf16) and
+ * groups.h's (int8, int4).
  */
 #include <math.h>
 #include <omp.h>
@@ -51,6 +53,7 @@
 #include "simd.h"
 #include "step.h"
 #include "tiles_a8.h"
+#include "tiles_split.h"
 
 /* --- pieces ---------------------------------------------------------------------------------- */
 
@@ -173,6 +176,17 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         return;
     }
 #if AMX
+    if (((L->storage == INT8 && rows >= TILES_SPLIT_ROWS) ||
+         (L->storage == Q4 && rows >= TILES_SPLIT_Q4_ROWS)) &&
+        glassformer_amx() == 1) {
+        char *memory;
+#pragma omp single copyprivate(memory)
+        memory = split_memory(split_inputs_bytes(rows, L->in)); /* one thread's, shared */
+        if (memory) {
+            tiles_split(L, x, stride, rows, y, accumulate, memory);
+            return;
+        }
+    }
     if (L->packed && glassformer_amx() == 1) { /* int4 on the tile unit */
         linear_amx(L, x, stride, rows, y, accumulate);
         return;

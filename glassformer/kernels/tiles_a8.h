@@ -23,7 +23,7 @@
  * machine's fp32 peak (8 prompts of 128 tokens, SmolLM2 w8a8: 700 of 1,120 ms), while the
  * function computed takes its inputs in int8 anyway (llama.cpp's Q8_0 prefill multiplies int8
  * by int8 as well). Here the four matrices of a layer ran at 3.5-4.7x the GMAC/s
- * (benchmarks/prefill_a8.py). What bounds it now, one thread on a 1024 x 576 x 1536 product
+ * (benchmarks/prefill_tiles.py). What bounds it now, one thread on a 1024 x 576 x 1536 product
  * (3.5 ms, each part left out in turn): the unit's stores of its sums and the float work on
  * them, about 1.3 ms each; the products 0.7; rounding x and writing y 0.8.
  */

@@ -6,7 +6,9 @@ max|w| / 127 over a group of weights. With one group per output row (per-channel
 outlier input column costs its whole row precision; groups of `group_size` columns (64 by
 default; 32 is llama.cpp's Q8_0) bound that damage to one group for 4 more bytes per group.
 Activations stay float: the int8 rows are turned back into floats inside the matrix-vector kernel
-(glassformer/kernels), or dequantized for a plain matmul when many rows come at once (prefill).
+(glassformer/kernels), or, when many rows come at once (prefill), multiplied on the tile unit's
+bf16 products with x in three exact bf16 pieces (AMX: kernels/tiles_split.h), else dequantized
+a slice at a time for an fp32 matmul: the same function each way, in another order.
 
 int4 (Int4Linear) is asymmetric, llama.cpp's Q4_1: each group of 32 weights keeps a float scale
 and a float min, w ~= scale * q + min with q in 0..15 (scale = (max - min) / 15, min = the

@@ -1,7 +1,9 @@
-"""w8a8 and w4a8 prefill on the tile unit (kernels/tiles_a8.h) against the path it replaced (x
-rounded in torch, then an fp32 matmul of the dequantized weights), side by side in one run on
-SmolLM2. Both compute the same function (x rounded to int8 in groups of 32, times the file's
-weights); the tile unit sums each group's products in integers.
+"""Prefill's products of int8 and int4 weights on the tile unit against the paths they replaced,
+side by side in one run on SmolLM2. int8 and int4 (float inputs): the tile unit's bf16
+products with x in three exact bf16 pieces (kernels/tiles_split.h) against an fp32 matmul of
+the weights dequantized a slice at a time; w8a8 and w4a8 (inputs rounded to int8): its byte
+products, each group's sums in integers (kernels/tiles_a8.h), against x rounded in torch and
+then that fp32 matmul. Each pair computes the same function, in another order.
 
 Three tables: each of a layer's four matrices alone at --tokens rows (GMAC/s, and each
 product's largest error against the float64 products); a whole 128-token prefill through the
@@ -10,8 +12,8 @@ when many requests arrive at once). The tile unit is switched off the way GLASSF
 avx512 switches it off (the AVX-512 loops without AMX), round by round, so that the machine's
 other load hits both alike; figures are medians over --rounds.
 
-    python benchmarks/prefill_a8.py
-    python benchmarks/prefill_a8.py --json benchmarks/results/prefill_a8.json  # the docs'
+    python benchmarks/prefill_tiles.py
+    python benchmarks/prefill_tiles.py --json benchmarks/results/prefill_tiles.json  # the docs'
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from glassformer.infer.engine import Engine
 from glassformer.interop.pretrained import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import rounded_product  # the tests' float64 reference
+from conftest import rounded_product  # the tests' float64 reference for rounded inputs
 
 PATHS = {"tiles": "on", "torch": "avx512"}  # GLASSFORMER_KERNELS for each contestant
 
@@ -70,7 +72,10 @@ def matrices(model, precision: str, tokens: int, rounds: int) -> list[dict]:
     rows = []
     for name, layer in layers.items():
         x = torch.randn(tokens, layer.in_features)
-        want = rounded_product(layer, x)
+        if layer.round_inputs:
+            want = rounded_product(layer, x)
+        else:
+            want = x.double() @ layer.dequantize().double().T
         ms = side_by_side(lambda layer=layer, x=x: layer(x), rounds, calls=5)
         error = {}
         for path, switch in PATHS.items():
@@ -115,7 +120,7 @@ def whole(model, tokenizer, precision: str, burst: int, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--precisions", nargs="+", default=["w8a8", "w4a8"])
+    parser.add_argument("--precisions", nargs="+", default=["int8", "int4", "w8a8", "w4a8"])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--burst", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=9)
@@ -129,7 +134,7 @@ def main() -> None:
     rows, prefills = [], []
     for precision in args.precisions:
         options = DecodeOptions(threads=args.threads, quantize=precision)
-        model, tokenizer = load_for_decode(str(resolve("smollm2")), options, "prefill_a8")
+        model, tokenizer = load_for_decode(str(resolve("smollm2")), options, "prefill_tiles")
         with torch.inference_mode():
             rows += matrices(model, precision, args.tokens, args.rounds)
             prefills.append(whole(model, tokenizer, precision, args.burst, args.rounds))
