@@ -212,7 +212,7 @@ def matvec(
         return matvec_op(x, weight, scale, mins)
     if not can_use(x, weight, scale):
         if _can_slice(x, weight, scale):  # many rows of an int8 or int4 weight (prefill)
-            y = _on_tiles("matmul_split", x, weight, scale, mins)  # the tile unit, else slices
+            y = _on_tiles(False, x, weight, scale, mins)  # the tile unit, else slices
             return y if y is not None else _matmul_by_slices(x, weight, scale, mins)
         return linear(x, dequantize(weight, scale, x.dtype, mins))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
@@ -257,15 +257,14 @@ def matmul_a8(
     round_to_int8), on the tile unit (tiles_a8.h): each group's products summed in integers.
     None where that does not run here (no tile unit, a tensor off the CPU or not float32,
     gradients, torch.compile's tracing): the caller rounds x and takes matvec."""
-    return _on_tiles("matmul_a8", x, weight, scale, mins)
+    return _on_tiles(True, x, weight, scale, mins)
 
 
 def _on_tiles(
-    entry: str, x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | None
+    round_inputs: bool, x: Tensor, weight: Tensor, scale: Tensor, mins: Tensor | None
 ) -> Tensor | None:
-    """x (..., in) @ W.T for an int8 or int4 W through the tile unit's `entry` (matmul_a8:
-    inputs rounded to int8; matmul_split: float inputs, tiles_split.h), or None where it does
-    not run here."""
+    """x (..., in) @ W.T for an int8 or int4 W on the tile unit (matmul_tiles: x rounded to int8
+    first, tiles_a8.h, or not, tiles_split.h), or None where that does not run here."""
     n_in, n_out = in_features(weight), weight.shape[0]
     if (
         torch.compiler.is_compiling()
@@ -284,7 +283,7 @@ def _on_tiles(
     if mins is not None:
         mins = mins.to(torch.float32).contiguous()
     y = torch.empty(x2d.shape[0], n_out)
-    done = getattr(library(), entry)(
+    done = library().matmul_tiles(
         x2d.data_ptr(),
         x2d.shape[0],
         weight.data_ptr(),
@@ -294,6 +293,7 @@ def _on_tiles(
         n_in,
         n_out,
         _group_size(weight, scale),
+        int(round_inputs),
         y.data_ptr(),
         torch.get_num_threads(),
     )

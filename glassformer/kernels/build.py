@@ -150,12 +150,11 @@ def load(avx512: bool, amx: bool = False) -> ctypes.CDLL:
     library.dequant_int8.argtypes = [pointer] * 3 + [size] * 3 + [ctypes.c_int]
     library.dequant_q4.argtypes = [pointer] * 4 + [size] * 2 + [ctypes.c_int]
     library.dequant_int8.restype = library.dequant_q4.restype = None
-    # x, rows, weight, storage, scale, mins, in, out, group, y, n_threads -> 1 done, 0 not here
-    library.matmul_a8.argtypes = [pointer, size, pointer, size, pointer, pointer]
-    library.matmul_a8.argtypes += [size] * 3 + [pointer, ctypes.c_int]
-    library.matmul_a8.restype = ctypes.c_int
-    library.matmul_split.argtypes = library.matmul_a8.argtypes  # the same arguments
-    library.matmul_split.restype = ctypes.c_int
+    # x, rows, weight, storage, scale, mins, in, out, group, round_inputs, y, n_threads -> 1
+    # done, 0 not here
+    library.matmul_tiles.argtypes = [pointer, size, pointer, size, pointer, pointer]
+    library.matmul_tiles.argtypes += [size] * 4 + [pointer, ctypes.c_int]
+    library.matmul_tiles.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]  # x, rows, n, out
     library.argmax_rows.restype = size  # the rows holding a NaN
     library.all_finite.argtypes = [pointer, size]  # x, n

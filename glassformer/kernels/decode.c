@@ -165,7 +165,7 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         if (rows >= TILES_A8_ROWS && glassformer_amx() == 1) {
             char *memory;
 #pragma omp single copyprivate(memory)
-            memory = thread_scratch(tiles_a8_bytes(L, rows)); /* one thread's, shared */
+            memory = tiles_memory(tiles_a8_bytes(L, rows)); /* one thread's, shared */
             if (memory) {
                 tiles_a8(L, x, stride, rows, y, accumulate, memory);
                 return;
@@ -181,7 +181,7 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         glassformer_amx() == 1) {
         char *memory;
 #pragma omp single copyprivate(memory)
-        memory = split_memory(split_inputs_bytes(rows, L->in)); /* one thread's, shared */
+        memory = tiles_memory(split_inputs_bytes(rows, L->in)); /* one thread's, shared */
         if (memory) {
             tiles_split(L, x, stride, rows, y, accumulate, memory);
             return;

@@ -114,6 +114,41 @@ static inline void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+/* sum[n] (weight row 16 b + n, across inputs 16 t..) plus the bias into y[m][16 b + n] (+=
+ * with accumulate), turned by a 16 x 16 transpose into rows of y; rows past the matrix's last
+ * and inputs past the last are not stored */
+static inline void store_sums(const Linear *L, __m512 sum[16], int64_t b, int64_t t,
+                              int64_t rows, float *y, int accumulate) {
+    const int64_t first = 16 * b, count = L->out - first < 16 ? L->out - first : 16;
+    if (L->bias)
+        for (int64_t n = 0; n < count; ++n)
+            sum[n] = _mm512_add_ps(sum[n], _mm512_set1_ps(L->bias[first + n]));
+    transpose16(sum); /* sum[m]: input 16 t + m's 16 outputs */
+    const __mmask16 valid = (__mmask16)((1u << count) - 1);
+    for (int64_t m = 0; m < 16 && 16 * t + m < rows; ++m) {
+        float *out = y + (16 * t + m) * L->out + first;
+        const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(valid, out), sum[m]) : sum[m];
+        _mm512_mask_storeu_ps(out, valid, v);
+    }
+}
+
+/* The calling thread's memory for a tile kernel's inputs, which its whole team reads: grown
+ * on demand and kept from call to call (fresh memory each call took a page fault per 4 KB: an
+ * int4 matrix's unpacked blocks, 0.46 against 0.24 ms for int8's); apart from thread_scratch,
+ * which each thread keeps for itself. NULL where it cannot be had. Hand it to the team as a
+ * plain pointer: inside a parallel region each thread would read its own. */
+static char *tiles_memory(int64_t bytes) {
+    static _Thread_local char *kept;
+    static _Thread_local int64_t capacity;
+    if (bytes > capacity) {
+        free(kept);
+        capacity = (bytes + 4095) / 4096 * 4096;
+        kept = aligned_alloc(64, (size_t)capacity);
+        if (!kept) capacity = 0;
+    }
+    return kept;
+}
+
 /* The tiles, two sets used in turn (group g's in set g % 2, so that the unit multiplies the
  * next group while the last one's sums are scaled): 0 and 3 a group of 16 weight rows (16 x 32
  * bytes), 1 and 4 a group of 16 inputs (8 x 64 bytes in VNNI order), 2 and 5 their sums (16 x
@@ -218,16 +253,7 @@ static void tiles_a8_block(const Linear *L, const int8_t *w, int64_t b,
             tiles_a8_scale(L, C[(g - 1) % 2], X, at - 1, g - 1, scale_of, mins_of, per_scale, sum);
     }
     tiles_a8_scale(L, C[(G - 1) % 2], X, t * G + G - 1, G - 1, scale_of, mins_of, per_scale, sum);
-    if (L->bias)
-        for (int64_t n = 0; n < count; ++n)
-            sum[n] = _mm512_add_ps(sum[n], _mm512_set1_ps(L->bias[first + n]));
-    transpose16(sum); /* sum[m]: input 16 t + m's 16 outputs */
-    const __mmask16 valid = (__mmask16)((1u << count) - 1);
-    for (int64_t m = 0; m < 16 && 16 * t + m < rows; ++m) {
-        float *out = y + (16 * t + m) * L->out + first;
-        const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(valid, out), sum[m]) : sum[m];
-        _mm512_mask_storeu_ps(out, valid, v);
-    }
+    store_sums(L, sum, b, t, rows, y, accumulate);
 }
 
 /* y (rows, out) (+)= L(x) for `rows` inputs x[r] = x + r * stride, rounded to int8 (w8a8,
@@ -260,31 +286,5 @@ static void tiles_a8(const Linear *L, const float *x, int64_t stride, int64_t ro
     }
 }
 #endif
-
-/* tiles_a8 as an entry point: y (rows, out) = x (rows, in) through an int8 or int4 weight with
- * rounded inputs (storage INT8 with `group` columns a scale, or Q4 with scale and mins, as a
- * Linear holds them). Returns 1, or 0 from a library built without the tile unit, or where
- * Linux refused it its registers, or without the memory for x's tiles: the caller computes
- * y its own way. */
-int matmul_a8(const float *x, int64_t rows, const void *weight, int64_t storage,
-              const float *scale, const float *mins, int64_t in, int64_t out, int64_t group,
-              float *y, int n_threads) {
-#if AMX
-    if (glassformer_amx() != 1) return 0;
-    const Linear L = {.weight = weight, .scale = scale, .mins = mins, .in = in, .out = out,
-                      .group = group, .storage = storage, .round_inputs = 1};
-    /* the calling thread's scratch, kept from call to call: fresh memory each call took a page
-     * fault per 4 KB (an int4 matrix's unpacked blocks: 0.46 against 0.24 ms for int8's) */
-    char *memory = thread_scratch(tiles_a8_bytes(&L, rows));
-    if (!memory) return 0;
-#pragma omp parallel num_threads(n_threads)
-    tiles_a8(&L, x, in, rows, y, 0, memory);
-    return 1;
-#else
-    (void)x, (void)rows, (void)weight, (void)storage, (void)scale, (void)mins, (void)in;
-    (void)out, (void)group, (void)y, (void)n_threads;
-    return 0;
-#endif
-}
 
 #endif

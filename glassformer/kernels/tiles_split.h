@@ -19,16 +19,17 @@
  *   int8:  y += s C                       int4:  y += s C + m sum_k x_k
  *
  * per scale group, in floats: fp32 arithmetic as an fp32 matmul of the dequantized weights,
- * in another order (tests/test_fused.py and test_int4.py hold it to the float64 products).
+ * in another order (tests/test_kernels.py and test_fused.py hold it to the float64 products).
  *
  * Layout. The A operand is a block of 16 weight rows as bf16, a chunk's 32 columns (64 bytes)
- * a row, converted into the thread's scratch for each run of inputs; x is the B operand in the unit's
- * VNNI order, per tile of 16 inputs, chunk and piece 16 rows of 64 bytes, row kk holding each
- * input's pair (x[2kk], x[2kk + 1]) as two bf16.
+ * a row, converted into the thread's scratch for each run of inputs; x is the B operand in
+ * the unit's VNNI order, per tile of 16 inputs, chunk and piece 16 rows of 64 bytes, row kk
+ * holding each input's pair (x[2kk], x[2kk + 1]) as two bf16.
  *
  * Why: prefill's products for int8 and int4 were fp32 matmuls of the weights dequantized a
- * slice at a time, near the cores' fp32 peak (benchmarks/prefill_matmul.py); the bf16 unit
- * does 32 products a row of 16 in one instruction.
+ * slice at a time, near the cores' fp32 peak; the bf16 unit does 32 products for each of 16
+ * by 16 pairs in one instruction. SmolLM2's four matrices at 128 rows: int8 1.8-2.3x the
+ * GMAC/s, int4 1.4-1.6x (benchmarks/prefill_tiles.py).
  */
 #ifndef GLASSFORMER_TILES_SPLIT_H
 #define GLASSFORMER_TILES_SPLIT_H
@@ -183,30 +184,7 @@ static void split_block(const Linear *L, const uint16_t *w, int64_t b, const Spl
             }
         }
     }
-    if (L->bias)
-        for (int64_t n = 0; n < count; ++n)
-            sum[n] = _mm512_add_ps(sum[n], _mm512_set1_ps(L->bias[first + n]));
-    transpose16(sum);
-    const __mmask16 valid = (__mmask16)((1u << count) - 1);
-    for (int64_t m = 0; m < 16 && 16 * t + m < rows; ++m) {
-        float *out = y + (16 * t + m) * L->out + first;
-        const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(valid, out), sum[m]) : sum[m];
-        _mm512_mask_storeu_ps(out, valid, v);
-    }
-}
-
-/* The calling thread's memory for tiles_split, grown on demand and kept from call to call
- * (fresh memory each call took a page fault per 4 KB). NULL where it cannot be had. */
-static char *split_memory(int64_t bytes) {
-    static _Thread_local char *kept;
-    static _Thread_local int64_t capacity;
-    if (bytes > capacity) {
-        free(kept);
-        capacity = (bytes + 4095) / 4096 * 4096;
-        kept = aligned_alloc(64, (size_t)capacity);
-        if (!kept) capacity = 0;
-    }
-    return kept;
+    store_sums(L, sum, b, t, rows, y, accumulate);
 }
 
 /* Tiles of inputs taken together against each block of weights: 8 (128 inputs, their pieces
@@ -243,27 +221,30 @@ static void tiles_split(const Linear *L, const float *x, int64_t stride, int64_t
 }
 #endif
 
-/* tiles_split as an entry point: y (rows, out) = x (rows, in) through an int8 (`group` columns
- * a scale, a multiple of 32) or int4 weight. Returns 1, or 0 where the tile unit does not run
- * (as matmul_a8) or the memory for x's pieces could not be had: the caller computes y its own
- * way. */
-int matmul_split(const float *x, int64_t rows, const void *weight, int64_t storage,
+/* The tile kernels as one entry point: y (rows, out) = x (rows, in) through an int8 (`group`
+ * columns a scale, a multiple of 32) or int4 weight (storage INT8 or Q4, scale and mins as a
+ * Linear holds them), x rounded to int8 first (round_inputs: w8a8, w4a8; tiles_a8) or not
+ * (tiles_split). Returns 1, or 0 from a library built without the tile unit, or where Linux
+ * refused it its registers, or without the memory for x's tiles: the caller computes y its
+ * own way. */
+int matmul_tiles(const float *x, int64_t rows, const void *weight, int64_t storage,
                  const float *scale, const float *mins, int64_t in, int64_t out, int64_t group,
-                 float *y, int n_threads) {
+                 int64_t round_inputs, float *y, int n_threads) {
 #if AMX
     if (glassformer_amx() != 1) return 0;
     const Linear L = {.weight = weight, .scale = scale, .mins = mins, .in = in, .out = out,
-                      .group = group, .storage = storage};
-    /* handed to the team as a plain pointer: inside the parallel region each thread would
-     * read its own thread-local one */
-    char *memory = split_memory(split_inputs_bytes(rows, in));
+                      .group = group, .storage = storage, .round_inputs = round_inputs};
+    char *memory = tiles_memory(round_inputs ? tiles_a8_bytes(&L, rows) : split_inputs_bytes(rows, in));
     if (!memory) return 0;
 #pragma omp parallel num_threads(n_threads)
-    tiles_split(&L, x, in, rows, y, 0, memory);
+    {
+        if (round_inputs) tiles_a8(&L, x, in, rows, y, 0, memory);
+        else tiles_split(&L, x, in, rows, y, 0, memory);
+    }
     return 1;
 #else
     (void)x, (void)rows, (void)weight, (void)storage, (void)scale, (void)mins, (void)in;
-    (void)out, (void)group, (void)y, (void)n_threads;
+    (void)out, (void)group, (void)round_inputs, (void)y, (void)n_threads;
     return 0;
 #endif
 }
