@@ -40,10 +40,15 @@ def _ms(fn, calls: int = 1) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def matrices(model, tokens: int, rounds: int) -> list[dict]:
+def layer_matrices(model) -> dict:
+    """The four matrices of a layer (SmolLM2's first block), by name: the prefill benchmarks'."""
     block = model.blocks[0]
-    layers = {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
-              "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
+    return {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
+            "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
+
+
+def matrices(model, tokens: int, rounds: int) -> list[dict]:
+    layers = layer_matrices(model)
     print(f"\n{tokens} rows, one matrix at a time (GFLOP/s, median of {rounds}; error vs fp64)")
     print("| matrix | shape | MKL | oneDNN | ratio | MKL error | oneDNN error |")
     print("|---|---|---|---|---|---|---|")

@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -30,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import record  # benchmarks/record.py
 import torch
+from prefill_matmul import _ms, layer_matrices  # benchmarks/prefill_matmul.py
 
 from glassformer import kernels
 from glassformer.cli.common import DecodeOptions, load_for_decode
@@ -40,13 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import rounded_product  # the tests' float64 reference for rounded inputs
 
 PATHS = {"tiles": "on", "torch": "avx512"}  # GLASSFORMER_KERNELS for each contestant
-
-
-def _ms(fn, calls: int = 1) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def side_by_side(fn, rounds: int, calls: int = 1) -> dict[str, float]:
@@ -63,9 +56,7 @@ def side_by_side(fn, rounds: int, calls: int = 1) -> dict[str, float]:
 
 
 def matrices(model, precision: str, tokens: int, rounds: int) -> list[dict]:
-    block = model.blocks[0]
-    layers = {"qkv": block.attn.qkv_proj, "out": block.attn.out_proj,
-              "gate/up": block.ffn.gate_up, "down": block.ffn.down}  # fmt: skip
+    layers = layer_matrices(model)
     print(f"\n{precision}, {tokens} rows, one matrix at a time (GMAC/s, median of {rounds})")
     print("| matrix | shape | tiles | torch | ratio | tiles error | torch error |")
     print("|---|---|---|---|---|---|---|")
