@@ -197,6 +197,14 @@ static void linear(const Linear *L, const float *x, int64_t stride, int64_t rows
         for (int64_t r = 0; r < rows; ++r) bf16_order(x + r * stride, ordered + r * L->in, L->in);
         x = ordered, stride = L->in;
     }
+#if Q4_PREPARED /* AVX2: each thread its own copy of x as dot_q4 takes it (groups.h) */
+    if (L->storage == Q4) {
+        const int64_t prepared = q4_prepared_floats(L->in);
+        float *own = (float *)thread_scratch(rows * prepared * (int64_t)sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) q4_prepare(x + r * stride, L->in, own + r * prepared);
+        x = own, stride = prepared;
+    }
+#endif
     if (rows == 1) {
         if (L->storage == Q4) one_input(L, x, y, accumulate, Q4, 32);
         else if (L->storage == F32) one_input(L, x, y, accumulate, F32, L->group);

@@ -140,8 +140,8 @@ static inline __attribute__((always_inline)) void dot_int8_tile(
  * one (GGUF's order), each weight scale * q + min with q in 0..15 and one scale and one min per
  * group. A row's dot product with x is the plain one with those dequantized weights: a group's
  * 16 possible values are a table, table[q] = scale * q + min (one FMA, the rounding of
- * matvec.c's dequant_q4), and its nibbles pick from it (AVX-512's vpermps; AVX2 computes the
- * same FMA per weight). Before, the dot was scale * (q . x) + min * sum(x) group by group: a
+ * matvec.c's dequant_q4), and its nibbles pick from it (AVX-512's vpermps; AVX2, without the
+ * table, sums the products another way: below). Before, the dot was scale * (q . x) + min * sum(x) group by group: a
  * third vector operation per input and group in the batched tile, and x's group sums with a
  * barrier before every batched int4 product: 32 rows of SmolLM2 Q4_1 step in 72.8-74.2 against
  * 81.4-85.8 ms, one row 4.79-4.83 against 4.64-4.99 ms (3 pairs in alternation). */
@@ -160,6 +160,8 @@ static inline void q4_prefetch_groups(const float *scale_row, const float *min_r
     prefetch_floats(min_row + Q4_AHEAD * n, n);
 }
 
+#if LANES == 16
+#define Q4_PREPARED 0 /* dot_q4 takes x as it is */
 /* total + w_g . x_g for group g's dequantized weights, lane by lane */
 static inline vec q4_add(const vec w[Q4_VECS], const float *x_row, int64_t g, vec total) {
     for (int i = 0; i < Q4_VECS; ++i)
@@ -213,5 +215,124 @@ static inline __attribute__((always_inline)) void dot_q4_tile(
         }
     for (int r = 0; r < R; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
 }
+
+#else
+/* AVX2 has no 16-entry table: its lanes hold 8 floats, and turning every weight into scale * q +
+ * min cost 14 of a group's 18 vector operations on the two ports that also run the FMAs (two
+ * shifts, four conversions, four FMAs for the weights, four for the products), so an int4 step
+ * took 0.48-0.75 of a read of its bytes (benchmarks/step_bandwidth.py). Here the dot is
+ * scale * (q . x) + min * sum(x) group by group, the same sum of the same dequantized weights'
+ * products in another order, and the nibbles become floats without a shift: a byte masked with
+ * 0xf0 is 16 times its high nibble, exactly, and meets x / 16 (q4_prepare), so each product is
+ * q x itself. A group: two widening loads, four masks, four conversions, four FMAs and the
+ * scale's one; the mins' term is one FMA per 8 groups with x's group sums (q4_mins). */
+#define Q4_PREPARED 1 /* dot_q4 takes x as q4_prepare leaves it */
+
+/* Floats q4_prepare writes for `in` inputs: x's in values, then its in / 32 group sums padded
+ * with zeros to whole vectors. */
+static inline int64_t q4_prepared_floats(int64_t in) {
+    return in + (in / 32 + LANES - 1) / LANES * LANES;
+}
+
+/* x as dot_q4 takes it: each group's first 16 values as they are, its last 16 times 1/16 (a
+ * power of two: exact, but for values below 2^-122, which lose bits as subnormals), then the
+ * groups' sums of x as it was. */
+static inline void q4_prepare(const float *x, int64_t in, float *out) {
+    const int64_t n = in / 32, padded = q4_prepared_floats(in) - in;
+    const vec sixteenth = vec_set1(0.0625f);
+    for (int64_t g = 0; g < n; ++g) {
+        const float *v = x + 32 * g;
+        const vec a = vec_load(v), b = vec_load(v + 8), c = vec_load(v + 16), d = vec_load(v + 24);
+        vec_store(out + 32 * g, a);
+        vec_store(out + 32 * g + 8, b);
+        vec_store(out + 32 * g + 16, vec_mul(c, sixteenth));
+        vec_store(out + 32 * g + 24, vec_mul(d, sixteenth));
+        out[in + g] = vec_sum(vec_add(vec_add(a, b), vec_add(c, d)));
+    }
+    for (int64_t g = n; g < padded; ++g) out[in + g] = 0.0f;
+}
+
+/* Group g's nibbles as floats: weights 0-15 their q, weights 16-31 16 q (see above) */
+static inline void q4_ints(const uint8_t *w_row, int64_t g, vec q[4]) {
+    if (g % 4 == 0) prefetch_ahead(w_row + 16 * g); /* one line: four groups */
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w_row + 16 * g)));
+    const __m256i second =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w_row + 16 * g + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));   /* weights 0-7 */
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));  /* 8-15 */
+    q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(first, high));  /* 16-23, times 16 */
+    q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(second, high)); /* 24-31, times 16 */
+}
+
+/* total + scale_g * (q_g . x_g), x prepared */
+static inline vec q4_scaled(const vec q[4], const float *x, int64_t g, float scale, vec total) {
+    const float *v = x + 32 * g;
+    vec p = vec_mul(q[0], vec_load(v));
+    for (int i = 1; i < 4; ++i) p = vec_fma(q[i], vec_load(v + 8 * i), p);
+    return vec_fma(p, vec_set1(scale), total);
+}
+
+/* sum_g min_g * sum(x_g) in lanes, from x's prepared group sums (zeros past the last group) */
+static inline vec q4_mins(const float *min_row, const float *sums, int64_t n) {
+    vec acc = vec_zero();
+    int64_t g = 0;
+    for (; g + LANES <= n; g += LANES) acc = vec_fma(vec_load(min_row + g), vec_load(sums + g), acc);
+    if (g < n) { /* the last groups: the row's mins end here */
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g)), lane);
+        acc = vec_fma(_mm256_maskload_ps(min_row + g, mask), vec_load(sums + g), acc);
+    }
+    return acc;
+}
+
+static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
+                         const float *min_row, int64_t in) {
+    vec total[IN_FLIGHT], q[4];
+    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
+    const int64_t n = in / 32;
+    q4_prefetch_groups(scale_row, min_row, n);
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT) /* k a constant: the totals stay in registers */
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_ints(w_row, g + k, q);
+            total[k] = q4_scaled(q, x_row, g + k, scale_row[g + k], total[k]);
+        }
+    for (int k = 0; k < IN_FLIGHT; ++k)
+        if (g + k < n) {
+            q4_ints(w_row, g + k, q);
+            total[k] = q4_scaled(q, x_row, g + k, scale_row[g + k], total[k]);
+        }
+    return vec_add(sum_in_flight(total), q4_mins(min_row, x_row + in, n));
+}
+
+/* dot_q4 of one weight row with R prepared inputs (x + r * x_stride), each group's nibbles
+ * converted once for all of them; out[r] is bit for bit what dot_q4 gives it alone. */
+static inline __attribute__((always_inline)) void dot_q4_tile(
+    const uint8_t *w_row, const float *x, int64_t x_stride, const float *scale_row,
+    const float *min_row, int64_t in, const int R, float *out) {
+    vec total[MAX_TILE][IN_FLIGHT], q[4];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
+    const int64_t n = in / 32;
+    int64_t g = 0;
+    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
+        for (int k = 0; k < IN_FLIGHT; ++k) {
+            q4_ints(w_row, g + k, q);
+            for (int r = 0; r < R; ++r)
+                total[r][k] = q4_scaled(q, x + r * x_stride, g + k, scale_row[g + k], total[r][k]);
+        }
+    for (int k = 0; k < IN_FLIGHT; ++k)
+        if (g + k < n) {
+            q4_ints(w_row, g + k, q);
+            for (int r = 0; r < R; ++r)
+                total[r][k] = q4_scaled(q, x + r * x_stride, g + k, scale_row[g + k], total[r][k]);
+        }
+    for (int r = 0; r < R; ++r) {
+        const float *xr = x + r * x_stride;
+        out[r] = vec_sum(vec_add(sum_in_flight(total[r]), q4_mins(min_row, xr + in, n)));
+    }
+}
+#endif
 
 #endif

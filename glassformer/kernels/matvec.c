@@ -61,15 +61,37 @@ void matvec_bf16(const float *x, const uint16_t *w, const float *scale, float *y
 }
 
 /* int4 (groups.h's dot_q4): w is (out, in / 2) bytes, scale and mins (out, in / 32). `in` must
- * be a multiple of 32. */
-void matvec_q4(const float *x, const uint8_t *w, const float *scale, const float *mins, float *y,
-               int64_t rows, int64_t in, int64_t out, int n_threads) {
+ * be a multiple of 32. x's rows are `stride` floats apart, as dot_q4 takes them. */
+static void q4_rows(const float *x, int64_t stride, const uint8_t *w, const float *scale,
+                    const float *mins, float *y, int64_t rows, int64_t in, int64_t out,
+                    int n_threads) {
     const int64_t n_groups = in / 32;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t o = 0; o < out; ++o)
         for (int64_t b = 0; b < rows; ++b)
-            y[b * out + o] = vec_sum(dot_q4(w + o * (in / 2), x + b * in, scale + o * n_groups,
-                                            mins + o * n_groups, in));
+            y[b * out + o] = vec_sum(dot_q4(w + o * (in / 2), x + b * stride,
+                                            scale + o * n_groups, mins + o * n_groups, in));
+}
+
+void matvec_q4(const float *x, const uint8_t *w, const float *scale, const float *mins, float *y,
+               int64_t rows, int64_t in, int64_t out, int n_threads) {
+#if Q4_PREPARED /* AVX2: x's rows put as dot_q4 takes them (groups.h) once for all rows of w */
+    const int64_t n = q4_prepared_floats(in);
+    float *prepared = aligned_alloc(64, (size_t)((rows * n * 4 + 63) / 64 * 64));
+    if (!prepared) { /* no memory for every row at once: one row at a time, on the stack */
+        float row[n];
+        for (int64_t b = 0; b < rows; ++b) {
+            q4_prepare(x + b * in, in, row);
+            q4_rows(row, n, w, scale, mins, y + b * out, 1, in, out, n_threads);
+        }
+        return;
+    }
+    for (int64_t b = 0; b < rows; ++b) q4_prepare(x + b * in, in, prepared + b * n);
+    q4_rows(prepared, n, w, scale, mins, y, rows, in, out, n_threads);
+    free(prepared);
+#else
+    q4_rows(x, in, w, scale, mins, y, rows, in, out, n_threads);
+#endif
 }
 
 /* Dequantization for matrix-matrix products (prefill): rows [0, rows) of an int8 or int4
