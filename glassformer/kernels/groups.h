@@ -138,13 +138,14 @@ static inline __attribute__((always_inline)) void dot_int8_tile(
 /* int4 rows (GGUF's Q4_0 / Q4_1 / Q4_K, glassformer/nn/quant.py's Int4Linear): a group of 32
  * weights in 16 bytes, byte j holding weight j in its low nibble and weight j + 16 in its high
  * one (GGUF's order), each weight scale * q + min with q in 0..15 and one scale and one min per
- * group. A row's dot product with x is the plain one with those dequantized weights: a group's
- * 16 possible values are a table, table[q] = scale * q + min (one FMA, the rounding of
- * matvec.c's dequant_q4), and its nibbles pick from it (AVX-512's vpermps; AVX2, without the
- * table, sums the products another way: below). Before, the dot was scale * (q . x) + min * sum(x) group by group: a
- * third vector operation per input and group in the batched tile, and x's group sums with a
- * barrier before every batched int4 product: 32 rows of SmolLM2 Q4_1 step in 72.8-74.2 against
- * 81.4-85.8 ms, one row 4.79-4.83 against 4.64-4.99 ms (3 pairs in alternation). */
+ * group. A row's dot product with x is the plain one with those dequantized weights. With
+ * AVX-512 a group's 16 possible values are a table, table[q] = scale * q + min (one FMA, the
+ * rounding of matvec.c's dequant_q4), and its nibbles pick from it (vpermps); AVX2 has no such
+ * table and sums the same products another way (below). The table replaced scale * (q . x) +
+ * min * sum(x) group by group on AVX-512: a third vector operation per input and group in the
+ * batched tile, and x's group sums with a barrier before every batched int4 product: 32 rows of
+ * SmolLM2 Q4_1 step in 72.8-74.2 against 81.4-85.8 ms, one row 4.79-4.83 against 4.64-4.99 ms
+ * (3 pairs in alternation). */
 static inline void q4_weights(const uint8_t *w_row, int64_t g, const float *scale_row,
                               const float *min_row, vec w[Q4_VECS]) {
     if (g % 4 == 0) prefetch_ahead(w_row + 16 * g); /* one line: four groups */
@@ -160,62 +161,33 @@ static inline void q4_prefetch_groups(const float *scale_row, const float *min_r
     prefetch_floats(min_row + Q4_AHEAD * n, n);
 }
 
+/* How a group of 32 weights meets x, per SIMD width: q4_group loads group g as the products take
+ * it, q4_products adds its products with one input to a running total, q4_finish turns a row's
+ * totals into its dot product in lanes. dot_q4 and dot_q4_tile below are the same loops for
+ * both widths. */
 #if LANES == 16
 #define Q4_PREPARED 0 /* dot_q4 takes x as it is */
-/* total + w_g . x_g for group g's dequantized weights, lane by lane */
-static inline vec q4_add(const vec w[Q4_VECS], const float *x_row, int64_t g, vec total) {
+
+/* the group's weights, dequantized (q4_weights above) */
+static inline void q4_group(const uint8_t *w_row, int64_t g, const float *scale_row,
+                            const float *min_row, vec w[Q4_VECS]) {
+    q4_weights(w_row, g, scale_row, min_row, w);
+}
+
+/* total + w_g . x_g, lane by lane */
+static inline vec q4_products(const vec w[Q4_VECS], const float *x_row, int64_t g,
+                              const float *scale_row, vec total) {
+    (void)scale_row; /* in the weights already */
     for (int i = 0; i < Q4_VECS; ++i)
         total = vec_fma(w[i], vec_load(x_row + 32 * g + i * LANES), total);
     return total;
 }
 
-static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
-                         const float *min_row, int64_t in) {
-    vec total[IN_FLIGHT], w[Q4_VECS];
-    for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
-    const int64_t n = in / 32;
-    q4_prefetch_groups(scale_row, min_row, n);
-    int64_t g = 0;
-    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
-        for (int k = 0; k < IN_FLIGHT; ++k) {
-            q4_weights(w_row, g + k, scale_row, min_row, w);
-            total[k] = q4_add(w, x_row, g + k, total[k]);
-        }
-    for (int k = 0; k < IN_FLIGHT; ++k)
-        if (g + k < n) {
-            q4_weights(w_row, g + k, scale_row, min_row, w);
-            total[k] = q4_add(w, x_row, g + k, total[k]);
-        }
+static inline vec q4_finish(const vec total[IN_FLIGHT], const float *min_row, const float *x_row,
+                            int64_t in) {
+    (void)min_row, (void)x_row, (void)in; /* the mins too */
     return sum_in_flight(total);
 }
-
-/* dot_q4 of one weight row with R inputs (x + r * x_stride, R up to MAX_TILE) into out[r]:
- * each group's weights are dequantized once for all of them (unpacking, not reading, is what a
- * 4-bit dot costs), and each input's sums run in dot_q4's order, so out[r] is bit for bit what
- * dot_q4 gives it alone. Inlined with R a constant. */
-static inline __attribute__((always_inline)) void dot_q4_tile(
-    const uint8_t *w_row, const float *x, int64_t x_stride, const float *scale_row,
-    const float *min_row, int64_t in, const int R, float *out) {
-    vec total[MAX_TILE][IN_FLIGHT], w[Q4_VECS];
-    for (int r = 0; r < R; ++r)
-        for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
-    const int64_t n = in / 32;
-    int64_t g = 0;
-    for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
-        for (int k = 0; k < IN_FLIGHT; ++k) {
-            q4_weights(w_row, g + k, scale_row, min_row, w);
-            for (int r = 0; r < R; ++r)
-                total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
-        }
-    for (int k = 0; k < IN_FLIGHT; ++k)
-        if (g + k < n) {
-            q4_weights(w_row, g + k, scale_row, min_row, w);
-            for (int r = 0; r < R; ++r)
-                total[r][k] = q4_add(w, x + r * x_stride, g + k, total[r][k]);
-        }
-    for (int r = 0; r < R; ++r) out[r] = vec_sum(sum_in_flight(total[r]));
-}
-
 #else
 /* AVX2 has no 16-entry table: its lanes hold 8 floats, and turning every weight into scale * q +
  * min cost 14 of a group's 18 vector operations on the two ports that also run the FMAs (two
@@ -253,11 +225,13 @@ static inline void q4_prepare(const float *x, int64_t in, float *out) {
 }
 
 /* Group g's nibbles as floats: weights 0-15 their q, weights 16-31 16 q (see above) */
-static inline void q4_ints(const uint8_t *w_row, int64_t g, vec q[4]) {
+static inline void q4_group(const uint8_t *w_row, int64_t g, const float *scale_row,
+                            const float *min_row, vec q[Q4_VECS]) {
+    (void)scale_row, (void)min_row; /* q4_products and q4_finish take them */
     if (g % 4 == 0) prefetch_ahead(w_row + 16 * g); /* one line: four groups */
-    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w_row + 16 * g)));
-    const __m256i second =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w_row + 16 * g + 8)));
+    const uint8_t *bytes = w_row + 16 * g;
+    const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)));
     const __m256i low = _mm256_set1_epi32(0x0f), high = _mm256_set1_epi32(0xf0);
     q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));   /* weights 0-7 */
     q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));  /* 8-15 */
@@ -266,18 +240,20 @@ static inline void q4_ints(const uint8_t *w_row, int64_t g, vec q[4]) {
 }
 
 /* total + scale_g * (q_g . x_g), x prepared */
-static inline vec q4_scaled(const vec q[4], const float *x, int64_t g, float scale, vec total) {
-    const float *v = x + 32 * g;
+static inline vec q4_products(const vec q[Q4_VECS], const float *x_row, int64_t g,
+                              const float *scale_row, vec total) {
+    const float *v = x_row + 32 * g;
     vec p = vec_mul(q[0], vec_load(v));
-    for (int i = 1; i < 4; ++i) p = vec_fma(q[i], vec_load(v + 8 * i), p);
-    return vec_fma(p, vec_set1(scale), total);
+    for (int i = 1; i < Q4_VECS; ++i) p = vec_fma(q[i], vec_load(v + 8 * i), p);
+    return vec_fma(p, vec_set1(scale_row[g]), total);
 }
 
 /* sum_g min_g * sum(x_g) in lanes, from x's prepared group sums (zeros past the last group) */
 static inline vec q4_mins(const float *min_row, const float *sums, int64_t n) {
     vec acc = vec_zero();
     int64_t g = 0;
-    for (; g + LANES <= n; g += LANES) acc = vec_fma(vec_load(min_row + g), vec_load(sums + g), acc);
+    for (; g + LANES <= n; g += LANES)
+        acc = vec_fma(vec_load(min_row + g), vec_load(sums + g), acc);
     if (g < n) { /* the last groups: the row's mins end here */
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - g)), lane);
@@ -286,53 +262,58 @@ static inline vec q4_mins(const float *min_row, const float *sums, int64_t n) {
     return acc;
 }
 
+static inline vec q4_finish(const vec total[IN_FLIGHT], const float *min_row, const float *x_row,
+                            int64_t in) {
+    return vec_add(sum_in_flight(total), q4_mins(min_row, x_row + in, in / 32));
+}
+#endif
+
 static inline vec dot_q4(const uint8_t *w_row, const float *x_row, const float *scale_row,
                          const float *min_row, int64_t in) {
-    vec total[IN_FLIGHT], q[4];
+    vec total[IN_FLIGHT], w[Q4_VECS];
     for (int k = 0; k < IN_FLIGHT; ++k) total[k] = vec_zero();
     const int64_t n = in / 32;
     q4_prefetch_groups(scale_row, min_row, n);
     int64_t g = 0;
     for (; g + IN_FLIGHT <= n; g += IN_FLIGHT) /* k a constant: the totals stay in registers */
         for (int k = 0; k < IN_FLIGHT; ++k) {
-            q4_ints(w_row, g + k, q);
-            total[k] = q4_scaled(q, x_row, g + k, scale_row[g + k], total[k]);
+            q4_group(w_row, g + k, scale_row, min_row, w);
+            total[k] = q4_products(w, x_row, g + k, scale_row, total[k]);
         }
     for (int k = 0; k < IN_FLIGHT; ++k)
         if (g + k < n) {
-            q4_ints(w_row, g + k, q);
-            total[k] = q4_scaled(q, x_row, g + k, scale_row[g + k], total[k]);
+            q4_group(w_row, g + k, scale_row, min_row, w);
+            total[k] = q4_products(w, x_row, g + k, scale_row, total[k]);
         }
-    return vec_add(sum_in_flight(total), q4_mins(min_row, x_row + in, n));
+    return q4_finish(total, min_row, x_row, in);
 }
 
-/* dot_q4 of one weight row with R prepared inputs (x + r * x_stride), each group's nibbles
- * converted once for all of them; out[r] is bit for bit what dot_q4 gives it alone. */
+/* dot_q4 of one weight row with R inputs (x + r * x_stride, R up to MAX_TILE) into out[r]:
+ * each group is loaded (unpacked, converted) once for all of them (unpacking, not reading, is
+ * what a 4-bit dot costs), and each input's sums run in dot_q4's order, so out[r] is bit for
+ * bit what dot_q4 gives it alone. Inlined with R a constant. */
 static inline __attribute__((always_inline)) void dot_q4_tile(
     const uint8_t *w_row, const float *x, int64_t x_stride, const float *scale_row,
     const float *min_row, int64_t in, const int R, float *out) {
-    vec total[MAX_TILE][IN_FLIGHT], q[4];
+    vec total[MAX_TILE][IN_FLIGHT], w[Q4_VECS];
     for (int r = 0; r < R; ++r)
         for (int k = 0; k < IN_FLIGHT; ++k) total[r][k] = vec_zero();
     const int64_t n = in / 32;
     int64_t g = 0;
     for (; g + IN_FLIGHT <= n; g += IN_FLIGHT)
         for (int k = 0; k < IN_FLIGHT; ++k) {
-            q4_ints(w_row, g + k, q);
+            q4_group(w_row, g + k, scale_row, min_row, w);
             for (int r = 0; r < R; ++r)
-                total[r][k] = q4_scaled(q, x + r * x_stride, g + k, scale_row[g + k], total[r][k]);
+                total[r][k] = q4_products(w, x + r * x_stride, g + k, scale_row, total[r][k]);
         }
     for (int k = 0; k < IN_FLIGHT; ++k)
         if (g + k < n) {
-            q4_ints(w_row, g + k, q);
+            q4_group(w_row, g + k, scale_row, min_row, w);
             for (int r = 0; r < R; ++r)
-                total[r][k] = q4_scaled(q, x + r * x_stride, g + k, scale_row[g + k], total[r][k]);
+                total[r][k] = q4_products(w, x + r * x_stride, g + k, scale_row, total[r][k]);
         }
-    for (int r = 0; r < R; ++r) {
-        const float *xr = x + r * x_stride;
-        out[r] = vec_sum(vec_add(sum_in_flight(total[r]), q4_mins(min_row, xr + in, n)));
-    }
+    for (int r = 0; r < R; ++r)
+        out[r] = vec_sum(q4_finish(total[r], min_row, x + r * x_stride, in));
 }
-#endif
 
 #endif
