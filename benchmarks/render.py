@@ -565,6 +565,20 @@ def serve_peer_short(result: dict, precision: str = "int4") -> list[str]:
     return markdown(head, rows, "-::::")
 
 
+def client_cpu(result: dict) -> list[str]:
+    rows = []
+    for r in result["rows"]:
+        spent = f"{r['client_cpu_ms']:.2f}" if "client_cpu_ms" in r else ""
+        rows.append([r["client"], f"{r['decode_tok_s']:.1f}", f"{r['vs_engine']:.0%}", spent])
+    header = ["reader", "decode tok/s", "of the engine's", "its measured CPU ms a token"]
+    m = result["machine"]
+    run = (
+        f"`{result['command']}` ({result['date'][:10]}; {m['cpu']}, {m['threads']} threads; "
+        f"{result['model']}, {result['new_tokens']} new tokens, median of {result['runs']} runs)"
+    )
+    return [*markdown(header, rows, "-:::"), "", f"Measured by {run}."]
+
+
 def serve_prefill_chunks(result: dict) -> list[str]:
     lines = [
         result["command"],
@@ -668,6 +682,7 @@ TABLES = {
     "serve-peer-int4": Table("serve_peer.json", serve_peer_short),
     "serve-peer-256": Table("serve_peer_256.json", serve_peer),
     "serve-peer-one-client": Table("serve_peer_one_client.json", serve_peer),
+    "client-cpu": Table("client_cpu.json", client_cpu),
     "serve-peer-one-client-1-thread": Table("serve_peer_one_client_1thread.json", serve_peer),
     "finetune-quality": Table("finetune_quality.json", finetune_quality),
     "rag-indexing": Table("rag.json", rag_indexing),

@@ -120,11 +120,12 @@ async def stream(client, server: Server, prompt: str, new_tokens: int, extra: di
     }
 
 
-def bare_stream(server: Server, prompt: str, new_tokens: int) -> float:
+def bare_stream(server: Server, prompt: str, new_tokens: int, burn_ms: float = 0.0) -> float:
     """One streamed completion read by a client that costs next to no CPU (http.client, one
     json.loads an event): its decode tokens/s, as stream() reckons it. The openai client spends
     a fraction of a millisecond of CPU on each event, on the same 2 cores as the step's threads;
-    this one leaves the server's own cost."""
+    this one leaves the server's own cost. burn_ms > 0 spends that much CPU on each token
+    (benchmarks/client_cpu.py: what a client's CPU costs on these cores)."""
     host, port = server.url.removeprefix("http://").split(":")
     body = {"model": server.model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
@@ -141,6 +142,9 @@ def bare_stream(server: Server, prompt: str, new_tokens: int) -> float:
         now, event = time.perf_counter(), json.loads(line[6:])
         if event["choices"] and event["choices"][0]["text"]:
             arrivals.append(now)
+            until = time.process_time() + burn_ms / 1000
+            while time.process_time() < until:
+                pass
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
     connection.close()
