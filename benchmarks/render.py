@@ -569,7 +569,8 @@ def client_cpu(result: dict) -> list[str]:
     rows = []
     for r in result["rows"]:
         spent = f"{r['client_cpu_ms']:.2f}" if "client_cpu_ms" in r else ""
-        rows.append([r["client"], f"{r['decode_tok_s']:.1f}", f"{r['vs_engine']:.0%}", spent])
+        share = f"{r['vs_engine']:.0%}" if r["vs_engine"] is not None else "(its own engine)"
+        rows.append([r["client"], f"{r['decode_tok_s']:.1f}", share, spent])
     header = ["reader", "decode tok/s", "of the engine's", "its measured CPU ms a token"]
     m = result["machine"]
     run = (
