@@ -70,6 +70,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *parts: str) -> s
         (["--port", "70000"], "argument --port: 70000 is not a port"),
         (["--port", "0"], "argument --port: 0 is not a port"),
         (["--prefix-cache-mb", "-1"], "argument --prefix-cache-mb: -1 must be >= 0"),
+        (["--prompt-store-mb", "-1"], "argument --prompt-store-mb: -1 must be >= 0"),
         (["--max-batch", "0"], "argument --max-batch: 0 must be >= 1"),
         (["--request-timeout", "-1"], "argument --request-timeout: -1 must be a finite number"),
         (["--request-timeout", "nan"], "argument --request-timeout: nan must be a finite number"),

@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=api_key,
         max_seq_len=args.max_seq_len,
         prefix_cache_bytes=args.prefix_cache_mb * 2**20,
+        prompt_store_bytes=args.prompt_store_mb * 2**20,
         min_shared_prefix=args.min_shared_prefix,
         thinking_budget=thinking.get("thinking_budget"),
         request_timeout_s=args.request_timeout or None,
@@ -244,6 +245,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="KV-cache MiB that finished requests may keep parked for their next turn and for "
         "other prompts that start the same way (default 256; 0 parks nothing)",
+    )
+    p.add_argument(
+        "--prompt-store-mb",
+        type=non_negative_int,
+        default=1024,
+        help="MiB of keys/values that parked requests leave behind when their slots are needed, "
+        "kept in memory for later prompts that start the same way (llama-server's --cache-ram; "
+        "default 1024; 0 keeps none)",
     )
     p.add_argument(
         "--min-shared-prefix",

@@ -47,7 +47,7 @@ from glassformer.infer.fused import FusedStep
 from glassformer.infer.huge_pages import advise_in_place, to_huge_pages
 from glassformer.infer.loops import Loops
 from glassformer.infer.prefill import Pending, Prefills, check_budget
-from glassformer.infer.reuse import Reuse
+from glassformer.infer.reuse import Reuse, SavedPrefix
 from glassformer.infer.rows import (
     GenerationResult,
     GenerationStats,
@@ -210,6 +210,7 @@ class Engine(Loops, Prefills, Reuse):
         keep_cache: bool = False,
         continues: Row | None = None,
         prefix_from: Row | None = None,
+        prefix_saved: SavedPrefix | None = None,
     ) -> Row:
         """Prefill a prompt into a free slot and sample its first token; returns its Row. With
         a prefill_chunk budget the row only takes its slot: step() prefills it.
@@ -220,16 +221,20 @@ class Engine(Loops, Prefills, Reuse):
         prefix_from: a row holding a slot (running, prefilling or parked) whose keys/values
             begin like the prompt: the prefix they share (held_tokens) is copied into the new
             row's slot and only the rest is prefilled; the source row goes on unchanged.
+        prefix_saved: keys/values a row left behind (save_prefix): the prefix they share with
+            the prompt is copied into the new row's slot, as prefix_from's.
         on_full_context: when a row fills its slot, "stop", or "shift" (keep the window's
             second half as context and go on).
         """
         row = self._new_row(prompt_ids, params, on_full_context, keep_cache)
-        if continues is not None and prefix_from is not None:
-            raise ValueError("give continues= or prefix_from=, not both")
+        if sum(source is not None for source in (continues, prefix_from, prefix_saved)) > 1:
+            raise ValueError("give one of continues=, prefix_from= and prefix_saved=")
         if continues is not None:
             cached = self._resume(row, continues)
         elif prefix_from is not None:
             cached = self._copy_prefix(row, prefix_from)
+        elif prefix_saved is not None:
+            cached = self._load_prefix(row, prefix_saved)
         else:
             self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
             cached = 0

@@ -7,8 +7,26 @@ keys depend only on the tokens up to it. Either way only the rest of the prompt 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torch import Tensor
+
 from glassformer.infer.prefill import Pending
 from glassformer.infer.rows import Row, common_prefix_length
+
+
+@dataclass
+class SavedPrefix:
+    """Keys/values of `tokens`, position by position, out of any slot (Engine.save_prefix):
+    a row that gave up its slot, kept for later prompts that begin like it (add's
+    prefix_saved=)."""
+
+    tokens: list[int]
+    tensors: list[Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
 
 
 class Reuse:
@@ -41,6 +59,28 @@ class Reuse:
         self._swap(parked.slot, self.n_held)  # the first parked slot, behind the pending rows
         self._place(row, self.n_held)
         parked.slot = -1
+        return shared
+
+    def save_prefix(self, row: Row) -> SavedPrefix | None:
+        """What the row's slot holds (held_tokens and their keys/values), copied out of it;
+        None where keys/values cannot be shared (shares_prefixes) or the slot holds none."""
+        tokens = self.held_tokens(row)
+        if not self.shares_prefixes or not tokens:
+            return None
+        return SavedPrefix(tokens, self.cache.save_positions(row.slot, len(tokens)))
+
+    def _load_prefix(self, row: Row, saved: SavedPrefix) -> int:
+        """Give a new row a slot holding the keys/values it shares with `saved`; returns how
+        many positions, always leaving one token to prefill (as _copy_prefix)."""
+        if not self.shares_prefixes:
+            raise ValueError(
+                f"prefix_saved= needs a cache that holds position p in slot p; "
+                f"{type(self.cache).__name__} does not: add the prompt without it"
+            )
+        self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
+        shared = min(common_prefix_length(saved.tokens, row.prompt), len(row.prompt) - 1)
+        if shared > 0:
+            self.cache.load_positions(saved.tensors, row.slot, shared)
         return shared
 
     @property

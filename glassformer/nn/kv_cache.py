@@ -139,6 +139,17 @@ class _SlotCache:
         for to, held in pairs:
             to.copy_(held)
 
+    def save_positions(self, row: int, n_positions: int) -> list[Tensor]:
+        """Copies of row's first n_positions keys/values, out of the slots: what the server's
+        prompt store keeps of a row that gives up its slot (llama-server's --cache-ram)."""
+        return [held.clone() for held in self._held(row, n_positions)]
+
+    def load_positions(self, saved: list[Tensor], target: int, n_positions: int) -> None:
+        """Row target's first n_positions keys/values become the first n_positions of `saved`
+        (save_positions's, of at least that many), as copy_positions does from a row."""
+        for to, held in zip(self._held(target, n_positions), saved, strict=True):
+            to.copy_(held[..., :n_positions, :])  # (..., positions, D)
+
     def _held(self, row: int, n_positions: int | None) -> list[Tensor]:
         """Row `row`'s first n_positions keys and values (None: all slots), as views: of the
         (L, B, Hkv, slots, D) blocks, every layer in one, or of each layer's (B, Hkv, slots, D)

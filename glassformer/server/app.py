@@ -90,6 +90,7 @@ class ServerOptions:
     api_key: str | None = None
     max_seq_len: int | None = None  # positions per row slot (default: min(context, 2048))
     prefix_cache_bytes: int = 256 * 2**20  # keys/values parked rows may hold
+    prompt_store_bytes: int = 1024 * 2**20  # keys/values of rows evicted from their slots
     min_shared_prefix: int = MIN_SHARED_PREFIX  # tokens copied from another request at least
     thinking_budget: int | None = None  # a thinking model's budget when a request gives none
     request_timeout_s: float | None = 600.0  # then a request gets a 504 (None: no limit)
@@ -129,6 +130,7 @@ def create_app(served: Served, options: ServerOptions | None = None) -> FastAPI:
         options.prefill_chunk,
         options.threads,
         options.min_shared_prefix,
+        options.prompt_store_bytes,
     )
     api = API(served, scheduler, metrics, slot_len, options.thinking_budget)
 

@@ -9,6 +9,9 @@ they share in its own slot (Engine.add's prefix_from), at least `min_shared` tok
 that shares `min_wait` tokens or more with one not yet prefilled that far waits for it, so
 prompts sent together prefill their common head once. Parked rows form an LRU bounded in slots
 and in bytes of keys/values; continuing or copying from a row makes it the most recently used.
+A parked row evicted from its slot leaves its keys/values in the prompt store, a second LRU in
+bytes outside the slots (llama-server's --cache-ram): a later prompt that begins like one of
+them copies what they share into its own slot, as from a row.
 
 Rows share only within one cache_salt (vLLM's): a prefix hit is faster, so without a salt a
 client could time whether another had sent a prompt.
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 
 from glassformer.infer.engine import Engine, Row
 from glassformer.infer.prefill import MIN_SHARED_PREFIX
+from glassformer.infer.reuse import SavedPrefix
 from glassformer.infer.rows import common_prefix_length
 
 # A prompt waits for a row being prefilled when it shares at least this much with it: enough
@@ -34,25 +38,31 @@ class PrefixCache:
 
     max_bytes: keys/values the parked rows may hold; max_parked: slots they may hold;
     min_shared: the fewest tokens copied from another row (0: only a conversation's next turn
-    reuses its own row); the wait threshold scales with it (MIN_WAIT_FOR_PREFIX at 16).
+    reuses its own row); the wait threshold scales with it (MIN_WAIT_FOR_PREFIX at 16);
+    store_bytes: keys/values the prompt store may hold (0: none).
     """
 
-    def __init__(self, engine: Engine, max_bytes: int, max_parked: int, min_shared: int) -> None:
+    def __init__(
+        self, engine: Engine, max_bytes: int, max_parked: int, min_shared: int, store_bytes: int = 0
+    ) -> None:
         self.engine, self.max_bytes, self.max_parked = engine, max_bytes, max_parked
-        self.min_shared = min_shared
+        self.min_shared, self.store_bytes = min_shared, store_bytes
         self.min_wait = MIN_WAIT_FOR_PREFIX * min_shared // MIN_SHARED_PREFIX
         self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, least recent first
         self.salts: dict[int, str | None] = {}  # id(row) -> its request's cache_salt
+        # id(saved) -> (saved, its row's cache_salt), least recent first
+        self.stored: OrderedDict[int, tuple[SavedPrefix, str | None]] = OrderedDict()
 
     @property
     def copies(self) -> bool:
         """Whether prompts copy keys/values from other rows here."""
         return bool(self.min_shared) and self.engine.shares_prefixes
 
-    def source(self, prompt: list[int], salt: str | None) -> tuple[Row | None, int]:
+    def source(self, prompt: list[int], salt: str | None) -> tuple[Row | SavedPrefix | None, int]:
         """The row whose keys/values share the longest prefix with `prompt`, and how long: a
         parked row the prompt extends (its next turn) whatever the length, else any row of
-        the same salt holding at least min_shared of the prompt's tokens."""
+        the same salt holding at least min_shared of the prompt's tokens, or the prompt
+        store's entry of that salt holding more of them than any row."""
         best, best_shared, best_turn = None, 0, False
         for row in self.engine.rows:
             if self.salts.get(id(row)) != salt:
@@ -61,17 +71,24 @@ class PrefixCache:
             turn = self.continues(prompt, row)
             if shared > best_shared or (shared == best_shared and turn and not best_turn):
                 best, best_shared, best_turn = row, shared, turn
-        if best is None or best_turn:
+        if best_turn:
             return best, best_shared
-        if not self.copies or min(best_shared, len(prompt) - 1) < self.min_shared:
+        if self.copies:
+            for saved, saved_salt in self.stored.values():
+                shared = common_prefix_length(saved.tokens, prompt)
+                if saved_salt == salt and shared > best_shared:
+                    best, best_shared = saved, shared
+        if best is None or not self.copies or min(best_shared, len(prompt) - 1) < self.min_shared:
             return None, 0
         return best, best_shared
 
     def continues(self, prompt: list[int], row: Row) -> bool:
         """`row` is parked and `prompt` begins with its whole prompt: that conversation's next
         turn (its reply may come back in other tokens than were sampled)."""
+        if id(row) not in self.parked:  # a stored prefix is copied, never continued
+            return False
         n = len(row.prompt)
-        return id(row) in self.parked and len(prompt) > n and prompt[:n] == row.prompt
+        return len(prompt) > n and prompt[:n] == row.prompt
 
     def should_wait(
         self,
@@ -95,10 +112,14 @@ class PrefixCache:
         would = min(would, len(prompt) - 1)
         return would >= self.min_wait and would - shared >= self.min_shared
 
-    def started(self, row: Row, salt: str | None, source: Row | None, continued: bool) -> None:
+    def started(
+        self, row: Row, salt: str | None, source: Row | SavedPrefix | None, continued: bool
+    ) -> None:
         """A row took a slot for a request of `salt`: continuing the parked `source`, which
         is gone, or copying from it, which is now the most recently used."""
         self.salts[id(row)] = salt
+        if id(source) in self.stored:
+            self.stored.move_to_end(id(source))
         if source is None or id(source) not in self.parked:
             return
         if continued:
@@ -117,23 +138,45 @@ class PrefixCache:
         while len(self.parked) > self.max_parked:
             self.evict_oldest()
 
-    def make_room(self, n_slots: int = 1, keep: Row | None = None) -> None:
-        """Release the least recently used parked rows (never `keep`, the row about to be
-        copied from) until n_slots slots are free."""
+    def make_room(self, n_slots: int = 1, keep: Row | SavedPrefix | None = None) -> None:
+        """Release the least recently used parked rows (never `keep`, the row or stored
+        prefix about to be copied from) until n_slots slots are free."""
         cache = self.engine.cache
         while cache is not None and len(self.engine.rows) + n_slots > cache.batch_size:
             if not self.evict_oldest(keep):
                 return
 
-    def evict_oldest(self, keep: Row | None = None) -> bool:
-        """Release the least recently used parked row but `keep`; False when there is none."""
+    def evict_oldest(self, keep: Row | SavedPrefix | None = None) -> bool:
+        """Release the least recently used parked row but `keep` into the prompt store; False
+        when there is none."""
         for key, row in self.parked.items():
             if row is not keep:
                 del self.parked[key]
-                self.salts.pop(key, None)
+                self.store(row, self.salts.pop(key, None), keep)
                 self.engine.release(row)
                 return True
         return False
+
+    def store(self, row: Row, salt: str | None, keep: Row | SavedPrefix | None = None) -> None:
+        """Keep a row's keys/values in the prompt store, the least recently used entries but
+        `keep` making room; not where store_bytes is 0, the engine cannot share them, or
+        they do not fit beside `keep`."""
+        if not self.store_bytes or not self.copies:
+            return
+        need = self.engine.cache.row_bytes(len(self.engine.held_tokens(row)))
+        kept = keep.nbytes if isinstance(keep, SavedPrefix) and id(keep) in self.stored else 0
+        if need + kept > self.store_bytes:
+            return
+        for key in [key for key, (saved, _) in self.stored.items() if saved is not keep]:
+            if self.stored_bytes() + need <= self.store_bytes:
+                break
+            del self.stored[key]
+        saved = self.engine.save_prefix(row)
+        if saved is not None:
+            self.stored[id(saved)] = (saved, salt)
+
+    def stored_bytes(self) -> int:
+        return sum(saved.nbytes for saved, _ in self.stored.values())
 
     def parked_bytes(self) -> int:
         return sum(self.engine.cache.row_bytes(row.length) for row in self.parked.values())
@@ -145,3 +188,4 @@ class PrefixCache:
     def clear(self) -> None:
         self.parked.clear()
         self.salts.clear()
+        self.stored.clear()

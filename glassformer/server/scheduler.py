@@ -44,6 +44,7 @@ import torch
 
 from glassformer.infer.engine import Engine, Row
 from glassformer.infer.prefill import MIN_SHARED_PREFIX, PREFILL_CHUNK
+from glassformer.infer.reuse import SavedPrefix
 from glassformer.infer.sampling import SamplingParams, TokenLogprob
 from glassformer.server.metrics import Metrics
 from glassformer.server.prefix_cache import PrefixCache
@@ -144,7 +145,8 @@ class Scheduler:
     prompt tokens a turn prefills (set on the engine; None: every admitted prompt whole);
     threads: the engine thread's torch threads (None: the process's default);
     min_shared_prefix: the fewest tokens a new row copies from another (0: only a chat's next
-    turn reuses its own parked row; PrefixCache).
+    turn reuses its own parked row; PrefixCache); prompt_store_bytes: keys/values of rows
+    evicted from their parked slots kept for later prompts (0: none; PrefixCache).
 
     The engine thread runs every forward of the server (call() hands it the others), so one
     OpenMP team runs the models: libgomp counts the threads of every team in the process, and
@@ -165,6 +167,7 @@ class Scheduler:
         prefill_chunk: int | None = PREFILL_CHUNK,
         threads: int | None = None,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
+        prompt_store_bytes: int = 0,
     ) -> None:
         if engine.max_rows is None or engine.max_rows < max_batch:
             raise ValueError("the Engine needs max_rows >= max_batch (the extra rows park)")
@@ -175,7 +178,9 @@ class Scheduler:
         self.threads = threads
         self.admit_window_s, self.admit_quiet_s = ADMIT_WINDOW_S, ADMIT_QUIET_S  # see _gather
         max_parked = engine.max_rows - max_batch  # the slots beyond the running rows
-        self.prefix = PrefixCache(engine, prefix_cache_bytes, max_parked, min_shared_prefix)
+        self.prefix = PrefixCache(
+            engine, prefix_cache_bytes, max_parked, min_shared_prefix, prompt_store_bytes
+        )
         self.waiting: deque[Job] = deque()
         self.starting: list[Job] = []  # taken off the queue, not yet running
         self.running: dict[int, Job] = {}  # id(row) -> job
@@ -378,26 +383,31 @@ class Scheduler:
         for job in new:
             self._start(job, None)
 
-    def _start(self, job: Job, source: Row | None) -> None:
+    def _start(self, job: Job, source: Row | SavedPrefix | None) -> None:
         """Put a job's prompt into a slot: continuing `source` if it is the parked row of the
-        job's conversation, else copying the keys/values the two begin with."""
+        job's conversation, else copying the keys/values the two begin with (from a row or
+        from the prompt store)."""
         continued = source is not None and self.prefix.continues(job.prompt, source)
         if not continued:
             self.prefix.make_room(keep=source)
+        saved = source if isinstance(source, SavedPrefix) else None
         try:
             row = self.engine.add(
                 job.prompt,
                 job.params,
                 keep_cache=True,
                 continues=source if continued else None,
-                prefix_from=None if continued else source,
+                prefix_from=None if continued or saved else source,
+                prefix_saved=saved,
             )
         except ValueError as err:  # checked at the edge already; a last line of defence
             self._fail(job.request, Failed(400, str(err)))
             return
         self._run(job, row, source, continued)
 
-    def _run(self, job: Job, row: Row, source: Row | None = None, continued: bool = False) -> None:
+    def _run(
+        self, job: Job, row: Row, source: Row | SavedPrefix | None = None, continued: bool = False
+    ) -> None:
         job.row = row
         self.prefix.started(row, job.request.cache_salt, source, continued)
         with self.wake:
