@@ -166,26 +166,28 @@ def test_a_later_prompt_copies_from_a_parked_row_of_another_conversation():
     assert len(scheduler.prefix.parked) == 2  # the source stays parked for the next one
 
 
+async def cached_tokens(scheduler: Scheduler, prompt: list[int], salt: str | None) -> int:
+    """One request of `salt`, to its end: how many of its prompt tokens were copied."""
+    request = Request([(prompt, greedy(3))], asyncio.get_running_loop(), cache_salt=salt)
+    scheduler.submit(request)
+    while True:
+        event = await asyncio.wait_for(request.events.get(), 30)
+        if isinstance(event, Finished):
+            return event.row.stats.cached_prompt_tokens
+        assert isinstance(event, Tokens), event
+
+
 def test_rows_share_keys_only_with_rows_of_the_same_cache_salt():
     model = tiny_model()
     scheduler = make_scheduler(model)
 
-    async def one(prompt, salt):
-        request = Request([(prompt, greedy(3))], asyncio.get_running_loop(), cache_salt=salt)
-        scheduler.submit(request)
-        while True:
-            event = await asyncio.wait_for(request.events.get(), 30)
-            if isinstance(event, Finished):
-                return event.row.stats.cached_prompt_tokens
-            assert isinstance(event, Tokens), event
-
     async def requests():
         return [
-            await one([*SHARED, 1], None),
-            await one([*SHARED, 2], "alice"),  # the unsalted row is not hers
-            await one([*SHARED, 3], "alice"),
-            await one([*SHARED, 4], "bob"),
-            await one([*SHARED, 5], None),
+            await cached_tokens(scheduler, [*SHARED, 1], None),
+            await cached_tokens(scheduler, [*SHARED, 2], "alice"),  # the unsalted row: not hers
+            await cached_tokens(scheduler, [*SHARED, 3], "alice"),
+            await cached_tokens(scheduler, [*SHARED, 4], "bob"),
+            await cached_tokens(scheduler, [*SHARED, 5], None),
         ]
 
     scheduler.start()
@@ -207,15 +209,6 @@ def test_a_row_evicted_from_its_parked_slot_leaves_its_prefix_in_the_prompt_stor
     first, later = [*SHARED, 1, 2], [*SHARED, 30, 31]
     others = [[20 + i, 21 + i, 22 + i, 23 + i, 24 + i] for i in range(4)]
 
-    async def salted(prompt, salt):
-        request = Request([(prompt, greedy(3))], asyncio.get_running_loop(), cache_salt=salt)
-        scheduler.submit(request)
-        while True:
-            event = await asyncio.wait_for(request.events.get(), 30)
-            if isinstance(event, Finished):
-                return event.row.stats.cached_prompt_tokens
-            assert isinstance(event, Tokens), event
-
     scheduler.start()
     try:
         asyncio.run(serve(scheduler, [(first, greedy(4))]))
@@ -227,7 +220,7 @@ def test_a_row_evicted_from_its_parked_slot_leaves_its_prefix_in_the_prompt_stor
                      len(scheduler.prefix.stored))
         ).result(timeout=30)  # fmt: skip
         assert first not in parked and stored == (1 if store else 0)
-        cached_elsewhere = asyncio.run(salted([*SHARED, 36], "alice"))
+        cached_elsewhere = asyncio.run(cached_tokens(scheduler, [*SHARED, 36], "alice"))
         [(tokens, row)] = asyncio.run(serve(scheduler, [(later, greedy(4))]))
     finally:
         scheduler.stop()
