@@ -23,6 +23,7 @@ from processes import DEADLINE_S
 from serving import start_server, stop_server
 
 import glassformer as gf
+from glassformer.calc import kv_cache_bytes
 from glassformer.infer.rows import common_prefix_length
 from glassformer.infer.sampling import NO_EOS
 from glassformer.interop.gguf import read_gguf, tokenizer_from_gguf
@@ -414,6 +415,16 @@ def test_chats_sharing_a_system_prompt_reuse_its_keys_within_one_cache_salt(serv
     assert again.usage.prompt_tokens_details.cached_tokens == common_prefix_length(salted_ids, ids)
 
 
+def store_gauges(url: str) -> tuple[float, float]:
+    """/metrics' prompt store gauges: (entries, bytes)."""
+    found = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        name, _, number = line.partition(" ")
+        if name in ("glassformer_prompt_store_entries", "glassformer_prompt_store_bytes"):
+            found[name] = float(number)
+    return found["glassformer_prompt_store_entries"], found["glassformer_prompt_store_bytes"]
+
+
 def test_a_prompt_copies_from_the_store_what_an_evicted_conversation_held(model_dir, reference):
     """One running row and one parked slot (--max-batch 1): a second conversation parks and
     evicts the first, whose keys/values go to the prompt store (--prompt-store-mb); a third
@@ -436,11 +447,19 @@ def test_a_prompt_copies_from_the_store_what_an_evicted_conversation_held(model_
             return chat_ids(reference, messages), reply
 
         rules = "You answer in one short sentence, politely, and never in verse or in riddles."
-        first_ids, _ = ask(rules, "Where is the sea?")
-        ask("You are a terse assistant who lists facts.", "Name a river.")
+        first_ids, first = ask(rules, "Where is the sea?")
+        _, second = ask("You are a terse assistant who lists facts.", "Name a river.")
         ids, reply = ask(rules, "Who are you?")
+        # the third parks and evicts the second: both earlier ones are stored, each holding
+        # its prompt and reply but the last token; fp32 keys and values of the tiny model
+        held = sum(u.prompt_tokens + u.completion_tokens - 1 for u in (first.usage, second.usage))
+        want = (2.0, float(kv_cache_bytes(reference[0].cfg, held, "fp32")))
+        deadline = time.monotonic() + DEADLINE_S  # the gauges follow the last park
+        while (got := store_gauges(url)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         stop_server(process)
+    assert got == want
     assert reply.usage.prompt_tokens_details.cached_tokens == common_prefix_length(first_ids, ids)
     assert common_prefix_length(first_ids, ids) > len(reference[1].encode(rules))
     assert reply.choices[0].message.content == library_reply(reference, ids, 4, temperature=0.0)

@@ -5,9 +5,9 @@ text format 0.0.4), with the `_created` samples and histogram buckets a Promethe
 Requests by endpoint and status; time to first token, time per output token, each request's
 latency and its prompt and generated tokens as histograms (seed 002 exercise 2: TTFT vs
 tokens/s); token counters; and gauges for running and queued rows, parked conversations, the
-KV-cache bytes in use and the prefix cache's hit rate. Each app has its own registry, so two
-servers in one process (the tests) never share or clash over a series. Every method is safe to
-call from any thread.
+KV-cache bytes in use, the prompt store's entries and bytes and the prefix cache's hit rate.
+Each app has its own registry, so two servers in one process (the tests) never share or clash
+over a series. Every method is safe to call from any thread.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ GAUGES = {
     "queued_rows": "Rows waiting for a slot.",
     "parked_rows": "Finished conversations whose KV cache is kept for a next turn.",
     "kv_cache_bytes": "Bytes of keys/values held by running and parked rows.",
+    "prompt_store_bytes": "Bytes of keys/values evicted rows left in the prompt store.",
+    "prompt_store_entries": "Evicted rows whose keys/values the prompt store keeps.",
     "prefix_cache_hit_rate": (
         "Share of all prompt tokens so far taken from the prefix cache: cached_prompt_tokens "
         "over prompt_tokens (vLLM's prefix cache hit rate)."
