@@ -245,7 +245,7 @@ def test_the_prompt_store_keeps_within_its_bytes_the_most_recently_used():
             scheduler.prefix.store_bytes = 2 * per_row
             while scheduler.prefix.evict_oldest():
                 pass
-            return len(scheduler.prefix.stored), scheduler.prefix.stored_bytes()
+            return len(scheduler.prefix.stored), scheduler.prefix.stored_bytes
 
         assert scheduler.call(evict_all).result(timeout=30) == (2, 2 * per_row)
         [(_, oldest)] = asyncio.run(serve(scheduler, [([*heads[0], 7], greedy(2))]))

@@ -231,10 +231,8 @@ class Engine(Loops, Prefills, Reuse):
             raise ValueError("give one of continues=, prefix_from= and prefix_saved=")
         if continues is not None:
             cached = self._resume(row, continues)
-        elif prefix_from is not None:
-            cached = self._copy_prefix(row, prefix_from)
-        elif prefix_saved is not None:
-            cached = self._load_prefix(row, prefix_saved)
+        elif prefix_from is not None or prefix_saved is not None:
+            cached = self._copy_prefix(row, prefix_from if prefix_saved is None else prefix_saved)
         else:
             self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
             cached = 0

@@ -30,8 +30,8 @@ class SavedPrefix:
 
 
 class Reuse:
-    """The Engine's prefix reuse: continues= and prefix_from= of add, over its rows and slots
-    (rows, pending, n_held, cache; _swap, _place, _take_slot)."""
+    """The Engine's prefix reuse: continues=, prefix_from= and prefix_saved= of add, over its
+    rows and slots (rows, pending, n_held, cache; _swap, _place, _take_slot)."""
 
     rows: list[Row]
     pending: list[Pending]
@@ -69,20 +69,6 @@ class Reuse:
             return None
         return SavedPrefix(tokens, self.cache.save_positions(row.slot, len(tokens)))
 
-    def _load_prefix(self, row: Row, saved: SavedPrefix) -> int:
-        """Give a new row a slot holding the keys/values it shares with `saved`; returns how
-        many positions, always leaving one token to prefill (as _copy_prefix)."""
-        if not self.shares_prefixes:
-            raise ValueError(
-                f"prefix_saved= needs a cache that holds position p in slot p; "
-                f"{type(self.cache).__name__} does not: add the prompt without it"
-            )
-        self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
-        shared = min(common_prefix_length(saved.tokens, row.prompt), len(row.prompt) - 1)
-        if shared > 0:
-            self.cache.load_positions(saved.tensors, row.slot, shared)
-        return shared
-
     @property
     def shares_prefixes(self) -> bool:
         """Whether a row's keys/values can be copied into another's slot (add's prefix_from):
@@ -102,20 +88,25 @@ class Reuse:
                 return row.prompt[: waiting.done]
         return row.context[: row.length]
 
-    def _copy_prefix(self, row: Row, source: Row) -> int:
-        """Give a new row a slot holding the keys/values it shares with `source` (copied from
-        the source's slot); returns how many positions: the longest common prefix of the
-        prompt and what the source holds, always leaving one token to prefill."""
+    def _copy_prefix(self, row: Row, source: Row | SavedPrefix) -> int:
+        """Give a new row a slot holding the keys/values it shares with `source`: a row
+        (copied from its slot) or a SavedPrefix (add's prefix_saved=); returns how many
+        positions: the longest common prefix of the prompt and what the source holds, always
+        leaving one token to prefill."""
+        saved = isinstance(source, SavedPrefix)
+        name = "prefix_saved=" if saved else "prefix_from="
         if not self.shares_prefixes:
             raise ValueError(
-                f"prefix_from= needs a cache that holds position p in slot p; "
+                f"{name} needs a cache that holds position p in slot p; "
                 f"{type(self.cache).__name__} does not: add the prompt without it"
             )
-        if source.slot < 0:
+        if not saved and source.slot < 0:
             raise ValueError("prefix_from= must be a row that holds a slot (running or parked)")
-        held = self.held_tokens(source)
+        held = source.tokens if saved else self.held_tokens(source)
         self._take_slot(row, len(row.prompt) + row.params.max_new_tokens)
         shared = min(common_prefix_length(held, row.prompt), len(row.prompt) - 1)
-        if shared > 0:  # _take_slot may have moved the source: read its slot now
+        if shared > 0 and saved:
+            self.cache.load_positions(source.tensors, row.slot, shared)
+        elif shared > 0:  # _take_slot may have moved the source: read its slot now
             self.cache.copy_positions(source.slot, row.slot, shared)
         return shared

@@ -50,8 +50,10 @@ class PrefixCache:
         self.min_wait = MIN_WAIT_FOR_PREFIX * min_shared // MIN_SHARED_PREFIX
         self.parked: OrderedDict[int, Row] = OrderedDict()  # id(row) -> row, least recent first
         self.salts: dict[int, str | None] = {}  # id(row) -> its request's cache_salt
-        # id(saved) -> (saved, its row's cache_salt), least recent first
+        # id(saved) -> (saved, its row's cache_salt), least recent first; and their bytes,
+        # kept as they change (the gauges ask after every engine step)
         self.stored: OrderedDict[int, tuple[SavedPrefix, str | None]] = OrderedDict()
+        self.stored_bytes = 0
 
     @property
     def copies(self) -> bool:
@@ -168,15 +170,13 @@ class PrefixCache:
         if need + kept > self.store_bytes:
             return
         for key in [key for key, (saved, _) in self.stored.items() if saved is not keep]:
-            if self.stored_bytes() + need <= self.store_bytes:
+            if self.stored_bytes + need <= self.store_bytes:
                 break
-            del self.stored[key]
+            self.stored_bytes -= self.stored.pop(key)[0].nbytes
         saved = self.engine.save_prefix(row)
         if saved is not None:
             self.stored[id(saved)] = (saved, salt)
-
-    def stored_bytes(self) -> int:
-        return sum(saved.nbytes for saved, _ in self.stored.values())
+            self.stored_bytes += saved.nbytes
 
     def parked_bytes(self) -> int:
         return sum(self.engine.cache.row_bytes(row.length) for row in self.parked.values())
@@ -189,3 +189,4 @@ class PrefixCache:
         self.parked.clear()
         self.salts.clear()
         self.stored.clear()
+        self.stored_bytes = 0

@@ -470,6 +470,6 @@ class Scheduler:
             queued_rows=queued,
             parked_rows=len(self.prefix.parked),
             kv_cache_bytes=held,
-            prompt_store_bytes=self.prefix.stored_bytes(),
+            prompt_store_bytes=self.prefix.stored_bytes,
             prompt_store_entries=len(self.prefix.stored),
         )
