@@ -83,6 +83,30 @@ def test_matvec_equals_linear(storage, rows, out_features, in_features, simd):
     torch.testing.assert_close(y.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("vendor", "prefetch"), [("AuthenticAMD", False), ("GenuineIntel", True)])
+def test_each_vendors_build_gives_the_same_products(vendor, prefetch, monkeypatch):
+    # On AMD's CPUs the one-row fp32 and bf16 dots leave their weights to the hardware
+    # prefetcher (simd.h's FLOAT_PREFETCH): each vendor's library, built here whatever this
+    # CPU is, multiplies as F.linear in float64 does.
+    cpu_info = kernels.build.cpu_info
+    monkeypatch.setattr(
+        kernels.build, "cpu_info", lambda field: vendor if field == "vendor_id" else cpu_info(field)
+    )
+    assert ("-DFLOAT_PREFETCH=0" not in kernels.build.build_flags(avx512=False)) == prefetch
+    monkeypatch.setattr(kernels, "SWITCH", "avx2")
+    kernels._load.cache_clear()
+    try:
+        assert kernels.simd() == "avx2", "the kernels failed to build: see the warning"
+        for storage in (torch.float32, torch.bfloat16):
+            x, weight = torch.randn(1, 576), torch.randn(33, 576).to(storage)
+            with torch.no_grad():
+                y = kernels.matvec(x, weight)
+            torch.testing.assert_close(y.double(), reference(x, weight), rtol=1e-5, atol=1e-4)
+    finally:
+        kernels._load.cache_clear()
+
+
 def int8_groups(group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (rows, 576) and an int8 weight (40, 576) with one scale per row and group of columns."""
     weight = torch.randint(-127, 128, (40, 576), dtype=torch.int8)
@@ -106,6 +130,23 @@ def test_int8_group_scales_dequantized_equal_linear(group, rows):
     x, weight, scale = int8_groups(group, rows)  # what a machine without the kernels computes
     fallback = F.linear(x, kernels.dequantize(weight, scale, torch.float32))
     torch.testing.assert_close(fallback.double(), reference(x, weight, scale), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("bf16_products", [True, False])
+def test_many_bf16_rows_are_torchs_bf16_matmul(bf16_products, monkeypatch):
+    # Prefill of a bf16 model: torch's bf16 matmul where the CPU multiplies bf16 itself, else
+    # fp32 matmuls on slices of the weight (here 7 rows a slice: 5 slices) widened exactly;
+    # either way the float64 products' sums rounded to bf16, as torch's bf16 F.linear gives.
+    monkeypatch.setattr(kernels, "bf16_products", lambda: bf16_products)
+    monkeypatch.setattr(kernels, "SLICE_WEIGHTS", 7 * 576)
+    x = torch.randn(3, 40, 576).to(torch.bfloat16)
+    weight = torch.randn(33, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        y = kernels.matvec(x, weight)
+    assert y.shape == (3, 40, 33) and y.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double())
+    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-3)  # bf16's rounding
+    torch.testing.assert_close(y, F.linear(x, weight), rtol=2**-7, atol=1e-2)
 
 
 def test_matvec_keeps_leading_dims_and_input_dtype():

@@ -65,8 +65,9 @@ def optimize_for_decode(model: nn.Module, dtype: str = "fp32") -> nn.Module:
     blocks and its lm_head by DecodeLinear, in place; returns the model, in eval mode.
 
     bf16 runs the whole model in bf16 (as transformers' torch_dtype=bfloat16 does): prefill's
-    matmuls use torch's bf16 kernels, decode's matrix-vector products read 2-byte weights and
-    accumulate in fp32. MoE routers stay nn.Linear (tiny, and routing is sensitive)."""
+    matmuls use torch's bf16 kernels (on a CPU without bf16 instructions, fp32 matmuls on the
+    weights widened exactly: kernels.matvec), decode's matrix-vector products read 2-byte
+    weights and accumulate in fp32. MoE routers stay nn.Linear (tiny, and routing is sensitive)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported: pick one of {', '.join(DTYPES)}")
     if not hasattr(model, "blocks") or not hasattr(model, "lm_head"):

@@ -214,6 +214,8 @@ def matvec(
         if _can_slice(x, weight, scale):  # many rows of an int8 or int4 weight (prefill)
             y = _on_tiles(False, x, weight, scale, mins)  # the tile unit, else slices
             return y if y is not None else _matmul_by_slices(x, weight, scale, mins)
+        if _bf16_in_fp32(x, weight):  # many rows of a bf16 model, no bf16 products (prefill)
+            return _bf16_by_slices(x, weight)
         return linear(x, dequantize(weight, scale, x.dtype, mins))
     x2d = x.reshape(-1, x.shape[-1])  # (rows, in)
     if x2d.dtype != torch.float32 or not x2d.is_contiguous():
@@ -346,6 +348,37 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     ):
         return _onednn_linear()(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+@functools.cache
+def bf16_products() -> bool:
+    """Whether the CPU multiplies bf16 numbers itself (AVX-512 BF16, or AMX's bf16 tiles), so
+    that torch's bf16 matmuls run on them."""
+    return bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
+
+
+def _bf16_in_fp32(x: Tensor, weight: Tensor) -> bool:
+    return (
+        x.dtype == weight.dtype == torch.bfloat16
+        and x.device.type == weight.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and not bf16_products()
+    )
+
+
+def _bf16_by_slices(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., in) @ W.T for bf16 x and W on a CPU without bf16 products, as torch's bf16
+    matmul defines it (fp32 sums of the exact products, rounded to bf16 at the end) but on
+    fp32 matmuls: x and SLICE_WEIGHTS of W's values at a time widened to fp32 (exactly: a bf16
+    is an fp32's top half). There torch's bf16 matmul has no instructions of its own to run on:
+    a bf16 SmolLM2's 128-token prefill took 1.8 s on a Zen 3 EPYC, its fp32 one 0.4 s
+    (docs/performance.md)."""
+    x2d = x.reshape(-1, x.shape[-1]).float()
+    y = torch.empty(x2d.shape[0], weight.shape[0], dtype=torch.float32)
+    step = max(1, SLICE_WEIGHTS // weight.shape[1])
+    for start in range(0, weight.shape[0], step):
+        y[:, start : start + step] = linear(x2d, weight[start : start + step].float())
+    return y.to(torch.bfloat16).view(*x.shape[:-1], weight.shape[0])
 
 
 class FastLinears(TorchFunctionMode):

@@ -30,6 +30,9 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw")  # 16-lane loops, where the CPU has t
 VNNI_FLAGS = ("-mavx512vnni",)  # a8.h's byte dot products in one instruction, where it has those
 # the tile unit: amx.h's int4 products, tiles_a8.h's byte ones, tiles_split.h's bf16 ones
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16", "-DGLASSFORMER_AMX")
+# AMD's CPUs: the one-row fp32 and bf16 dots leave their weights to the hardware prefetcher
+# (simd.h's FLOAT_PREFETCH, where the figures are)
+AMD_FLAGS = ("-DFLOAT_PREFETCH=0",)
 
 
 def has_amx() -> bool:
@@ -38,17 +41,25 @@ def has_amx() -> bool:
     return {"amx_tile", "amx_int8", "amx_bf16", "avx512f", "avx512bw"} <= cpu_flags()
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty off Linux or off x86)."""
+def cpu_info(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("flags", "vendor_id", "model name"); empty off
+    Linux or off x86."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return set()
+        return ""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    return set(
-        next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    )
+        return ""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == field:
+            return value.strip()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty off Linux or off x86)."""
+    return set(cpu_info("flags").split())
 
 
 def build_flags(avx512: bool | None = None, amx: bool = False) -> tuple[str, ...]:
@@ -56,10 +67,11 @@ def build_flags(avx512: bool | None = None, amx: bool = False) -> tuple[str, ...
     it), plus the tile unit's where `amx` too."""
     if avx512 is None:
         avx512 = "avx512" in simd_widths()
+    flags = FLAGS + (AMD_FLAGS if cpu_info("vendor_id") == "AuthenticAMD" else ())
     if not avx512:
-        return FLAGS
+        return flags
     vnni = VNNI_FLAGS if "avx512_vnni" in cpu_flags() else ()
-    return FLAGS + AVX512_FLAGS + vnni + (AMX_FLAGS if amx else ())
+    return flags + AVX512_FLAGS + vnni + (AMX_FLAGS if amx else ())
 
 
 def compiler() -> str | None:
@@ -103,14 +115,7 @@ def compile_library(flags: tuple[str, ...]) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    cpu = next(
-        (
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "",
-    )
+    cpu = cpu_info("model name")
     key = hashlib.sha256(
         "\n".join(
             [*(f.read_text() for f in SOURCES + HEADERS), " ".join(flags), version, cpu]

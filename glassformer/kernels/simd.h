@@ -306,6 +306,15 @@ static inline void prefetch_floats(const float *p, int64_t n) {
         _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
+/* Whether the one-row fp32 and bf16 dots (DEFINE_DOT) prefetch their weights as above. On AMD's
+ * Zen 3 (a 2-core EPYC, AVX2) an fp32 dot's two prefetches a line took load slots its four FMAs'
+ * loads wanted, and the hardware prefetcher kept up alone: step / read (step_bandwidth.py, 4
+ * rounds in turn, 2026-12-07) SmolLM2 fp32 0.84-0.89x without them against 0.70-0.79x with,
+ * bf16 0.76-0.83x against 0.61-0.74x, GPT-2 likewise; int8's and int4's dots, which do more
+ * per byte, were not faster without. build.py passes FLOAT_PREFETCH=0 on AMD's CPUs. */
+#ifndef FLOAT_PREFETCH
+#define FLOAT_PREFETCH 1
+#endif
 #define STEP 32                  /* columns per inner iteration */
 #define N_ACC (STEP / LANES)     /* independent accumulators: 2 (AVX-512) or 4 (AVX2) */
 
@@ -335,7 +344,7 @@ static inline vec load_bf16_step(const uint16_t *p, int k) {
             for (int k = 0; k < N_ACC; ++k) acc[k] = vec_zero();                              \
             for (int64_t i = g * group; i < (g + 1) * group; i += STEP) {                     \
                 for (int64_t b = 0; b < STEP * (int64_t)sizeof(WTYPE); b += 64)               \
-                    prefetch_ahead((const char *)(w_row + i) + b);                            \
+                    if (FLOAT_PREFETCH) prefetch_ahead((const char *)(w_row + i) + b);        \
                 for (int k = 0; k < N_ACC; ++k)                                               \
                     acc[k] = vec_fma(LOAD(w_row + i, k), vec_load(x_row + i + LANES * k),     \
                                      acc[k]);                                                 \
